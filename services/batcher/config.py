@@ -1,0 +1,33 @@
+"""The batcher's configuration."""
+
+import dataclasses
+
+from services.common.config import require
+
+
+@dataclasses.dataclass(frozen=True)
+class BatcherConfig:
+    model_servers: tuple[str, ...] = dataclasses.field(
+        default=("127.0.0.1:8011",), metadata={"help": "model_server replicas, comma-separated host:port"}
+    )
+    host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = dataclasses.field(default=0, metadata={"help": "gRPC port, 0 picks a free one"})
+    metrics_port: int = dataclasses.field(default=0, metadata={"help": "Prometheus port, 0 picks a free one"})
+    max_batch_size: int = dataclasses.field(default=32, metadata={"help": "rows per batch, capped by each model's own max"})
+    max_queue_delay_ms: float = dataclasses.field(default=5.0, metadata={"help": "longest wait of the oldest request for a fuller batch"})
+    max_queue_size: int = dataclasses.field(default=2048, metadata={"help": "requests waiting per model before RESOURCE_EXHAUSTED"})
+    max_inflight_batches_per_replica: int = dataclasses.field(default=2)
+    replica_poll_s: float = dataclasses.field(default=1.0, metadata={"help": "how often replicas are asked for their models"})
+    execute_timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "longest a batch RPC may take without a tighter deadline"})
+    max_message_bytes: int = dataclasses.field(default=64 * 1024 * 1024)
+    drain_grace_s: float = dataclasses.field(default=10.0)
+    log_level: str = dataclasses.field(default="info")
+
+    def __post_init__(self):
+        require(len(self.model_servers) > 0, "model_servers must name at least one host:port")
+        require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        require(self.max_queue_delay_ms >= 0, f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms}")
+        require(self.max_queue_size >= 1, f"max_queue_size must be >= 1, got {self.max_queue_size}")
+        require(self.max_inflight_batches_per_replica >= 1,
+                f"max_inflight_batches_per_replica must be >= 1, got {self.max_inflight_batches_per_replica}")
+        require(self.replica_poll_s > 0, f"replica_poll_s must be > 0, got {self.replica_poll_s}")

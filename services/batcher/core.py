@@ -1,0 +1,269 @@
+"""Dynamic batching: per-model priority queues drained into batches.
+
+Each (model, version) has one queue and one lazily started task. The task
+waits for a free execution slot, blocks for the first request, then waits
+until the batch is full or the oldest request has waited max_queue_delay_ms,
+takes what fits and sends it to the backend as one batch. Every request's
+future is always resolved: with its outputs or with a domain error.
+"""
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from typing import Protocol
+
+from services.batcher import metrics
+from services.common import errors
+from services.common.tensors import TensorData, concat_rows, split_rows
+
+log = logging.getLogger(__name__)
+
+VIP = 1
+STANDARD = 0
+
+
+class Backend(Protocol):
+    """Where batches run: the model_server replicas."""
+
+    def max_batch_size(self, model: str) -> int: ...
+
+    def capacity(self) -> int:
+        """How many batches may be in flight at once across replicas."""
+
+    async def execute(
+        self, model: str, version: str, inputs: list[TensorData], outputs: list[str], timeout_s: float
+    ) -> tuple[str, list[TensorData]]: ...
+
+
+@dataclasses.dataclass(eq=False)
+class Pending:
+    """One request waiting in a queue."""
+
+    inputs: list[TensorData]
+    outputs: list[str]
+    priority: int
+    deadline: float | None  # loop time
+    future: asyncio.Future
+    enqueued: float
+
+    @property
+    def rows(self) -> int:
+        return self.inputs[0].rows
+
+
+class ModelQueue:
+    """The queue and batching task of one model version."""
+
+    def __init__(self, model: str, version: str, backend: Backend, max_batch_size: int,
+                 max_delay_s: float, max_queue_size: int, slots: asyncio.Semaphore, default_timeout_s: float):
+        self.model = model
+        self.version = version
+        self._backend = backend
+        self._max_batch_size = max_batch_size
+        self._max_delay_s = max_delay_s
+        self._max_queue_size = max_queue_size
+        self._slots = slots
+        self._default_timeout_s = default_timeout_s
+        self._levels = {VIP: collections.deque(), STANDARD: collections.deque()}
+        self._arrived = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._batches: set[asyncio.Task] = set()
+
+    @property
+    def batch_size(self) -> int:
+        return self._max_batch_size
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._levels.values())
+
+    def put(self, item: Pending) -> None:
+        if len(self) >= self._max_queue_size:
+            metrics.REJECTIONS.labels(self.model, "queue_full").inc()
+            raise errors.ResourceExhausted(
+                f"queue of model '{self.model}' is full ({self._max_queue_size} requests waiting); retry with backoff"
+            )
+        self._levels[item.priority].append(item)
+        metrics.QUEUE_LENGTH.labels(self.model).set(len(self))
+        self._arrived.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name=f"batcher-{self.model}-{self.version}")
+
+    async def _run(self) -> None:
+        while True:
+            await self._slots.acquire()
+            try:
+                batch = await self._collect()
+            except BaseException:
+                self._slots.release()
+                raise
+            task = asyncio.create_task(self._execute(batch))
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
+
+    def _take(self, room: int) -> Pending | None:
+        """The next live request that fits in `room` rows, strict priority, FIFO
+        within a level; expired and cancelled requests are answered and dropped."""
+        now = asyncio.get_running_loop().time()
+        for level in (VIP, STANDARD):
+            queue = self._levels[level]
+            while queue:
+                item = queue[0]
+                if item.deadline is not None and now >= item.deadline:
+                    self.expire(item)
+                if item.future.done():  # expired, or its caller went away
+                    queue.popleft()
+                    if item.future.cancelled():
+                        metrics.REJECTIONS.labels(self.model, "cancelled").inc()
+                    continue
+                if item.rows > room:
+                    break
+                return queue.popleft()
+        return None
+
+    def expire(self, item: Pending) -> None:
+        """Answers a request whose deadline passed while it waited; it stays in
+        the queue until the batching task skips it, but never runs."""
+        if item.future.done():
+            return
+        metrics.REJECTIONS.labels(self.model, "deadline").inc()
+        waited_ms = 1000 * (asyncio.get_running_loop().time() - item.enqueued)
+        item.future.set_exception(errors.DeadlineExceeded(
+            f"request for model '{self.model}' waited {waited_ms:.1f} ms in the queue, past its deadline; it was not run"))
+
+    async def _collect(self) -> list[Pending]:
+        loop = asyncio.get_running_loop()
+        batch: list[Pending] = []
+        rows = 0
+        while True:
+            item = self._take(self._max_batch_size - rows)
+            if item is not None:
+                batch.append(item)
+                rows += item.rows
+                if rows >= self._max_batch_size:
+                    break
+                continue
+            if batch and (len(self) > 0 or self._max_delay_s == 0):
+                break  # the next request does not fit, or we may not wait
+            self._arrived.clear()
+            if not batch:
+                await self._arrived.wait()
+                continue
+            remaining = batch[0].enqueued + self._max_delay_s - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                break
+        metrics.QUEUE_LENGTH.labels(self.model).set(len(self))
+        return batch
+
+    async def _execute(self, batch: list[Pending]) -> None:
+        try:
+            live = [item for item in batch if not item.future.done()]
+            if live:
+                await self._run_batch(live, split_on_error=True)
+        except Exception as exc:  # noqa: BLE001 - resolved below, never lost
+            log.exception("batch of model %s failed unexpectedly", self.model)
+            _fail_all(batch, errors.Internal(f"batch of model '{self.model}' failed: {type(exc).__name__}"))
+        finally:
+            self._slots.release()
+            _fail_all(batch, errors.Internal("request was not answered"))
+
+    async def _run_batch(self, batch: list[Pending], split_on_error: bool) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        deadlines = [item.deadline for item in batch if item.deadline is not None]
+        timeout = max(deadlines) - now if len(deadlines) == len(batch) else self._default_timeout_s
+        names = [t.name for t in batch[0].inputs]
+        inputs = [concat_rows([next(t for t in item.inputs if t.name == name) for item in batch]) for name in names]
+        counts = [item.rows for item in batch]
+        metrics.BATCH_ROWS.labels(self.model).observe(sum(counts))
+        for item in batch:
+            metrics.QUEUE_WAIT.labels(self.model).observe(now - item.enqueued)
+        try:
+            version, outputs = await self._backend.execute(
+                self.model, self.version, inputs, batch[0].outputs, max(timeout, 0.001))
+        except errors.InfermeshError as exc:
+            if split_on_error and len(batch) > 1 and not exc.retryable and not isinstance(exc, errors.DeadlineExceeded):
+                # One bad request must not fail its neighbours: run each alone.
+                log.warning("batch of %d for model %s failed (%s); retrying one by one", len(batch), self.model, exc.message)
+                await asyncio.gather(*(self._run_batch([item], split_on_error=False) for item in batch))
+                return
+            _fail_all(batch, exc)
+            return
+        parts = {out.name: split_rows(out, counts) for out in outputs}
+        for i, item in enumerate(batch):
+            if not item.future.done():
+                item.future.set_result((version, [parts[name][i] for name in parts]))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for queue in self._levels.values():
+            _fail_all(list(queue), errors.Unavailable(f"batcher is shutting down; model '{self.model}' request not run"))
+            queue.clear()
+        if self._batches:
+            await asyncio.gather(*self._batches, return_exceptions=True)
+
+
+def _fail_all(items: list[Pending], error: errors.InfermeshError) -> None:
+    for item in items:
+        if not item.future.done():
+            item.future.set_exception(error)
+
+
+class Batcher:
+    """Routes requests to per-model queues and answers each exactly once."""
+
+    def __init__(self, backend: Backend, max_batch_size: int, max_queue_delay_ms: float, max_queue_size: int,
+                 default_timeout_s: float = 30.0):
+        self._backend = backend
+        self._max_batch_size = max_batch_size
+        self._max_delay_s = max_queue_delay_ms / 1000
+        self._max_queue_size = max_queue_size
+        self._default_timeout_s = default_timeout_s
+        self._queues: dict[tuple[str, str], ModelQueue] = {}
+        self._slots: asyncio.Semaphore | None = None
+
+    def _queue(self, model: str, version: str) -> ModelQueue:
+        key = (model, version)
+        queue = self._queues.get(key)
+        if queue is None:
+            if self._slots is None:
+                self._slots = asyncio.Semaphore(self._backend.capacity())
+            size = min(self._max_batch_size, self._backend.max_batch_size(model))
+            queue = ModelQueue(model, version, self._backend, size, self._max_delay_s, self._max_queue_size,
+                               self._slots, self._default_timeout_s)
+            self._queues[key] = queue
+        return queue
+
+    async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
+                     priority: int = STANDARD, timeout_s: float | None = None) -> tuple[str, list[TensorData]]:
+        """Queues one request and waits for its answer; cancelling the caller
+        drops the request before it runs."""
+        loop = asyncio.get_running_loop()
+        if not inputs:
+            raise errors.InvalidArgument(f"request for model '{model}' has no inputs")
+        rows = inputs[0].rows
+        queue = self._queue(model, version)
+        if rows > queue.batch_size:
+            raise errors.InvalidArgument(
+                f"request of {rows} rows exceeds the batch size {queue.batch_size} for model '{model}'")
+        now = loop.time()
+        item = Pending(inputs, outputs, priority, now + timeout_s if timeout_s else None, loop.create_future(), now)
+        queue.put(item)
+        timer = loop.call_at(item.deadline, queue.expire, item) if item.deadline is not None else None
+        try:
+            return await item.future
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def queue_length(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    async def close(self) -> None:
+        await asyncio.gather(*(q.close() for q in self._queues.values()))

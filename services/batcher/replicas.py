@@ -1,0 +1,130 @@
+"""The model_server replicas as the batcher's backend: discovery by polling
+ListModels, least-loaded choice, one RPC per batch, one retry elsewhere."""
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
+
+from services.batcher import metrics
+from services.common import errors
+from services.common.protoconv import tensors_from_proto, tensors_to_proto
+from services.common.tensors import TensorData
+
+log = logging.getLogger(__name__)
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
+
+
+class Replica:
+    def __init__(self, address: str, max_message_bytes: int):
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ])
+        self.stub = model_server_pb2_grpc.ModelServerStub(self.channel)
+        self.models: dict[str, object] = {}  # name -> common.v1.ModelInfo
+        self.inflight = 0
+        self.ready = False
+
+
+class ReplicaSet:
+    """Implements batcher.core.Backend over gRPC."""
+
+    def __init__(self, addresses: tuple[str, ...], max_inflight_per_replica: int, poll_s: float, max_message_bytes: int):
+        self._replicas = [Replica(a, max_message_bytes) for a in addresses]
+        self._max_inflight = max_inflight_per_replica
+        self._poll_s = poll_s
+        self._poller: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.poll_once()
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_s)
+            await self.poll_once()
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(r) for r in self._replicas))
+
+    async def _poll(self, replica: Replica) -> None:
+        try:
+            response = await replica.stub.ListModels(model_server_pb2.ListModelsRequest(), timeout=max(self._poll_s, 1.0))
+        except grpc.aio.AioRpcError as exc:
+            if replica.ready:
+                log.warning("replica %s stopped answering: %s", replica.address, exc.code().name)
+            replica.ready, replica.models = False, {}
+        else:
+            if not replica.ready:
+                log.info("replica %s ready with models %s", replica.address, [m.name for m in response.models])
+            replica.ready, replica.models = True, {m.name: m for m in response.models}
+        metrics.REPLICA_READY.labels(replica.address).set(1 if replica.ready else 0)
+
+    def models(self) -> list:
+        """Every model some ready replica serves, merged over replicas."""
+        merged = {}
+        for replica in self._replicas:
+            if replica.ready:
+                for name, info in replica.models.items():
+                    merged.setdefault(name, info)
+        return [merged[name] for name in sorted(merged)]
+
+    def max_batch_size(self, model: str) -> int:
+        sizes = [r.models[model].max_batch_size for r in self._replicas if model in r.models]
+        return min(sizes) if sizes else 1
+
+    def capacity(self) -> int:
+        return len(self._replicas) * self._max_inflight
+
+    def _choose(self, model: str, version: str, exclude: set[str]) -> Replica | None:
+        candidates = [
+            r for r in self._replicas
+            if r.ready and r.address not in exclude and model in r.models
+            and (not version or version in r.models[model].ready_versions)
+        ]
+        return min(candidates, key=lambda r: r.inflight, default=None)
+
+    async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
+                      timeout_s: float) -> tuple[str, list[TensorData]]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        request = model_server_pb2.ExecuteRequest(model=model, version=version, inputs=tensors_to_proto(inputs), outputs=outputs)
+        tried: set[str] = set()
+        while True:
+            replica = self._choose(model, version, tried)
+            if replica is None:
+                raise errors.Unavailable(
+                    f"no ready model_server replica serves model '{model}'" + (f" version {version}" if version else ""))
+            tried.add(replica.address)
+            try:
+                with self._inflight(replica):
+                    response = await replica.stub.Execute(request, timeout=max(deadline - loop.time(), 0.001))
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code in RETRYABLE:
+                    replica.ready = False  # until its next poll says otherwise
+                    if len(tried) < 2 and deadline - loop.time() > 0:
+                        log.warning("batch for %s failed on %s (%s); retrying once elsewhere", model, replica.address, code.name)
+                        continue
+                raise errors.from_code(code.value[0], exc.details() or code.name) from None
+            return response.version, tensors_from_proto(response.outputs)
+
+    @contextlib.contextmanager
+    def _inflight(self, replica: Replica):
+        replica.inflight += 1
+        metrics.INFLIGHT.labels(replica.address).set(replica.inflight)
+        try:
+            yield
+        finally:
+            replica.inflight -= 1
+            metrics.INFLIGHT.labels(replica.address).set(replica.inflight)
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        await asyncio.gather(*(r.channel.close() for r in self._replicas))
+

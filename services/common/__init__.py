@@ -1,0 +1,1 @@
+"""What every infermesh service shares: errors, tensors, config, metrics, serving helpers."""

@@ -1,0 +1,79 @@
+"""Domain errors, each naming the gRPC status it becomes at the transport edge.
+
+The core modules raise these; they never import grpc. `code` is the numeric
+grpc.StatusCode value, so an error can also travel inside a stream message.
+"""
+
+
+class InfermeshError(Exception):
+    """Base of every error a caller may see; the message says what to fix."""
+
+    code = 13  # INTERNAL
+    code_name = "INTERNAL"
+    retryable = False
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(InfermeshError):
+    """INVALID_ARGUMENT: a tensor, shape, datatype or parameter is wrong."""
+
+    code = 3
+    code_name = "INVALID_ARGUMENT"
+
+
+class DeadlineExceeded(InfermeshError):
+    """DEADLINE_EXCEEDED: the request's deadline passed before it could run."""
+
+    code = 4
+    code_name = "DEADLINE_EXCEEDED"
+
+
+class NotFound(InfermeshError):
+    """NOT_FOUND: no such model or version."""
+
+    code = 5
+    code_name = "NOT_FOUND"
+
+
+class ResourceExhausted(InfermeshError):
+    """RESOURCE_EXHAUSTED: a queue is full or a request too large; Envoy does not
+    count it as a server failure, so busy replicas are not ejected."""
+
+    code = 8
+    code_name = "RESOURCE_EXHAUSTED"
+
+
+class Internal(InfermeshError):
+    """INTERNAL: a bug or an unexpected failure; details are in the log."""
+
+    code = 13
+    code_name = "INTERNAL"
+
+
+class Unavailable(InfermeshError):
+    """UNAVAILABLE: the model is not loaded or no replica is ready; retryable."""
+
+    code = 14
+    code_name = "UNAVAILABLE"
+    retryable = True
+
+
+class Cancelled(InfermeshError):
+    """CANCELLED: the caller went away."""
+
+    code = 1
+    code_name = "CANCELLED"
+
+
+BY_CODE: dict[int, type[InfermeshError]] = {
+    cls.code: cls
+    for cls in (InvalidArgument, DeadlineExceeded, NotFound, ResourceExhausted, Internal, Unavailable, Cancelled)
+}
+
+
+def from_code(code: int, message: str) -> InfermeshError:
+    """Rebuilds the domain error that a stream message or a status carried."""
+    return BY_CODE.get(code, Internal)(message)

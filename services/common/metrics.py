@@ -1,0 +1,21 @@
+"""Prometheus helpers: the per-RPC metrics every service exports, and the HTTP endpoint."""
+
+import prometheus_client
+
+RPC_REQUESTS = prometheus_client.Counter(
+    "infermesh_grpc_requests_total",
+    "gRPC calls handled, by service, method and status code.",
+    ["service", "method", "code"],
+)
+RPC_LATENCY = prometheus_client.Histogram(
+    "infermesh_grpc_request_duration_seconds",
+    "Time to handle a gRPC call, by service and method.",
+    ["service", "method"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+
+
+def start_metrics_server(host: str, port: int) -> int:
+    """Serves /metrics on host:port (0 picks a free port); returns the bound port."""
+    server, _thread = prometheus_client.start_http_server(port, addr=host)
+    return server.server_address[1]

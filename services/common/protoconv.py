@@ -1,0 +1,26 @@
+"""Conversions between the shared internal protos and the domain types."""
+
+from infermesh.common.v1 import tensor_pb2
+
+from services.common.errors import InfermeshError
+from services.common.tensors import TensorData
+
+
+def tensor_to_proto(tensor: TensorData) -> tensor_pb2.Tensor:
+    return tensor_pb2.Tensor(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape, data=tensor.data)
+
+
+def tensor_from_proto(message: tensor_pb2.Tensor) -> TensorData:
+    return TensorData(message.name, message.datatype, tuple(message.shape), message.data)
+
+
+def tensors_to_proto(tensors: list[TensorData]) -> list[tensor_pb2.Tensor]:
+    return [tensor_to_proto(t) for t in tensors]
+
+
+def tensors_from_proto(messages) -> list[TensorData]:
+    return [tensor_from_proto(m) for m in messages]
+
+
+def error_to_proto(error: InfermeshError) -> tensor_pb2.Error:
+    return tensor_pb2.Error(code=error.code, message=error.message)

@@ -1,0 +1,227 @@
+"""Serving helpers shared by every service: the error interceptor, health,
+reflection, readiness announcement and graceful shutdown."""
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import grpc
+from google.protobuf import descriptor_pool
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common import errors
+from services.common.metrics import RPC_LATENCY, RPC_REQUESTS
+
+log = logging.getLogger(__name__)
+
+STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(error: errors.InfermeshError) -> grpc.StatusCode:
+    return STATUS_BY_CODE[error.code]
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps domain errors to their gRPC status, anything unexpected to INTERNAL
+    (traceback in the log, a generic message to the caller), and records the
+    per-RPC metrics."""
+
+    def __init__(self, service: str):
+        self._service = service
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_stream(handler.stream_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap_unary(handler.stream_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    def _record(self, method: str, code: str, started: float) -> None:
+        RPC_REQUESTS.labels(self._service, method, code).inc()
+        RPC_LATENCY.labels(self._service, method).observe(time.perf_counter() - started)
+
+    def _wrap_unary(self, behavior, method):
+        async def wrapper(request, context):
+            started = time.perf_counter()
+            try:
+                response = await behavior(request, context)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                await self._abort(context, exc, method, started)
+            self._record(method, _code_name(context), started)
+            return response
+
+        return wrapper
+
+    def _wrap_stream(self, behavior, method):
+        async def wrapper(request_iterator, context):
+            started = time.perf_counter()
+            try:
+                result = behavior(request_iterator, context)
+                if hasattr(result, "__aiter__"):
+                    async for response in result:
+                        yield response
+                else:
+                    await result
+            except Exception as exc:  # noqa: BLE001
+                await self._abort(context, exc, method, started)
+            self._record(method, _code_name(context), started)
+
+        return wrapper
+
+    async def _abort(self, context, exc: Exception, method: str, started: float):
+        if isinstance(exc, errors.InfermeshError):
+            code, message = status_code(exc), exc.message
+        elif isinstance(exc, asyncio.CancelledError):
+            self._record(method, "CANCELLED", started)
+            raise exc
+        elif _is_abort(exc):
+            self._record(method, _code_name(context), started)
+            raise exc
+        else:
+            log.error("unexpected error in %s: %s", method, "".join(traceback.format_exception(exc)))
+            code, message = grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log"
+        self._record(method, code.name, started)
+        await context.abort(code, message)
+
+
+def _is_abort(exc: Exception) -> bool:
+    # grpc.aio raises AbortError out of context.abort(); it must pass through.
+    return type(exc).__name__ == "AbortError"
+
+
+def _code_name(context) -> str:
+    code = context.code()
+    if code is None:
+        return "OK"
+    return code.name if isinstance(code, grpc.StatusCode) else str(code)
+
+
+def new_server(service: str, max_message_bytes: int, max_concurrent_rpcs: int | None = None) -> grpc.aio.Server:
+    return grpc.aio.server(
+        interceptors=[ErrorInterceptor(service)],
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+    """Serves grpc.health.v1 (overall and per service, NOT_SERVING until told
+    otherwise) and server reflection for `service_names`."""
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+        pool=_MethodAwarePool(descriptor_pool.Default()),
+    )
+    return health_servicer
+
+
+class _MethodAwarePool:
+    """The default descriptor pool, except that a method's full name resolves to
+    its service's file. ghz asks reflection for `pkg.Service.Method`, which the
+    upb pool does not resolve, so ghz could not find any of our methods."""
+
+    def __init__(self, pool):
+        self._pool = pool
+
+    def FindFileContainingSymbol(self, symbol: str):
+        try:
+            return self._pool.FindFileContainingSymbol(symbol)
+        except KeyError:
+            service, _, method = symbol.rpartition(".")
+            if not service:
+                raise
+            descriptor = self._pool.FindServiceByName(service)  # KeyError when unknown
+            if method not in descriptor.methods_by_name:
+                raise
+            return descriptor.file
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+
+async def set_serving(health_servicer, service_names: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        await health_servicer.set(name, status)
+
+
+def announce(service: str, **addresses) -> None:
+    """Prints the one line a launcher waits for: the service is up and where."""
+    print(json.dumps({"ready": service, **addresses}), flush=True)
+
+
+async def run_until_signal(
+    server: grpc.aio.Server, health_servicer, grace_s: float, on_stop: Callable[[], object] | None = None
+) -> None:
+    """Waits for SIGTERM or SIGINT, then drains: health NOT_SERVING, stop taking
+    new calls, let in-flight ones finish within grace_s, then run on_stop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    termination = asyncio.ensure_future(server.wait_for_termination())
+    await asyncio.wait([termination, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    log.info("draining (grace %.1fs)", grace_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+    if on_stop is not None:
+        result = on_stop()
+        if asyncio.iscoroutine(result):
+            await result
+    log.info("stopped")
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def main(config_cls, env_prefix: str, serve, description: str) -> int:
+    """The whole of a service's __main__: parse and check the config once,
+    configure logging, run `serve(config)` until a signal drains it."""
+    import argparse
+
+    from services.common.config import add_dataclass_arguments, from_arguments
+
+    parser = argparse.ArgumentParser(description=description)
+    add_dataclass_arguments(parser, config_cls, env_prefix)
+    try:
+        config = from_arguments(config_cls, parser.parse_args())
+    except ValueError as exc:
+        parser.error(str(exc))
+    configure_logging(config.log_level)
+    asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,92 @@
+"""A client for bidi streams that multiplex many requests by id.
+
+One long-lived stream carries every request; responses resolve the waiting
+caller's future by id. When the stream breaks, every waiting caller gets
+UNAVAILABLE at once and the next request opens a new stream.
+"""
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from services.common import errors
+
+log = logging.getLogger(__name__)
+
+
+class _Stream:
+    def __init__(self):
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.pending: dict[int, asyncio.Future] = {}
+        self.closed = False
+        self.reader: asyncio.Task | None = None
+
+    async def messages(self) -> AsyncIterator:
+        while (message := await self.outbox.get()) is not None:
+            yield message
+
+
+class StreamMux:
+    """`open_call(request_iterator)` starts the bidi call; responses carry `id`."""
+
+    def __init__(self, name: str, open_call: Callable, cancel_message: Callable[[int], object] | None = None):
+        self._name = name
+        self._open_call = open_call
+        self._cancel_message = cancel_message
+        self._ids = itertools.count(1)
+        self._stream: _Stream | None = None
+
+    def _current(self) -> _Stream:
+        if self._stream is None or self._stream.closed:
+            stream = _Stream()
+            call = self._open_call(stream.messages())
+            stream.reader = asyncio.create_task(self._read(stream, call), name=f"mux-{self._name}")
+            self._stream = stream
+        return self._stream
+
+    async def _read(self, stream: _Stream, call) -> None:
+        error: errors.InfermeshError = errors.Unavailable(f"{self._name} closed the stream")
+        try:
+            async for response in call:
+                future = stream.pending.pop(response.id, None)
+                if future is not None and not future.done():
+                    future.set_result(response)
+        except grpc.aio.AioRpcError as exc:
+            error = errors.Unavailable(f"{self._name} is unreachable ({exc.code().name}: {exc.details()})")
+            log.warning("stream to %s failed: %s", self._name, exc.code().name)
+        except asyncio.CancelledError:
+            call.cancel()
+            error = errors.Unavailable(f"stream to {self._name} was closed")
+            raise
+        finally:
+            stream.closed = True
+            stream.outbox.put_nowait(None)
+            for future in stream.pending.values():
+                if not future.done():
+                    future.set_exception(error)
+            stream.pending.clear()
+
+    async def request(self, build: Callable[[int], object], timeout_s: float | None = None):
+        """Sends build(id) and waits for the response with that id. On timeout
+        or cancellation the server is told to drop the request."""
+        stream = self._current()
+        request_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        stream.pending[request_id] = future
+        stream.outbox.put_nowait(build(request_id))
+        try:
+            if timeout_s is None:
+                return await future
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            if stream.pending.pop(request_id, None) is not None and not stream.closed and self._cancel_message:
+                stream.outbox.put_nowait(self._cancel_message(request_id))
+
+    async def close(self) -> None:
+        if self._stream is not None and self._stream.reader is not None:
+            self._stream.outbox.put_nowait(None)
+            self._stream.reader.cancel()
+            await asyncio.gather(self._stream.reader, return_exceptions=True)

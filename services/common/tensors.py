@@ -1,0 +1,129 @@
+"""The tensor codec: Open Inference Protocol datatypes as raw little-endian bytes.
+
+BYTES tensors hold each element as a 4-byte little-endian length and the bytes.
+Fixed-size tensors are C-ordered rows, so a batch is a concatenation of bytes
+and splitting it back is slicing: no decode on the batching path.
+"""
+
+import dataclasses
+import math
+import struct
+
+import numpy as np
+
+from services.common.errors import InvalidArgument
+
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype("<u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+}
+DATATYPES = frozenset(NUMPY_DTYPES) | {"BYTES"}
+_LENGTH = struct.Struct("<I")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorData:
+    """One tensor: name, OIP datatype, shape (batch first) and raw bytes."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+
+def element_count(shape: tuple[int, ...] | list[int]) -> int:
+    return math.prod(shape)
+
+
+def split_bytes_elements(data: bytes, what: str) -> list[bytes]:
+    """Parses length-prefixed BYTES elements; `what` names the tensor in errors."""
+    items = []
+    view = memoryview(data)
+    offset = 0
+    while offset < len(view):
+        if offset + 4 > len(view):
+            raise InvalidArgument(
+                f"{what}: malformed BYTES contents: {len(view) - offset} trailing byte(s) at offset {offset} "
+                "cannot hold a 4-byte length prefix"
+            )
+        (length,) = _LENGTH.unpack_from(view, offset)
+        offset += 4
+        if offset + length > len(view):
+            raise InvalidArgument(
+                f"{what}: malformed BYTES contents: element {len(items)} declares length {length} "
+                f"at offset {offset - 4} but only {len(view) - offset} byte(s) remain"
+            )
+        items.append(bytes(view[offset : offset + length]))
+        offset += length
+    return items
+
+
+def pack_bytes_elements(items: list[bytes]) -> bytes:
+    return b"".join(_LENGTH.pack(len(item)) + item for item in items)
+
+
+def to_numpy(tensor: TensorData) -> np.ndarray:
+    """Decodes a tensor; BYTES become an object array of bytes."""
+    if tensor.datatype == "BYTES":
+        items = split_bytes_elements(tensor.data, f"tensor '{tensor.name}'")
+        array = np.empty(len(items), dtype=object)
+        array[:] = items
+        return array.reshape(tensor.shape)
+    return np.frombuffer(tensor.data, dtype=NUMPY_DTYPES[tensor.datatype]).reshape(tensor.shape)
+
+
+def from_numpy(name: str, array: np.ndarray, datatype: str | None = None) -> TensorData:
+    """Encodes an array; object or string arrays become BYTES."""
+    if datatype == "BYTES" or array.dtype == object or array.dtype.kind in "SU":
+        items = [item.encode() if isinstance(item, str) else bytes(item) for item in array.reshape(-1)]
+        return TensorData(name, "BYTES", tuple(array.shape), pack_bytes_elements(items))
+    if datatype is None:
+        datatype = next(k for k, v in NUMPY_DTYPES.items() if v == array.dtype.newbyteorder("<"))
+    data = np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype]).tobytes()
+    return TensorData(name, datatype, tuple(array.shape), data)
+
+
+def concat_rows(parts: list[TensorData]) -> TensorData:
+    """Concatenates tensors of one name along the batch dimension."""
+    first = parts[0]
+    rows = sum(part.rows for part in parts)
+    return TensorData(first.name, first.datatype, (rows, *first.shape[1:]), b"".join(part.data for part in parts))
+
+
+def split_rows(tensor: TensorData, counts: list[int]) -> list[TensorData]:
+    """Splits a batched tensor back into consecutive slices of `counts` rows."""
+    if sum(counts) != tensor.rows:
+        raise ValueError(f"tensor '{tensor.name}' has {tensor.rows} rows, cannot split into {counts}")
+    tail = tensor.shape[1:]
+    per_row = element_count(tail)
+    parts = []
+    if tensor.datatype == "BYTES":
+        items = split_bytes_elements(tensor.data, f"tensor '{tensor.name}'")
+        start = 0
+        for count in counts:
+            chunk = items[start * per_row : (start + count) * per_row]
+            parts.append(TensorData(tensor.name, "BYTES", (count, *tail), pack_bytes_elements(chunk)))
+            start += count
+        return parts
+    row_bytes = per_row * NUMPY_DTYPES[tensor.datatype].itemsize
+    start = 0
+    for count in counts:
+        parts.append(
+            TensorData(tensor.name, tensor.datatype, (count, *tail), tensor.data[start * row_bytes : (start + count) * row_bytes])
+        )
+        start += count
+    return parts

@@ -1,0 +1,50 @@
+"""make run: the whole mesh in the foreground until Ctrl-C or SIGTERM."""
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from services.launcher.mesh import Mesh, MeshError
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", default="build/models", help="model repository")
+    parser.add_argument("--host", default=os.environ.get("INFERMESH_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("INFERMESH_PORT", 8001)), help="router gRPC port")
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("INFERMESH_METRICS_PORT", 8002)))
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="use this Redis instead of starting one")
+    parser.add_argument("--log-dir", default=os.environ.get("INFERMESH_LOG_DIR"), help="write each service's log here")
+    args = parser.parse_args()
+
+    stopping = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    mesh = Mesh(models=args.models, host=args.host, router_port=args.port, metrics_port=args.metrics_port,
+                redis_url=args.redis_url, log_dir=args.log_dir)
+    try:
+        mesh.start()
+    except MeshError as exc:
+        print(f"infermesh failed to start: {exc}", file=sys.stderr)
+        return 1
+    print(f"infermesh ready: router gRPC {mesh.router}, metrics {mesh.router_metrics} "
+          f"(Ctrl-C drains and stops)", flush=True)
+    try:
+        while not stopping:
+            dead = mesh.dead()
+            if dead:
+                print(f"infermesh: {', '.join(dead)} exited; stopping the mesh", file=sys.stderr, flush=True)
+                mesh.stop()
+                return 1
+            time.sleep(0.2)
+    finally:
+        print("infermesh: draining and stopping ...", flush=True)
+        mesh.stop()
+        print("infermesh: stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""A local mesh: redis-server, model_server, batcher, cache and router as child
+processes, started in dependency order on loopback and stopped in reverse.
+
+Each service prints one JSON line when it serves, with its bound addresses;
+internal services bind port 0, so meshes never collide with each other.
+"""
+
+import ctypes
+import json
+import os
+import pathlib
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import redis
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class MeshError(RuntimeError):
+    """A service did not come up; the message carries the tail of its log."""
+
+
+class Process:
+    def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path | None, env: dict[str, str]):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log" if log_dir else None
+        stderr = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - lives with the child
+        # A session of its own: a terminal's Ctrl-C reaches only the launcher,
+        # which then stops the services in order; and the child dies with us.
+        self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, cwd=ROOT, env=env,
+                                      start_new_session=True, preexec_fn=_die_with_parent)
+        if stderr is not None:
+            stderr.close()
+        self.info: dict = {}
+
+    def wait_ready(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        buffer = b""
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise MeshError(f"{self.name} exited with code {self.popen.returncode} before it was ready\n{self.log_tail()}")
+            readable, _, _ = select.select([self.popen.stdout], [], [], 0.1)
+            if readable:
+                chunk = os.read(self.popen.stdout.fileno(), 65536)
+                buffer += chunk
+                for line in buffer.splitlines():
+                    if line.startswith(b"{") and b'"ready"' in line:
+                        self.info = json.loads(line)
+                        return self.info
+        raise MeshError(f"{self.name} was not ready within {timeout_s:.0f}s\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout_s: float) -> None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+
+
+class Mesh:
+    """Starts the whole mesh; `router` is the public address once started."""
+
+    def __init__(
+        self,
+        models: str | os.PathLike = "build/models",
+        host: str = "127.0.0.1",
+        router_port: int = 0,
+        metrics_port: int = 0,
+        redis_url: str | None = None,
+        cache: bool = True,
+        log_dir: str | os.PathLike | None = None,
+        batcher_args: tuple[str, ...] = (),
+        router_args: tuple[str, ...] = (),
+        model_server_args: tuple[str, ...] = (),
+        cache_args: tuple[str, ...] = (),
+        model_servers: int = 1,
+        ready_timeout_s: float = 120.0,
+    ):
+        self.models = str(models)
+        self.host = host
+        self.router_port = router_port
+        self.metrics_port = metrics_port
+        self.redis_url = redis_url
+        self.use_cache = cache
+        self.log_dir = pathlib.Path(log_dir) if log_dir else None
+        self.batcher_args = batcher_args
+        self.router_args = router_args
+        self.model_server_args = model_server_args
+        self.cache_args = cache_args
+        self.model_server_count = model_servers
+        self.ready_timeout_s = ready_timeout_s
+        self.processes: dict[str, Process] = {}
+        self.redis_dir: str | None = None
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    # -- lifecycle -----------------------------------------------------------------
+    def start(self) -> "Mesh":
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.use_cache and self.redis_url is None:
+                self.start_redis()
+            servers = [
+                self._spawn(f"model_server-{i}" if self.model_server_count > 1 else "model_server", "services.model_server",
+                            ["--model-repository", self.models, *self.model_server_args])
+                for i in range(self.model_server_count)
+            ]
+            addresses = ",".join(p.wait_ready(self.ready_timeout_s)["grpc"] for p in servers)
+            batcher = self._spawn("batcher", "services.batcher", ["--model-servers", addresses, *self.batcher_args])
+            cache = None
+            if self.use_cache:
+                cache = self._spawn("cache", "services.cache", ["--redis-url", self.redis_url, *self.cache_args])
+            batcher_address = batcher.wait_ready(self.ready_timeout_s)["grpc"]
+            router_argv = ["--batcher", batcher_address, "--port", str(self.router_port),
+                           "--metrics-port", str(self.metrics_port)]
+            if cache is not None:
+                router_argv += ["--cache", cache.wait_ready(self.ready_timeout_s)["grpc"]]
+            self._spawn("router", "services.router", [*router_argv, *self.router_args]).wait_ready(self.ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> Process:
+        argv = [sys.executable, "-m", module, "--host", self.host, *args]
+        if module != "services.router":
+            argv += ["--metrics-port", "0"]
+        process = Process(name, argv, self.log_dir, self.env)
+        self.processes[name] = process
+        return process
+
+    def start_redis(self) -> None:
+        """Our own redis-server on a Unix socket: no TCP port to collide or expose."""
+        executable = shutil.which("redis-server")
+        if executable is None:
+            raise MeshError("redis-server is not installed; run 'make setup' or set REDIS_URL")
+        if self.redis_dir is None:
+            self.redis_dir = tempfile.mkdtemp(prefix="infermesh-redis-")
+        socket_path = os.path.join(self.redis_dir, "redis.sock")
+        argv = [executable, "--port", "0", "--bind", "127.0.0.1", "--unixsocket", socket_path, "--unixsocketperm", "700",
+                "--save", "", "--appendonly", "no", "--daemonize", "no", "--maxmemory", "512mb",
+                "--maxmemory-policy", "allkeys-lru", "--dir", self.redis_dir]
+        log_dir = self.log_dir
+        process = Process("redis", argv, log_dir, self.env)
+        self.processes["redis"] = process
+        self.redis_url = f"unix://{socket_path}"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if not process.alive():
+                raise MeshError(f"redis-server exited with code {process.popen.returncode}\n{process.log_tail()}")
+            try:
+                if redis.Redis.from_url(self.redis_url, socket_timeout=0.5).ping():
+                    return
+            except (redis.RedisError, OSError):
+                time.sleep(0.05)
+        raise MeshError("redis-server did not answer PING within 10s")
+
+    def stop_redis(self) -> None:
+        process = self.processes.pop("redis", None)
+        if process is not None:
+            process.stop(5)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Drains the router first, then the services behind it, then Redis."""
+        order = ["router", "batcher", "cache", *[n for n in self.processes if n.startswith("model_server")], "redis"]
+        for name in order:
+            process = self.processes.pop(name, None)
+            if process is not None:
+                process.stop(grace_s)
+        if self.redis_dir is not None:
+            shutil.rmtree(self.redis_dir, ignore_errors=True)
+            self.redis_dir = None
+
+    def __enter__(self) -> "Mesh":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- addresses -----------------------------------------------------------------
+    @property
+    def router(self) -> str:
+        return self.processes["router"].info["grpc"]
+
+    @property
+    def router_metrics(self) -> str:
+        return "http://" + self.processes["router"].info["metrics"] + "/metrics"
+
+    def address(self, name: str) -> str:
+        return self.processes[name].info["grpc"]
+
+    def metrics_url(self, name: str) -> str:
+        return "http://" + self.processes[name].info["metrics"] + "/metrics"
+
+    def dead(self) -> list[str]:
+        return [name for name, p in self.processes.items() if not p.alive()]

@@ -1,0 +1,49 @@
+"""Runs the router: python -m services.router --batcher 127.0.0.1:8021 --cache 127.0.0.1:8031."""
+
+import asyncio
+import logging
+import sys
+
+from services.common import serving
+from services.common.metrics import start_metrics_server
+from services.router.clients import BatcherClient, CacheClient
+from services.router.config import RouterConfig
+from services.router.core import Catalog, Router
+from services.router.server import SERVICE_NAME, build_server
+
+log = logging.getLogger("services.router")
+
+
+async def serve(config: RouterConfig) -> None:
+    catalog = Catalog()
+    batcher = BatcherClient(config.batcher, config.batcher_streams, catalog, config.catalog_poll_s)
+    cache = CacheClient(config.cache, config.cache_lookup_timeout_ms / 1000) if config.cache else None
+    router = Router(catalog, batcher, cache)
+    await batcher.start()
+    metrics_port = start_metrics_server(config.host, config.metrics_port)
+    server, port, health = await build_server(config, router)
+
+    async def follow_readiness() -> None:
+        announced = False
+        while True:
+            await catalog.updated.wait()
+            catalog.updated.clear()
+            await serving.set_serving(health, [SERVICE_NAME], catalog.is_ready())
+            if catalog.is_ready() and not announced:
+                announced = True
+                serving.announce("router", grpc=f"{config.host}:{port}", metrics=f"{config.host}:{metrics_port}",
+                                 models=catalog.names())
+
+    follower = asyncio.create_task(follow_readiness())
+
+    async def close() -> None:
+        follower.cancel()
+        await batcher.close()
+        if cache is not None:
+            await cache.close()
+
+    await serving.run_until_signal(server, health, config.drain_grace_s, close)
+
+
+if __name__ == "__main__":
+    sys.exit(serving.main(RouterConfig, "INFERMESH_ROUTER_", serve, __doc__))

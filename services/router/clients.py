@@ -1,0 +1,129 @@
+"""The router's gRPC clients: the batcher (submit and catalog) and the cache."""
+
+import asyncio
+import itertools
+import logging
+
+import grpc
+from infermesh.batcher.v1 import batcher_pb2, batcher_pb2_grpc
+from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
+
+from services.common import errors
+from services.common.protoconv import tensors_from_proto, tensors_to_proto
+from services.common.streams import StreamMux
+from services.common.tensors import TensorData
+from services.router import metrics
+from services.router.core import Catalog, ModelSignature, Spec
+
+log = logging.getLogger(__name__)
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+
+
+class BatcherClient:
+    """Submits requests over a few multiplexed bidi streams and keeps the catalog fresh."""
+
+    def __init__(self, address: str, streams: int, catalog: Catalog, poll_s: float):
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = batcher_pb2_grpc.BatcherStub(self._channel)
+        self._muxes = [
+            StreamMux(f"batcher {address}", self._stub.Submit,
+                      lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True))
+            for _ in range(streams)
+        ]
+        self._next = itertools.cycle(self._muxes)
+        self._catalog = catalog
+        self._poll_s = poll_s
+        self._poller: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                response = await self._stub.ListModels(batcher_pb2.ListModelsRequest(), timeout=max(self._poll_s, 1.0))
+                self._catalog.replace([_signature(m) for m in response.models])
+            except grpc.aio.AioRpcError as exc:
+                log.warning("batcher did not list models: %s", exc.code().name)
+                self._catalog.replace([])
+            await asyncio.sleep(self._poll_s)
+
+    async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
+                     tier: int, timeout_s: float | None) -> tuple[str, list[TensorData]]:
+        proto_inputs = tensors_to_proto(inputs)
+        timeout_ms = max(1, int(timeout_s * 1000)) if timeout_s is not None else 0
+
+        def build(request_id: int):
+            return batcher_pb2.SubmitRequest(id=request_id, model=model, version=version, inputs=proto_inputs,
+                                             outputs=outputs, priority=tier, timeout_ms=timeout_ms)
+
+        response = await next(self._next).request(build)
+        if response.HasField("error"):
+            raise errors.from_code(response.error.code, response.error.message)
+        return response.version, tensors_from_proto(response.outputs)
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        await asyncio.gather(*(m.close() for m in self._muxes))
+        await self._channel.close()
+
+
+def _signature(info) -> ModelSignature:
+    def specs(items):
+        return tuple(Spec(s.name, s.datatype, tuple(s.shape)) for s in items)
+
+    return ModelSignature(info.name, tuple(info.versions), tuple(info.ready_versions), info.platform,
+                          specs(info.inputs), specs(info.outputs), info.max_batch_size)
+
+
+class CacheClient:
+    """Lookups on a multiplexed stream with a short timeout; stores on a
+    client stream that nobody waits for. Failures are misses, never errors."""
+
+    def __init__(self, address: str, lookup_timeout_s: float, max_pending_stores: int = 10000):
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = cache_pb2_grpc.CacheStub(self._channel)
+        self._lookups = StreamMux(f"cache {address}", self._stub.Lookup)
+        self._timeout_s = lookup_timeout_s
+        self._stores: asyncio.Queue = asyncio.Queue(max_pending_stores)
+        self._writer: asyncio.Task | None = None
+
+    async def lookup(self, model: str, digest: bytes) -> list[TensorData] | None:
+        try:
+            response = await self._lookups.request(
+                lambda i: cache_pb2.LookupRequest(id=i, model=model, digest=digest), self._timeout_s)
+        except (errors.InfermeshError, TimeoutError) as exc:
+            metrics.CACHE.labels("error").inc()
+            metrics.CACHE_ERRORS.labels("lookup").inc()
+            log.debug("cache lookup failed: %s", exc)
+            return None
+        metrics.CACHE.labels("hit" if response.hit else "miss").inc()
+        return tensors_from_proto(response.outputs) if response.hit else None
+
+    def store(self, model: str, digest: bytes, outputs: list[TensorData]) -> None:
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_forever())
+        try:
+            self._stores.put_nowait(cache_pb2.StoreRequest(model=model, digest=digest, outputs=tensors_to_proto(outputs)))
+        except asyncio.QueueFull:
+            metrics.CACHE_ERRORS.labels("store_dropped").inc()
+
+    async def _write_forever(self) -> None:
+        async def messages():
+            while True:
+                yield await self._stores.get()
+
+        while True:
+            try:
+                await self._stub.Store(messages())
+            except grpc.aio.AioRpcError as exc:
+                metrics.CACHE_ERRORS.labels("store").inc()
+                log.debug("cache store stream failed: %s", exc.code().name)
+                await asyncio.sleep(0.5)
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+        await self._lookups.close()
+        await self._channel.close()

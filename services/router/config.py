@@ -1,0 +1,29 @@
+"""The router's configuration."""
+
+import dataclasses
+
+from services.common.config import require
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    batcher: str = dataclasses.field(default="127.0.0.1:8021", metadata={"help": "batcher host:port"})
+    cache: str = dataclasses.field(default="", metadata={"help": "cache service host:port; empty disables caching"})
+    host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = dataclasses.field(default=8001, metadata={"help": "gRPC port (Triton's default), 0 picks a free one"})
+    metrics_port: int = dataclasses.field(default=8002, metadata={"help": "Prometheus port (Triton's default), 0 picks a free one"})
+    max_request_bytes: int = dataclasses.field(default=16 * 1024 * 1024, metadata={"help": "largest request message; larger gets RESOURCE_EXHAUSTED"})
+    max_concurrent_rpcs: int = dataclasses.field(default=4096)
+    max_stream_inflight: int = dataclasses.field(default=1024, metadata={"help": "requests in flight per ModelStreamInfer stream"})
+    batcher_streams: int = dataclasses.field(default=4, metadata={"help": "bidi streams multiplexing requests to the batcher"})
+    cache_lookup_timeout_ms: float = dataclasses.field(default=25.0, metadata={"help": "a slower lookup counts as a miss"})
+    catalog_poll_s: float = dataclasses.field(default=1.0, metadata={"help": "how often the batcher is asked for models"})
+    drain_grace_s: float = dataclasses.field(default=10.0)
+    log_level: str = dataclasses.field(default="info")
+
+    def __post_init__(self):
+        require(self.max_request_bytes >= 1024, f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        require(self.batcher_streams >= 1, f"batcher_streams must be >= 1, got {self.batcher_streams}")
+        require(self.max_stream_inflight >= 1, f"max_stream_inflight must be >= 1, got {self.max_stream_inflight}")
+        require(self.cache_lookup_timeout_ms > 0, f"cache_lookup_timeout_ms must be > 0, got {self.cache_lookup_timeout_ms}")
+        require(self.catalog_poll_s > 0, f"catalog_poll_s must be > 0, got {self.catalog_poll_s}")

@@ -1,0 +1,237 @@
+"""The router's data plane: validate, look up the cache, forward misses, store results.
+
+It knows nothing of gRPC: the transport hands it InferRequest values and gets
+InferResult values or domain errors back.
+"""
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import time
+from typing import Protocol
+
+from services.common import errors
+from services.common.tensors import NUMPY_DTYPES, TensorData, element_count, split_bytes_elements
+from services.router import metrics
+
+log = logging.getLogger(__name__)
+
+STANDARD, VIP = 0, 1
+TIERS = {"standard": STANDARD, "vip": VIP}
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSignature:
+    """What the router knows of a model, as the batcher reports it."""
+
+    name: str
+    versions: tuple[str, ...]  # newest first
+    ready_versions: tuple[str, ...]
+    platform: str
+    inputs: tuple[Spec, ...]
+    outputs: tuple[Spec, ...]
+    max_batch_size: int
+
+
+@dataclasses.dataclass
+class InferRequest:
+    model: str
+    version: str
+    id: str
+    inputs: list[TensorData]
+    outputs: list[str]
+    tier: int = STANDARD
+    timeout_s: float | None = None
+
+
+@dataclasses.dataclass
+class InferResult:
+    model: str
+    version: str
+    id: str
+    outputs: list[TensorData]
+    cached: bool
+
+
+class Batcher(Protocol):
+    async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
+                     tier: int, timeout_s: float | None) -> tuple[str, list[TensorData]]: ...
+
+
+class Cache(Protocol):
+    async def lookup(self, model: str, digest: bytes) -> list[TensorData] | None: ...
+
+    def store(self, model: str, digest: bytes, outputs: list[TensorData]) -> None: ...
+
+
+class Catalog:
+    """The models the mesh serves; replaced whole on every poll of the batcher."""
+
+    def __init__(self):
+        self._models: dict[str, ModelSignature] = {}
+        self.updated = asyncio.Event()
+
+    def replace(self, models: list[ModelSignature]) -> None:
+        # A model that disappears is kept with no ready version, so callers get
+        # UNAVAILABLE (retry) instead of NOT_FOUND while its replicas restart.
+        merged = {name: dataclasses.replace(sig, ready_versions=()) for name, sig in self._models.items()}
+        merged.update({m.name: m for m in models})
+        self._models = merged
+        self.updated.set()
+
+    def get(self, name: str) -> ModelSignature | None:
+        return self._models.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._models)
+
+    def is_ready(self) -> bool:
+        return any(sig.ready_versions for sig in self._models.values())
+
+
+class Router:
+    def __init__(self, catalog: Catalog, batcher: Batcher, cache: Cache | None):
+        self.catalog = catalog
+        self._batcher = batcher
+        self._cache = cache
+
+    def signature(self, model: str, version: str = "") -> tuple[ModelSignature, str]:
+        """The model's signature and the concrete version a request would use."""
+        sig = self.catalog.get(model)
+        if sig is None:
+            raise errors.NotFound(f"model '{model}' is not served; available models: {self.catalog.names()}")
+        if version:
+            if version not in sig.versions:
+                raise errors.NotFound(f"model '{model}' has no version '{version}'; versions: {list(sig.versions)}")
+            return sig, version
+        return sig, (sig.ready_versions[0] if sig.ready_versions else (sig.versions[0] if sig.versions else ""))
+
+    def is_model_ready(self, model: str, version: str = "") -> bool:
+        sig = self.catalog.get(model)
+        if sig is None:
+            return False
+        return version in sig.ready_versions if version else bool(sig.ready_versions)
+
+    async def infer(self, request: InferRequest) -> InferResult:
+        started = time.perf_counter()
+        code = "INTERNAL"
+        try:
+            result = await self._infer(request)
+            code = "OK"
+            return result
+        except errors.InfermeshError as exc:
+            code = exc.code_name
+            raise
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            metrics.REQUESTS.labels(request.model if self.catalog.get(request.model) else "unknown", code).inc()
+            metrics.LATENCY.labels(request.model if self.catalog.get(request.model) else "unknown").observe(
+                time.perf_counter() - started)
+
+    async def _infer(self, request: InferRequest) -> InferResult:
+        sig, version = self.signature(request.model, request.version)
+        if version not in sig.ready_versions:
+            raise errors.Unavailable(f"model '{sig.name}' version '{version}' has no ready replica; retry later")
+        inputs = validate(sig, request)
+        digest = None
+        if self._cache is not None:
+            digest = request_digest(sig.name, version, inputs, request.outputs)
+            cached = await self._cache.lookup(sig.name, digest)
+            if cached is not None:
+                return InferResult(sig.name, version, request.id, cached, cached=True)
+        used, outputs = await self._batcher.submit(
+            sig.name, version, inputs, request.outputs, request.tier, _downstream_timeout(request.timeout_s))
+        if self._cache is not None and used == version:
+            self._cache.store(sig.name, digest, outputs)
+        return InferResult(sig.name, used, request.id, outputs, cached=False)
+
+
+def _downstream_timeout(timeout_s: float | None) -> float | None:
+    """The batcher gets a little less time than the caller, so that it answers
+    DEADLINE_EXCEEDED itself before the caller's own deadline fires."""
+    if timeout_s is None:
+        return None
+    return max(timeout_s - max(0.005, 0.1 * timeout_s), 0.001)
+
+
+def validate(sig: ModelSignature, request: InferRequest) -> list[TensorData]:
+    """Checks a request against the model's signature; returns its inputs in the
+    model's order. Every error names the field, the value and the model."""
+    model = sig.name
+    by_name: dict[str, TensorData] = {}
+    for tensor in request.inputs:
+        if tensor.name in by_name:
+            raise errors.InvalidArgument(f"input '{tensor.name}' appears twice in the request for model '{model}'")
+        by_name[tensor.name] = tensor
+    expected = {spec.name for spec in sig.inputs}
+    unexpected = sorted(set(by_name) - expected)
+    if unexpected:
+        raise errors.InvalidArgument(
+            f"unexpected input(s) {unexpected} for model '{model}'; it takes {sorted(expected)}")
+    missing = sorted(expected - set(by_name))
+    if missing:
+        raise errors.InvalidArgument(f"missing input(s) {missing} for model '{model}'; it takes {sorted(expected)}")
+    rows = None
+    ordered = []
+    for spec in sig.inputs:
+        tensor = by_name[spec.name]
+        where = f"input '{spec.name}' of model '{model}'"
+        if tensor.datatype != spec.datatype:
+            raise errors.InvalidArgument(f"{where} has datatype {tensor.datatype!r}; expected {spec.datatype}")
+        shape = list(tensor.shape)
+        if any(d < 0 for d in shape):
+            raise errors.InvalidArgument(f"{where} has shape {shape} with a negative dimension")
+        if len(shape) != len(spec.shape):
+            raise errors.InvalidArgument(f"{where} has shape {shape}; expected {len(spec.shape)} dimension(s) like {list(spec.shape)}")
+        for axis, (got, want) in enumerate(zip(shape[1:], spec.shape[1:]), start=1):
+            if want != -1 and got != want:
+                raise errors.InvalidArgument(f"{where} has shape {shape}; dimension {axis} must be {want}, expected {list(spec.shape)}")
+        if shape[0] == 0:
+            raise errors.InvalidArgument(f"{where} has shape {shape}: the batch dimension is 0")
+        if shape[0] > sig.max_batch_size:
+            raise errors.InvalidArgument(
+                f"{where} has shape {shape}: batch of {shape[0]} exceeds max_batch_size {sig.max_batch_size}")
+        if rows is not None and shape[0] != rows:
+            raise errors.InvalidArgument(f"{where} has batch dimension {shape[0]} but another input has {rows}")
+        rows = shape[0]
+        count = element_count(shape)
+        if spec.datatype == "BYTES":
+            items = split_bytes_elements(tensor.data, where)
+            if len(items) != count:
+                raise errors.InvalidArgument(f"{where} holds {len(items)} BYTES element(s) but shape {shape} needs {count}")
+        else:
+            need = count * NUMPY_DTYPES[spec.datatype].itemsize
+            if len(tensor.data) != need:
+                raise errors.InvalidArgument(
+                    f"{where} has {len(tensor.data)} bytes of data but shape {shape} of {spec.datatype} needs {need}")
+        ordered.append(tensor)
+    known = {spec.name for spec in sig.outputs}
+    unknown = [name for name in request.outputs if name not in known]
+    if unknown:
+        raise errors.InvalidArgument(f"requested output(s) {unknown} do not exist in model '{model}'; outputs: {sorted(known)}")
+    if len(set(request.outputs)) != len(request.outputs):
+        raise errors.InvalidArgument(f"requested outputs {request.outputs} name an output twice")
+    return ordered
+
+
+def request_digest(model: str, version: str, inputs: list[TensorData], outputs: list[str]) -> bytes:
+    """128-bit BLAKE2b of everything that decides the answer: model, version,
+    each input's name, datatype, shape and bytes, and the outputs asked for."""
+    h = hashlib.blake2b(digest_size=16, person=b"infermesh-v1")
+    for part in (model, version, ",".join(outputs)):
+        h.update(len(part).to_bytes(4, "little") + part.encode())
+    for tensor in inputs:
+        head = f"{tensor.name}|{tensor.datatype}|{','.join(map(str, tensor.shape))}".encode()
+        h.update(len(head).to_bytes(4, "little") + head)
+        h.update(len(tensor.data).to_bytes(8, "little") + tensor.data)
+    return h.digest()

@@ -1,0 +1,157 @@
+"""The batching policy in plain asyncio: gates, no sleeps on the happy path."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from services.batcher.core import STANDARD, VIP, Batcher
+from services.common import errors
+from services.common.tensors import from_numpy, to_numpy
+
+
+class GatedBackend:
+    """Records each batch and holds it until the test opens the gate. It runs
+    no model: these tests are about which requests form which batch."""
+
+    def __init__(self, max_batch: int = 4, capacity: int = 1):
+        self._max_batch = max_batch
+        self._capacity = capacity
+        self.batches: list[list[float]] = []
+        self.gate = asyncio.Event()
+        self.started = asyncio.Event()
+        self.poison = None
+
+    def max_batch_size(self, model):
+        return self._max_batch
+
+    def capacity(self):
+        return self._capacity
+
+    async def execute(self, model, version, inputs, outputs, timeout_s):
+        values = to_numpy(inputs[0])[:, 0].tolist()
+        self.batches.append(values)
+        self.started.set()
+        await self.gate.wait()
+        if self.poison is not None and self.poison in values:
+            raise errors.InvalidArgument(f"value {self.poison} cannot be processed")
+        return "1", [from_numpy("Y", to_numpy(inputs[0]) * 2)]
+
+
+def row(value: float):
+    return [from_numpy("X", np.array([[value]], dtype=np.float32))]
+
+
+def submit(batcher, value, **kwargs):
+    return asyncio.create_task(batcher.submit("m", "1", row(value), [], **kwargs))
+
+
+async def settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_full_batches_go_out_at_once_and_results_fan_back_in_order():
+    backend = GatedBackend(max_batch=4)
+    backend.gate.set()
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100)
+    tasks = [submit(batcher, float(i)) for i in range(8)]
+    results = await asyncio.gather(*tasks)
+    assert backend.batches == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [float(to_numpy(out[0])[0, 0]) for _, out in results] == [2.0 * i for i in range(8)]
+
+
+async def test_a_partial_batch_leaves_after_the_queue_delay():
+    backend = GatedBackend(max_batch=8)
+    backend.gate.set()
+    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=1, max_queue_size=100)
+    await asyncio.gather(submit(batcher, 1.0), submit(batcher, 2.0))
+    assert backend.batches == [[1.0, 2.0]]
+
+
+async def test_vip_goes_first_and_fifo_holds_within_a_level():
+    backend = GatedBackend(max_batch=2)
+    batcher = Batcher(backend, max_batch_size=2, max_queue_delay_ms=0, max_queue_size=100)
+    blocker = submit(batcher, 0.0)
+    await backend.started.wait()  # the only slot is busy from now on
+    waiting = [submit(batcher, 1.0), submit(batcher, 2.0, priority=VIP), submit(batcher, 3.0),
+               submit(batcher, 4.0, priority=VIP)]
+    await settle()
+    backend.gate.set()
+    await asyncio.gather(blocker, *waiting)
+    assert backend.batches == [[0.0], [2.0, 4.0], [1.0, 3.0]]
+
+
+async def test_a_full_queue_rejects_at_once_with_resource_exhausted():
+    backend = GatedBackend(max_batch=1)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=2)
+    running = submit(batcher, 0.0)
+    await backend.started.wait()
+    queued = [submit(batcher, 1.0), submit(batcher, 2.0)]
+    await settle()
+    with pytest.raises(errors.ResourceExhausted, match="queue of model 'm' is full"):
+        await batcher.submit("m", "1", row(3.0), [])
+    backend.gate.set()
+    await asyncio.gather(running, *queued)
+
+
+async def test_expired_requests_are_answered_and_never_run():
+    backend = GatedBackend(max_batch=4)
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    running = submit(batcher, 0.0)
+    await backend.started.wait()
+    late = submit(batcher, 1.0, timeout_s=0.001)
+    on_time = submit(batcher, 2.0, timeout_s=60)
+    await asyncio.sleep(0.01)  # let the first deadline pass while the slot is busy
+    backend.gate.set()
+    with pytest.raises(errors.DeadlineExceeded, match="past its deadline; it was not run"):
+        await late
+    await asyncio.gather(running, on_time)
+    assert backend.batches == [[0.0], [2.0]]
+
+
+async def test_cancelled_requests_are_dropped_before_the_model():
+    backend = GatedBackend(max_batch=4)
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    running = submit(batcher, 0.0)
+    await backend.started.wait()
+    gone = submit(batcher, 1.0)
+    stays = submit(batcher, 2.0)
+    await settle()
+    gone.cancel()
+    await settle()
+    backend.gate.set()
+    await asyncio.gather(running, stays)
+    assert backend.batches == [[0.0], [2.0]]
+
+
+async def test_one_bad_request_does_not_fail_its_batch_neighbours():
+    backend = GatedBackend(max_batch=4)
+    backend.poison = 13.0
+    backend.gate.set()
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100)
+    tasks = [submit(batcher, v) for v in (1.0, 13.0, 3.0, 4.0)]
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(results[1], errors.InvalidArgument)
+    assert [float(to_numpy(r[1][0])[0, 0]) for i, r in enumerate(results) if i != 1] == [2.0, 6.0, 8.0]
+    assert backend.batches[0] == [1.0, 13.0, 3.0, 4.0]
+
+
+async def test_a_request_larger_than_a_batch_is_refused():
+    batcher = Batcher(GatedBackend(max_batch=2), max_batch_size=8, max_queue_delay_ms=0, max_queue_size=10)
+    inputs = [from_numpy("X", np.zeros((3, 1), dtype=np.float32))]
+    with pytest.raises(errors.InvalidArgument, match="request of 3 rows exceeds the batch size 2"):
+        await batcher.submit("m", "1", inputs, [], priority=STANDARD)
+
+
+async def test_close_answers_everything_still_queued():
+    backend = GatedBackend(max_batch=1)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    running = submit(batcher, 0.0)
+    await backend.started.wait()
+    queued = submit(batcher, 1.0)
+    await settle()
+    backend.gate.set()
+    await batcher.close()
+    results = await asyncio.gather(running, queued, return_exceptions=True)
+    assert all(not isinstance(r, asyncio.CancelledError) for r in results)

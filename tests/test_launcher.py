@@ -1,0 +1,70 @@
+"""make run's launcher: one ready line, a working router, and SIGTERM stops every
+process it started, redis-server included."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+from inference import grpc_predict_v2_pb2 as pb
+from inference import grpc_predict_v2_pb2_grpc as pb_grpc
+
+from tests.conftest import ROOT, scrape
+from tests.oip import output_array, text_request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.add(int(entry))
+    return found
+
+
+def test_launcher_serves_then_drains_and_stops_everything(model_repository, redis_binary, tmp_path):
+    port, metrics_port = free_port(), free_port()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "services.launcher", "--models", str(model_repository), "--port", str(port),
+         "--metrics-port", str(metrics_port), "--log-dir", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        line = launcher.stdout.readline()
+        assert line.startswith("infermesh ready: router gRPC 127.0.0.1:%d" % port), line
+        assert f"http://127.0.0.1:{metrics_port}/metrics" in line
+        children = descendants(launcher.pid)
+        names = {open(f"/proc/{c}/cmdline").read().replace("\0", " ") for c in children}
+        assert len(children) == 5, names  # redis, model_server, batcher, cache, router
+        assert any("redis-server" in n for n in names)
+
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            assert stub.ServerReady(pb.ServerReadyRequest()).ready
+            assert "infermesh_grpc_requests_total" in {n for n, _ in scrape(f"http://127.0.0.1:{metrics_port}/metrics")}
+            # Long texts keep these in flight for a while; the drain must finish them.
+            futures = [stub.ModelInfer.future(text_request([f"in flight {i} " + "word " * 250] * 8), timeout=60)
+                       for i in range(6)]
+            time.sleep(0.1)
+            launcher.send_signal(signal.SIGTERM)
+            for future in futures:
+                assert output_array(future.result(), "EMBEDDING").shape == (8, 384)
+        assert launcher.wait(timeout=60) == 0
+        assert "infermesh: stopped" in launcher.stdout.read()
+        for child in children:
+            assert not os.path.exists(f"/proc/{child}") or "zombie" in open(f"/proc/{child}/status").read().lower()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

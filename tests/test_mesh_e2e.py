@@ -1,0 +1,243 @@
+"""End to end through a real mesh (router, batcher, model_server, cache, redis-server)
+with our generated stubs: answers, streaming, every error row, health, metrics."""
+
+import asyncio
+import os
+import pathlib
+import uuid
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from inference import grpc_predict_v2_pb2 as pb
+from inference import grpc_predict_v2_pb2_grpc as pb_grpc
+
+from tests.conftest import MAX_REQUEST_BYTES, metric
+from tests.oip import output_array, tensor_request, text_request
+
+
+def unique(text: str) -> str:
+    """Texts the cache has not seen, so the model really runs."""
+    return f"{text} [{uuid.uuid4().hex[:8]}]"
+
+
+@pytest.fixture
+async def stub(mesh):
+    async with grpc.aio.insecure_channel(mesh.router, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+async def test_probes_and_metadata(stub):
+    assert (await stub.ServerLive(pb.ServerLiveRequest())).live
+    assert (await stub.ServerReady(pb.ServerReadyRequest())).ready
+    assert (await stub.ModelReady(pb.ModelReadyRequest(name="minilm"))).ready
+    metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name="minilm"))
+    assert metadata.versions == ["1"]
+    assert [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs] == [("TEXT", "BYTES", [-1])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in metadata.outputs] == [("EMBEDDING", "FP32", [-1, 384])]
+    server = await stub.ServerMetadata(pb.ServerMetadataRequest())
+    assert server.name == "infermesh" and "model_stream_infer" in server.extensions
+
+
+async def test_minilm_matches_sentence_transformers(stub, reference_embeddings):
+    texts = [unique("How do I reset my password?"), "", "Где находится ближайшая станция метро?",
+             "我想退货。", unique("token " * 400)]
+    response = await stub.ModelInfer(text_request(texts, request_id="r-1"))
+    assert (response.model_name, response.model_version, response.id) == ("minilm", "1", "r-1")
+    embeddings = output_array(response, "EMBEDDING")
+    assert embeddings.shape == (5, 384)
+    assert cosine(embeddings, reference_embeddings(texts)).min() >= 0.9999
+
+
+async def test_plain_tensor_model_matches_onnx_runtime(stub, model_repository):
+    x = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
+    response = await stub.ModelInfer(tensor_request(x))
+    session = ort.InferenceSession(str(model_repository / "mlp" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    (expected,) = session.run(["OUTPUT0"], {"INPUT0": x})
+    np.testing.assert_allclose(output_array(response, "OUTPUT0"), expected, atol=1e-5)
+
+
+async def test_stream_answers_every_request_by_id_and_survives_bad_ones(stub):
+    requests = []
+    for i in range(20):
+        if i % 5 == 3:
+            bad = tensor_request(np.zeros((1, 64), np.float32), model="minilm", name="TEXT")
+            bad.id = f"s-{i}"
+            requests.append(bad)
+        else:
+            requests.append(text_request([unique(f"stream text {i}")], request_id=f"s-{i}"))
+
+    async def send():
+        for request in requests:
+            yield request
+
+    answers = {}
+    async for message in stub.ModelStreamInfer(send()):
+        answers[message.infer_response.id] = message
+    assert sorted(answers) == sorted(r.id for r in requests)
+    for request_id, message in answers.items():
+        if int(request_id.split("-")[1]) % 5 == 3:
+            assert message.error_message.startswith("INVALID_ARGUMENT")
+            assert "input 'TEXT' of model 'minilm' has datatype 'FP32'" in message.error_message
+        else:
+            assert not message.error_message
+            assert output_array(message.infer_response, "EMBEDDING").shape == (1, 384)
+
+
+def _negative_dim(r):
+    r.inputs[0].shape[0] = -1
+
+
+def _short_raw(r):
+    r.raw_input_contents[0] = r.raw_input_contents[0][:-4]
+
+
+def _bad_prefix(r):
+    r.raw_input_contents[0] = b"\xff\x00\x00\x00abc"
+
+
+def _both(r):
+    r.inputs[0].contents.bytes_contents.append(b"x")
+
+
+def _extra_input(r):
+    r.inputs.add(name="EXTRA", datatype="FP32", shape=[1])
+    r.raw_input_contents.append(b"\0\0\0\0")
+
+
+ERROR_ROWS = [
+    ("unknown model", lambda: text_request(["x"], model="gpt-9"), grpc.StatusCode.NOT_FOUND, "model 'gpt-9' is not served"),
+    ("unknown version", lambda: text_request(["x"], version="42"), grpc.StatusCode.NOT_FOUND, "has no version '42'"),
+    ("wrong datatype", lambda: tensor_request(np.zeros((1, 4), np.float32), model="minilm", name="TEXT"),
+     grpc.StatusCode.INVALID_ARGUMENT, "has datatype 'FP32'; expected BYTES"),
+    ("wrong shape", lambda: tensor_request(np.zeros((2, 63), np.float32)), grpc.StatusCode.INVALID_ARGUMENT,
+     "has shape [2, 63]; dimension 1 must be 64"),
+    ("negative dimension", lambda: _mutated(text_request(["x"]), _negative_dim), grpc.StatusCode.INVALID_ARGUMENT,
+     "shape [-1] with a negative dimension"),
+    ("raw length mismatch", lambda: _mutated(tensor_request(np.zeros((2, 64), np.float32)), _short_raw),
+     grpc.StatusCode.INVALID_ARGUMENT, "has 508 bytes of data but shape [2, 64] of FP32 needs 512"),
+    ("malformed BYTES prefix", lambda: _mutated(text_request(["x"]), _bad_prefix), grpc.StatusCode.INVALID_ARGUMENT,
+     "element 0 declares length 255"),
+    ("missing input", lambda: pb.ModelInferRequest(model_name="minilm"), grpc.StatusCode.INVALID_ARGUMENT,
+     "missing input(s) ['TEXT']"),
+    ("unexpected input", lambda: _mutated(text_request(["x"]), _extra_input), grpc.StatusCode.INVALID_ARGUMENT,
+     "unexpected input(s) ['EXTRA']"),
+    ("contents and raw contents", lambda: _mutated(text_request(["x"]), _both), grpc.StatusCode.INVALID_ARGUMENT,
+     "has both contents and raw_input_contents"),
+    ("over the size limit", lambda: tensor_request(np.zeros((200, 64 * 90), np.float32)),
+     grpc.StatusCode.RESOURCE_EXHAUSTED, str(MAX_REQUEST_BYTES)),
+]
+
+
+def _mutated(request, change):
+    change(request)
+    return request
+
+
+@pytest.mark.parametrize("make, code, fragment", [row[1:] for row in ERROR_ROWS], ids=[row[0] for row in ERROR_ROWS])
+async def test_error_rows(stub, make, code, fragment):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.ModelInfer(make())
+    assert info.value.code() == code
+    assert fragment in info.value.details()
+    assert (await stub.ServerLive(pb.ServerLiveRequest())).live
+
+
+async def test_bad_requests_in_a_burst_never_fail_the_good_ones(stub, reference_embeddings):
+    good_texts = [unique(f"customer question number {i}") for i in range(40)]
+    bad = [ERROR_ROWS[i][1]() for i in (2, 3, 5, 6, 7)] * 2
+    calls = [stub.ModelInfer(text_request([t])) for t in good_texts] + [stub.ModelInfer(b) for b in bad]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    good, failed = results[:40], results[40:]
+    assert all(isinstance(r, pb.ModelInferResponse) for r in good), [r for r in good if isinstance(r, Exception)]
+    assert all(isinstance(r, grpc.aio.AioRpcError) and r.code() == grpc.StatusCode.INVALID_ARGUMENT for r in failed)
+    embeddings = np.concatenate([output_array(r, "EMBEDDING") for r in good])
+    assert cosine(embeddings, reference_embeddings(good_texts)).min() >= 0.9999
+
+
+async def test_expired_requests_are_dropped_before_the_model(stub, mesh):
+    batcher_metrics = mesh.metrics_url("batcher")
+    before = metric(batcher_metrics, "infermesh_batcher_rejections_total", reason="deadline")
+    # Keep the model busy with long texts, then send a request that cannot wait that long.
+    flood = [stub.ModelInfer(text_request([unique("long " * 250)] * 8)) for _ in range(12)]
+    flood_tasks = [asyncio.ensure_future(c) for c in flood]
+    await asyncio.sleep(0.05)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.ModelInfer(text_request([unique("in a hurry")]), timeout=0.15)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.gather(*flood_tasks)
+    assert metric(batcher_metrics, "infermesh_batcher_rejections_total", reason="deadline") >= before + 1
+
+
+async def test_identical_requests_are_answered_from_the_cache(stub, mesh):
+    request = text_request([unique("cache me")])
+    hits_before = metric(mesh.router_metrics, "infermesh_router_cache_lookups_total", result="hit")
+    first = await stub.ModelInfer(request)
+    for _ in range(50):  # the store is asynchronous: wait until it has landed
+        second = await stub.ModelInfer(request)
+        if metric(mesh.router_metrics, "infermesh_router_cache_lookups_total", result="hit") > hits_before:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        pytest.fail("the second identical request never hit the cache")
+    assert second.raw_output_contents == first.raw_output_contents
+
+
+@pytest.mark.parametrize("service", ["router", "batcher", "model_server", "cache"])
+async def test_every_service_serves_health_reflection_and_metrics(mesh, service):
+    async with grpc.aio.insecure_channel(mesh.address(service)) as channel:
+        health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(mesh.address(service)) as channel:
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert "grpc.health.v1.Health" in services
+    expected_service = {
+        "router": "inference.GRPCInferenceService", "batcher": "infermesh.batcher.v1.Batcher",
+        "model_server": "infermesh.model_server.v1.ModelServer", "cache": "infermesh.cache.v1.Cache",
+    }[service]
+    assert expected_service in services
+    url = mesh.router_metrics if service == "router" else mesh.metrics_url(service)
+    assert metric(url, "infermesh_grpc_requests_total") > 0
+
+
+def test_metrics_cover_requests_latency_queue_batches_and_cache(mesh):
+    assert metric(mesh.router_metrics, "infermesh_router_requests_total", model="minilm", code="OK") > 0
+    assert metric(mesh.router_metrics, "infermesh_router_requests_total", code="INVALID_ARGUMENT") > 0
+    assert metric(mesh.router_metrics, "infermesh_router_request_duration_seconds_count", model="minilm") > 0
+    batcher = mesh.metrics_url("batcher")
+    assert metric(batcher, "infermesh_batcher_batch_size_count", model="minilm") > 0
+    assert ("infermesh_batcher_queue_length", (("model", "minilm"),)) in __import__("tests.conftest", fromlist=["scrape"]).scrape(batcher)
+    assert metric(mesh.metrics_url("model_server"), "infermesh_model_inference_duration_seconds_count", model="minilm") > 0
+    cache = mesh.metrics_url("cache")
+    assert metric(cache, "infermesh_cache_lookups_total", result="hit") > 0
+    assert metric(cache, "infermesh_cache_lookups_total", result="miss") > 0
+
+
+async def test_redis_down_answers_still_come_uncached_and_the_cache_recovers(stub, mesh):
+    cache_metrics = mesh.metrics_url("cache")
+    errors_before = metric(cache_metrics, "infermesh_cache_errors_total")
+    mesh.stop_redis()
+    try:
+        for i in range(5):
+            response = await stub.ModelInfer(text_request([unique(f"redis is down {i}")]))
+            assert output_array(response, "EMBEDDING").shape == (1, 384)
+        assert metric(cache_metrics, "infermesh_cache_errors_total") > errors_before
+    finally:
+        mesh.start_redis()
+    # Once Redis is back the breaker closes by itself and results are cached again.
+    request = text_request([unique("redis is back")])
+    hits_before = metric(mesh.router_metrics, "infermesh_router_cache_lookups_total", result="hit")
+    for _ in range(100):
+        await stub.ModelInfer(request)
+        if metric(mesh.router_metrics, "infermesh_router_cache_lookups_total", result="hit") > hits_before:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail("the cache did not recover after redis-server came back")

@@ -1,0 +1,148 @@
+"""The router's edge validation: every malformed request is INVALID_ARGUMENT or
+NOT_FOUND with a message naming the field and the value."""
+
+import numpy as np
+import pytest
+from inference import grpc_predict_v2_pb2 as pb
+
+from services.common import errors
+from services.common.tensors import TensorData
+from services.router.core import Catalog, InferRequest, ModelSignature, Router, Spec, request_digest, validate
+from services.router.oip import request_from_proto
+from tests.oip import pack_texts, tensor_request, text_request
+
+MINILM = ModelSignature("minilm", ("1",), ("1",), "onnxruntime_onnx", (Spec("TEXT", "BYTES", (-1,)),),
+                        (Spec("EMBEDDING", "FP32", (-1, 384)),), 64)
+MLP = ModelSignature("mlp", ("2", "1"), ("2", "1"), "onnxruntime_onnx", (Spec("INPUT0", "FP32", (-1, 64)),),
+                     (Spec("OUTPUT0", "FP32", (-1, 64)),), 256)
+
+
+def convert(message: pb.ModelInferRequest, metadata=None) -> InferRequest:
+    return request_from_proto(message, metadata or {}, None)
+
+
+def check(message: pb.ModelInferRequest, sig=MLP):
+    return validate(sig, convert(message))
+
+
+def test_a_good_tensor_request_passes():
+    (tensor,) = check(tensor_request(np.zeros((3, 64), np.float32)))
+    assert tensor.shape == (3, 64) and len(tensor.data) == 3 * 64 * 4
+
+
+def test_typed_contents_are_accepted_like_raw_contents():
+    message = pb.ModelInferRequest(model_name="mlp")
+    message.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 64]).contents.fp32_contents.extend([0.5] * 64)
+    (tensor,) = check(message)
+    assert tensor.data == np.full(64, 0.5, "<f4").tobytes()
+    text = pb.ModelInferRequest(model_name="minilm")
+    text.inputs.add(name="TEXT", datatype="BYTES", shape=[2]).contents.bytes_contents.extend([b"a", "é".encode()])
+    assert check(text, MINILM)[0].data == pack_texts(["a", "é"])
+
+
+@pytest.mark.parametrize(
+    "mutate, fragment",
+    [
+        (lambda m: setattr(m.inputs[0], "datatype", "FP64"), "input 'INPUT0' of model 'mlp' has datatype 'FP64'; expected FP32"),
+        (lambda m: m.inputs[0].shape.__setitem__(1, 65), "has shape [2, 65]; dimension 1 must be 64"),
+        (lambda m: m.inputs[0].shape.append(1), "has shape [2, 64, 1]; expected 2 dimension(s)"),
+        (lambda m: m.inputs[0].shape.__setitem__(0, -2), "has shape [-2, 64] with a negative dimension"),
+        (lambda m: m.inputs[0].shape.__setitem__(0, 0), "the batch dimension is 0"),
+        (lambda m: m.inputs[0].shape.__setitem__(0, 3), "has 512 bytes of data but shape [3, 64] of FP32 needs 768"),
+        (lambda m: setattr(m.inputs[0], "name", "INPUT9"), "unexpected input(s) ['INPUT9'] for model 'mlp'"),
+        (lambda m: m.outputs.add(name="NOPE"), "requested output(s) ['NOPE'] do not exist in model 'mlp'"),
+    ],
+)
+def test_bad_tensor_requests_name_field_and_value(mutate, fragment):
+    message = tensor_request(np.zeros((2, 64), np.float32))
+    mutate(message)
+    with pytest.raises(errors.InvalidArgument) as info:
+        check(message)
+    assert fragment in info.value.message
+
+
+def test_missing_input():
+    with pytest.raises(errors.InvalidArgument, match=r"missing input\(s\) \['INPUT0'\] for model 'mlp'"):
+        check(pb.ModelInferRequest(model_name="mlp"))
+
+
+def test_batch_over_max_batch_size():
+    with pytest.raises(errors.InvalidArgument, match="batch of 300 exceeds max_batch_size 256"):
+        check(tensor_request(np.zeros((300, 64), np.float32)))
+
+
+def test_both_contents_and_raw_contents():
+    message = tensor_request(np.zeros((1, 64), np.float32))
+    message.inputs[0].contents.fp32_contents.extend([0.0] * 64)
+    with pytest.raises(errors.InvalidArgument, match="input 'INPUT0' has both contents and raw_input_contents"):
+        convert(message)
+
+
+def test_raw_contents_count_must_match_inputs():
+    message = tensor_request(np.zeros((1, 64), np.float32))
+    message.raw_input_contents.append(b"")
+    with pytest.raises(errors.InvalidArgument, match="raw_input_contents has 2 entries but the request has 1 inputs"):
+        convert(message)
+
+
+def test_wrong_typed_contents_field():
+    message = pb.ModelInferRequest(model_name="mlp")
+    message.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 2]).contents.int64_contents.extend([1, 2])
+    with pytest.raises(errors.InvalidArgument, match="datatype FP32 carries int64_contents; expected fp32_contents"):
+        convert(message)
+
+
+def test_malformed_bytes_length_prefix():
+    message = text_request(["hello"])
+    message.raw_input_contents[0] = b"\x09\x00\x00\x00hello"
+    with pytest.raises(errors.InvalidArgument, match="input 'TEXT' of model 'minilm': malformed BYTES contents"):
+        check(message, MINILM)
+
+
+def test_bytes_element_count_must_match_shape():
+    message = text_request(["a", "b"])
+    message.inputs[0].shape[0] = 3
+    with pytest.raises(errors.InvalidArgument, match=r"holds 2 BYTES element\(s\) but shape \[3\] needs 3"):
+        check(message, MINILM)
+
+
+def test_unknown_tier():
+    with pytest.raises(errors.InvalidArgument, match="x-user-tier is 'gold'"):
+        convert(text_request(["a"]), {"x-user-tier": "gold"})
+
+
+def test_vip_tier():
+    assert convert(text_request(["a"]), {"x-user-tier": "VIP"}).tier == 1
+
+
+def router_with(*signatures) -> Router:
+    catalog = Catalog()
+    catalog.replace(list(signatures))
+    return Router(catalog, batcher=None, cache=None)
+
+
+def test_unknown_model_and_version_are_not_found():
+    router = router_with(MLP)
+    with pytest.raises(errors.NotFound, match=r"model 'bert' is not served; available models: \['mlp'\]"):
+        router.signature("bert")
+    with pytest.raises(errors.NotFound, match=r"model 'mlp' has no version '7'; versions: \['2', '1'\]"):
+        router.signature("mlp", "7")
+    assert router.signature("mlp") == (MLP, "2")
+
+
+async def test_a_model_whose_replicas_vanished_is_unavailable_not_unknown():
+    router = router_with(MLP)
+    router.catalog.replace([])
+    request = convert(tensor_request(np.zeros((1, 64), np.float32)))
+    with pytest.raises(errors.Unavailable, match="model 'mlp' version '2' has no ready replica"):
+        await router.infer(request)
+
+
+def test_digest_depends_on_every_input_byte_version_and_outputs():
+    a = [TensorData("X", "FP32", (1, 1), b"\0\0\0\0")]
+    b = [TensorData("X", "FP32", (1, 1), b"\0\0\0\1")]
+    base = request_digest("m", "1", a, [])
+    assert len(base) == 16
+    assert base == request_digest("m", "1", list(a), [])
+    assert len({base, request_digest("m", "1", b, []), request_digest("m", "2", a, []),
+                request_digest("m", "1", a, ["Y"]), request_digest("n", "1", a, [])}) == 5
