@@ -155,3 +155,22 @@ async def test_close_answers_everything_still_queued():
     await batcher.close()
     results = await asyncio.gather(running, queued, return_exceptions=True)
     assert all(not isinstance(r, asyncio.CancelledError) for r in results)
+
+
+async def test_an_idle_model_gets_a_lone_request_at_once_without_waiting_for_company():
+    backend = GatedBackend(max_batch=8)
+    backend.gate.set()
+    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100)
+    await asyncio.wait_for(batcher.submit("m", "1", row(1.0), []), timeout=5)
+    assert backend.batches == [[1.0]]
+
+
+async def test_while_a_batch_runs_the_next_one_waits_for_company():
+    backend = GatedBackend(max_batch=8, capacity=2)
+    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100)
+    first = submit(batcher, 0.0)
+    await backend.started.wait()
+    rest = [submit(batcher, float(v)) for v in range(1, 9)]  # a free slot, but a batch is running
+    backend.gate.set()
+    await asyncio.gather(first, *rest)
+    assert backend.batches == [[0.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]]

@@ -2,8 +2,9 @@
 
 Each (model, version) has one queue and one lazily started task. The task
 waits for a free execution slot, blocks for the first request, then waits
-until the batch is full or the oldest request has waited max_queue_delay_ms,
-takes what fits and sends it to the backend as one batch. Every request's
+until the batch is full or the oldest request has waited max_queue_delay_ms
+(no wait at all while none of its batches is running), takes what fits and
+sends it to the backend as one batch. Every request's
 future is always resolved: with its outputs or with a domain error.
 """
 
@@ -144,8 +145,11 @@ class ModelQueue:
                 if rows >= self._max_batch_size:
                     break
                 continue
-            if batch and (len(self) > 0 or self._max_delay_s == 0):
-                break  # the next request does not fit, or we may not wait
+            if batch and (len(self) > 0 or self._max_delay_s == 0 or not self._batches):
+                # The next request does not fit, or we may not wait, or the
+                # model is idle: waiting for company would only leave it idle.
+                # Under load batches grow by themselves while earlier ones run.
+                break
             self._arrived.clear()
             if not batch:
                 await self._arrived.wait()

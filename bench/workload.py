@@ -1,0 +1,41 @@
+"""Deterministic, unique customer-service texts of about 16 tokens, shared by
+every benchmark so the mesh and the in-process baseline see the same work."""
+
+import base64
+import json
+import random
+
+SUBJECTS = ["my order", "the invoice", "my account", "the delivery", "my refund", "the app", "my password",
+            "the subscription", "the parcel", "my card", "the discount code", "the warranty"]
+PROBLEMS = ["has not arrived yet", "shows the wrong amount", "was charged twice", "stopped working this morning",
+            "cannot be changed online", "is missing an item", "was cancelled without notice", "keeps asking me to log in",
+            "is stuck in processing", "was sent to the wrong address"]
+ASKS = ["what should I do", "can you help me", "please advise", "how long will it take", "who can I talk to",
+        "is there a fix", "can I get a refund", "when will it be solved"]
+
+
+def texts(count: int, seed: int = 0) -> list[str]:
+    """`count` distinct texts; a different seed gives a disjoint set."""
+    rng = random.Random(seed)
+    return [f"Hello, {rng.choice(SUBJECTS)} {rng.choice(PROBLEMS)}, {rng.choice(ASKS)}? (case {seed}-{i})"
+            for i in range(count)]
+
+
+def ghz_data(items: list[str], model: str = "minilm") -> str:
+    """A ghz --data-file body: one ModelInfer message per text, sent round-robin."""
+    return json.dumps([
+        {"model_name": model,
+         "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1],
+                     "contents": {"bytes_contents": [base64.b64encode(t.encode()).decode()]}}]}
+        for t in items
+    ])
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Writes a ghz --data-file of distinct minilm requests to stdout.")
+    parser.add_argument("--count", type=int, default=5000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(ghz_data(texts(args.count, args.seed)))
