@@ -2,8 +2,6 @@
 with our generated stubs: answers, streaming, every error row, health, metrics."""
 
 import asyncio
-import os
-import pathlib
 import uuid
 
 import grpc
@@ -15,7 +13,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from tests.conftest import MAX_REQUEST_BYTES, metric
+from tests.conftest import MAX_REQUEST_BYTES, metric, scrape
 from tests.oip import output_array, tensor_request, text_request
 
 
@@ -213,7 +211,7 @@ def test_metrics_cover_requests_latency_queue_batches_and_cache(mesh):
     assert metric(mesh.router_metrics, "infermesh_router_request_duration_seconds_count", model="minilm") > 0
     batcher = mesh.metrics_url("batcher")
     assert metric(batcher, "infermesh_batcher_batch_size_count", model="minilm") > 0
-    assert ("infermesh_batcher_queue_length", (("model", "minilm"),)) in __import__("tests.conftest", fromlist=["scrape"]).scrape(batcher)
+    assert ("infermesh_batcher_queue_length", (("model", "minilm"),)) in scrape(batcher)
     assert metric(mesh.metrics_url("model_server"), "infermesh_model_inference_duration_seconds_count", model="minilm") > 0
     cache = mesh.metrics_url("cache")
     assert metric(cache, "infermesh_cache_lookups_total", result="hit") > 0

@@ -1,6 +1,7 @@
 """Serving helpers shared by every service: the error interceptor, health,
 reflection, readiness announcement and graceful shutdown."""
 
+import argparse
 import asyncio
 import json
 import logging
@@ -16,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import errors
+from services.common.config import add_dataclass_arguments, from_arguments
 from services.common.metrics import RPC_LATENCY, RPC_REQUESTS
 
 log = logging.getLogger(__name__)
@@ -212,10 +214,6 @@ def configure_logging(level: str) -> None:
 def main(config_cls, env_prefix: str, serve, description: str) -> int:
     """The whole of a service's __main__: parse and check the config once,
     configure logging, run `serve(config)` until a signal drains it."""
-    import argparse
-
-    from services.common.config import add_dataclass_arguments, from_arguments
-
     parser = argparse.ArgumentParser(description=description)
     add_dataclass_arguments(parser, config_cls, env_prefix)
     try:

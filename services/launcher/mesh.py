@@ -163,8 +163,7 @@ class Mesh:
         argv = [executable, "--port", "0", "--bind", "127.0.0.1", "--unixsocket", socket_path, "--unixsocketperm", "700",
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--maxmemory", "512mb",
                 "--maxmemory-policy", "allkeys-lru", "--dir", self.redis_dir]
-        log_dir = self.log_dir
-        process = Process("redis", argv, log_dir, self.env)
+        process = Process("redis", argv, self.log_dir, self.env)
         self.processes["redis"] = process
         self.redis_url = f"unix://{socket_path}"
         deadline = time.monotonic() + 10

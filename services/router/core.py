@@ -134,9 +134,10 @@ class Router:
             code = "CANCELLED"
             raise
         finally:
-            metrics.REQUESTS.labels(request.model if self.catalog.get(request.model) else "unknown", code).inc()
-            metrics.LATENCY.labels(request.model if self.catalog.get(request.model) else "unknown").observe(
-                time.perf_counter() - started)
+            # Only known model names become label values: callers cannot grow the series.
+            model = request.model if self.catalog.get(request.model) else "unknown"
+            metrics.REQUESTS.labels(model, code).inc()
+            metrics.LATENCY.labels(model).observe(time.perf_counter() - started)
 
     async def _infer(self, request: InferRequest) -> InferResult:
         sig, version = self.signature(request.model, request.version)
