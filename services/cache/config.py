@@ -13,8 +13,14 @@ class CacheConfig:
     metrics_port: int = dataclasses.field(default=0, metadata={"help": "Prometheus port, 0 picks a free one"})
     namespace: str = dataclasses.field(default="infermesh", metadata={"help": "prefix of every Redis key"})
     ttl_s: int = dataclasses.field(default=300, metadata={"help": "time to live of an L1 entry"})
+    model_ttl_s: tuple[str, ...] = dataclasses.field(default=(), metadata={"help": "per-model TTLs, e.g. minilm=600,mlp=60"})
     redis_timeout_ms: float = dataclasses.field(default=50.0, metadata={"help": "socket timeout of one Redis call"})
     breaker_open_s: float = dataclasses.field(default=2.0, metadata={"help": "how long Redis is skipped after a failure"})
+    l2_path: str = dataclasses.field(default="", metadata={"help": "folder of the on-disk L2 store; empty disables L2"})
+    l2_max_bytes: int = dataclasses.field(default=1 << 30, metadata={"help": "bound on the bytes of values in L2"})
+    l2_fp16: bool = dataclasses.field(default=False, metadata={"help": "store FP32 outputs as FP16 in L2 (half the bytes)"})
+    generation_poll_s: float = dataclasses.field(default=1.0, metadata={"help": "how often model generations are re-read"})
+    admin_token: str = dataclasses.field(default="", metadata={"help": "bearer token for Purge; empty disables Purge"})
     max_message_bytes: int = dataclasses.field(default=64 * 1024 * 1024)
     drain_grace_s: float = dataclasses.field(default=5.0)
     log_level: str = dataclasses.field(default="info")
@@ -25,3 +31,15 @@ class CacheConfig:
         require(self.breaker_open_s >= 0, f"breaker_open_s must be >= 0, got {self.breaker_open_s}")
         require(self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                 f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        require(self.l2_max_bytes >= 1 << 20, f"l2_max_bytes must be >= 1 MiB, got {self.l2_max_bytes}")
+        require(self.generation_poll_s > 0, f"generation_poll_s must be > 0, got {self.generation_poll_s}")
+        self.model_ttls()  # checks the format
+
+    def model_ttls(self) -> dict[str, int]:
+        ttls = {}
+        for item in self.model_ttl_s:
+            model, sep, value = item.partition("=")
+            require(bool(sep) and value.isdigit() and int(value) >= 1,
+                    f"model_ttl_s entries look like model=seconds, got {item!r}")
+            ttls[model] = int(value)
+        return ttls

@@ -1,24 +1,35 @@
-"""The result cache: Redis as L1 with a TTL, behind a circuit breaker.
+"""The result cache: Redis as L1 with a TTL, LMDB on disk as L2, behind a breaker.
 
-A request never fails because of the cache: any Redis error or timeout is a
-miss (or a dropped write), counted, and opens the breaker so that the next
-calls skip Redis until it has had time to come back.
+Lookups and stores that arrive in the same event-loop iteration go to Redis
+as one MGET and one pipeline, and to disk as one transaction. A request never
+fails because of the cache: any Redis error or timeout is a miss (or a
+dropped write), counted, and opens the breaker so that the next calls skip
+Redis until it has had time to come back; L2 keeps answering meanwhile.
+
+Keys carry the model's generation: Purge bumps it, so every older entry
+becomes unreachable at once, on every replica, without scanning Redis.
 """
 
+import asyncio
+import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from services.cache import metrics
+from services.cache import codec, metrics
+from services.cache.disk import DiskStore
+from services.common.tensors import TensorData
 
 log = logging.getLogger(__name__)
+TIERS = {0: "standard", 1: "vip"}
+MAX_QUEUED_STORES = 10_000
 
 
 class Breaker:
-    """Open for `open_s` after a failure; then one call probes Redis again."""
+    """Open for `open_s` after a failure; then the next call probes Redis again."""
 
     def __init__(self, open_s: float, clock: Callable[[], float] = time.monotonic):
         self._open_s = open_s
@@ -36,45 +47,223 @@ class Breaker:
         metrics.BREAKER_OPEN.set(0)
 
 
-class ResultCache:
-    """Get and put encoded results by (model, digest)."""
+class Coalescer:
+    """Gathers the calls made during one event-loop iteration and hands them to
+    `run_batch` together; each caller gets its own result back."""
 
-    def __init__(self, redis_url: str, namespace: str, ttl_s: int, timeout_ms: float, breaker_open_s: float):
+    def __init__(self, run_batch: Callable[[list], Awaitable[list]]):
+        self._run_batch = run_batch
+        self._pending: list[tuple[object, asyncio.Future]] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    def submit(self, item) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._flush)
+        self._pending.append((item, future))
+        return future
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        task = asyncio.create_task(self._run(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch) -> None:
+        try:
+            results = await self._run_batch([item for item, _ in batch])
+        except Exception as exc:  # noqa: BLE001 - every caller hears about it
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_, future), result in zip(batch, results):
+            if not future.done():
+                future.set_result(result)
+
+    async def drain(self) -> None:
+        while self._tasks or self._pending:
+            if self._pending:
+                self._flush()
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+class ResultCache:
+    """get / put / purge of results by (model, digest), L1 then L2."""
+
+    def __init__(self, redis_url: str, namespace: str, ttl_s: int, timeout_ms: float, breaker_open_s: float,
+                 model_ttl_s: dict[str, int] | None = None, disk: DiskStore | None = None, l2_fp16: bool = False):
         timeout = timeout_ms / 1000
         self._redis = redis.Redis.from_url(
             redis_url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False,
             health_check_interval=0)
         self._namespace = namespace
         self._ttl_s = ttl_s
+        self._model_ttl_s = model_ttl_s or {}
         self._breaker = Breaker(breaker_open_s)
+        self._disk = disk
+        self._l2_fp16 = l2_fp16
+        # One thread: LMDB allows one writer, and reads are microseconds.
+        self._disk_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cache-l2")
+        self._generations: dict[str, int] = {}
+        self._lookups = Coalescer(self._lookup_batch)
+        self._stores = Coalescer(self._store_batch)
+        self._queued_stores = 0
 
-    def key(self, model: str, digest: bytes) -> str:
-        return f"{self._namespace}:v1:{model}:{digest.hex()}"
+    # -- keys and generations -------------------------------------------------------
+    def _l1_key(self, model: str, generation: int, digest: bytes) -> str:
+        return f"{self._namespace}:v1:{model}:g{generation}:{digest.hex()}"
 
-    async def get(self, model: str, digest: bytes) -> bytes | None:
-        if not self._breaker.allows():
-            metrics.LOOKUPS.labels("l1", "skipped").inc()
-            return None
+    def _l2_key(self, model: str, generation: int, digest: bytes) -> bytes:
+        return _l2_prefix(model) + generation.to_bytes(8, "big") + digest
+
+    def _generation_key(self, model: str) -> str:
+        return f"{self._namespace}:v1:generation:{model}"
+
+    async def _generation(self, model: str) -> int:
+        if model not in self._generations:
+            await self.refresh_generations([model])
+        return self._generations.get(model, 0)
+
+    async def refresh_generations(self, models: list[str] | None = None) -> None:
+        """Re-reads the generations of `models` (default: every model seen)."""
+        models = list(self._generations) if models is None else models
+        if not models or not self._breaker.allows():
+            return
         try:
-            value = await self._redis.get(self.key(model, digest))
+            values = await self._redis.mget([self._generation_key(m) for m in models])
+        except (RedisError, OSError) as exc:
+            self._failed("generation", exc)
+            return
+        for model, value in zip(models, values):
+            self._generations[model] = int(value) if value is not None and value.isdigit() else 0
+
+    async def follow_generations(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            await self.refresh_generations()
+
+    # -- lookups ----------------------------------------------------------------------
+    async def get(self, model: str, digest: bytes, tier: int = 0) -> list[TensorData] | None:
+        return await self._lookups.submit((model, digest, tier))
+
+    async def _lookup_batch(self, items: list[tuple[str, bytes, int]]) -> list[list[TensorData] | None]:
+        for model in {m for m, _, _ in items}:
+            await self._generation(model)
+        keyed = [(model, self._generations.get(model, 0), digest, tier) for model, digest, tier in items]
+        results: list[list[TensorData] | None] = [None] * len(items)
+        levels = ["all"] * len(items)
+        raw = await self._l1_get([self._l1_key(m, g, d) for m, g, d, _ in keyed])
+        for i, value in enumerate(raw):
+            results[i] = self._decode(value, "l1")
+            if results[i] is not None:
+                levels[i] = "l1"
+        missing = [i for i, r in enumerate(results) if r is None]
+        if self._disk is not None and missing:
+            loop = asyncio.get_running_loop()
+            l2_keys = [self._l2_key(keyed[i][0], keyed[i][1], keyed[i][2]) for i in missing]
+            values = await loop.run_in_executor(self._disk_thread, self._disk.get_many, l2_keys)
+            for i, value in zip(missing, values):
+                found = self._decode(value, "l2")
+                if found is not None:
+                    results[i], levels[i] = found, "l2"
+                    model, generation, digest, _ = keyed[i]
+                    self._stores.submit(("l1", model, generation, digest, found))  # promote
+        for (_, _, _, tier), result, level in zip(keyed, results, levels):
+            metrics.LOOKUPS.labels(level, TIERS.get(tier, "standard"), "hit" if result is not None else "miss").inc()
+        return results
+
+    async def _l1_get(self, keys: list[str]) -> list[bytes | None]:
+        if not self._breaker.allows():
+            metrics.SKIPPED.inc(len(keys))
+            return [None] * len(keys)
+        try:
+            values = await self._redis.mget(keys)
         except (RedisError, OSError) as exc:
             self._failed("get", exc)
-            return None
+            return [None] * len(keys)
         self._breaker.succeeded()
-        metrics.LOOKUPS.labels("l1", "hit" if value is not None else "miss").inc()
-        return value
+        return values
 
-    async def put(self, model: str, digest: bytes, value: bytes) -> bool:
-        if not self._breaker.allows():
-            return False
+    @staticmethod
+    def _decode(value: bytes | None, level: str) -> list[TensorData] | None:
+        if value is None:
+            return None
         try:
-            await self._redis.set(self.key(model, digest), value, ex=self._ttl_s)
+            return codec.decode(value)
+        except codec.CorruptValue as exc:
+            metrics.INVALID.labels(level).inc()
+            log.debug("ignoring an invalid %s value: %s", level, exc)
+            return None
+
+    # -- stores -----------------------------------------------------------------------
+    def put(self, model: str, digest: bytes, outputs: list[TensorData]) -> asyncio.Future | None:
+        """Queues a result for the next write batch without waiting for it;
+        returns None (a dropped write, counted) when too many are queued."""
+        if self._queued_stores >= MAX_QUEUED_STORES:
+            metrics.DROPPED_STORES.inc()
+            return None
+        self._queued_stores += 1
+        future = self._stores.submit(("both", model, None, digest, outputs))
+        future.add_done_callback(self._stored)
+        return future
+
+    def _stored(self, _future) -> None:
+        self._queued_stores -= 1
+
+    async def _store_batch(self, items: list[tuple]) -> list[None]:
+        for model in {item[1] for item in items if item[2] is None}:
+            await self._generation(model)
+        items = [(where, m, self._generations.get(m, 0) if g is None else g, d, outputs)
+                 for where, m, g, d, outputs in items]
+        l1 = [(self._l1_key(m, g, d), codec.encode(outputs), self._model_ttl_s.get(m, self._ttl_s))
+              for _, m, g, d, outputs in items]
+        await self._l1_set(l1)
+        if self._disk is not None:
+            l2 = [(self._l2_key(m, g, d), codec.encode(outputs, compress=True, fp16=self._l2_fp16))
+                  for where, m, g, d, outputs in items if where == "both"]
+            if l2:
+                loop = asyncio.get_running_loop()
+                try:
+                    await loop.run_in_executor(self._disk_thread, self._disk.put_many, l2)
+                except Exception:
+                    metrics.ERRORS.labels("l2_put").inc()
+                    log.exception("L2 write of %d values failed", len(l2))
+                    raise
+                metrics.STORED_BYTES.labels("l2").inc(sum(len(v) for _, v in l2))
+                metrics.L2_BYTES.set(self._disk.stored_bytes)
+                raw = sum(sum(len(t.data) for t in outputs) for where, *_, outputs in items if where == "both")
+                metrics.L2_RATIO.set(sum(len(v) for _, v in l2) / max(raw, 1))
+        return [None] * len(items)
+
+    async def _l1_set(self, items: list[tuple[str, bytes, int]]) -> None:
+        if not items or not self._breaker.allows():
+            return
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key, value, ttl in items:
+                    pipe.set(key, value, ex=ttl)
+                await pipe.execute()
         except (RedisError, OSError) as exc:
             self._failed("set", exc)
-            return False
+            return
         self._breaker.succeeded()
-        metrics.STORED_BYTES.inc(len(value))
-        return True
+        metrics.STORED_BYTES.labels("l1").inc(sum(len(v) for _, v, _ in items))
+
+    # -- purge ------------------------------------------------------------------------
+    async def purge(self, model: str) -> tuple[int, int]:
+        """Bumps the model's generation in Redis and drops its L2 entries here.
+        Raises RedisError when Redis is unreachable: a purge must not half-happen silently."""
+        generation = int(await self._redis.incr(self._generation_key(model)))
+        self._generations[model] = generation
+        deleted = 0
+        if self._disk is not None:
+            loop = asyncio.get_running_loop()
+            deleted = await loop.run_in_executor(self._disk_thread, self._disk.delete_prefix, _l2_prefix(model))
+            metrics.L2_BYTES.set(self._disk.stored_bytes)
+        log.info("purged model %s: generation %d, %d L2 entries dropped", model, generation, deleted)
+        return generation, deleted
 
     def _failed(self, operation: str, exc: Exception) -> None:
         metrics.ERRORS.labels(operation).inc()
@@ -83,4 +272,12 @@ class ResultCache:
         self._breaker.failed()
 
     async def close(self) -> None:
+        await self._stores.drain()
         await self._redis.aclose()
+        self._disk_thread.shutdown(wait=True)
+        if self._disk is not None:
+            self._disk.close()
+
+
+def _l2_prefix(model: str) -> bytes:
+    return model.encode() + b"\x00"

@@ -1,38 +1,41 @@
-"""The cache service's gRPC face: streamed lookups, streamed stores."""
+"""The cache service's gRPC face: streamed lookups, streamed stores, an admin purge."""
 
 import asyncio
+import hmac
 import logging
 
-from google.protobuf.message import DecodeError
 from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
+from redis.exceptions import RedisError
 
 from services.cache import metrics
 from services.cache.config import CacheConfig
 from services.cache.core import ResultCache
-from services.common import serving
+from services.common import errors, serving
+from services.common.protoconv import tensors_from_proto, tensors_to_proto
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
-    def __init__(self, cache: ResultCache):
+    def __init__(self, cache: ResultCache, admin_token: str):
         self._cache = cache
+        self._admin_token = admin_token
 
     async def Lookup(self, request_iterator, context):
-        """One answer per lookup, in completion order; a bad or foreign value is a miss."""
+        """One answer per lookup, in completion order; anything unreadable is a miss."""
         outbox: asyncio.Queue = asyncio.Queue()
         pending: set[asyncio.Task] = set()
 
         async def answer(request) -> None:
-            value = await self._cache.get(request.model, request.digest)
-            response = cache_pb2.LookupResponse(id=request.id, hit=False)
-            if value is not None:
-                try:
-                    cached = cache_pb2.CachedResult.FromString(value)
-                    response = cache_pb2.LookupResponse(id=request.id, hit=bool(cached.outputs), outputs=cached.outputs)
-                except DecodeError:
-                    metrics.LOOKUPS.labels("l1", "invalid").inc()
+            try:
+                outputs = await self._cache.get(request.model, request.digest, request.tier)
+            except Exception:  # noqa: BLE001 - the cache never fails a request: a miss
+                log.exception("lookup failed unexpectedly")
+                outputs = None
+            response = cache_pb2.LookupResponse(id=request.id, hit=outputs is not None)
+            if outputs is not None:
+                response.outputs.extend(tensors_to_proto(outputs))
             outbox.put_nowait(response)
 
         async def read() -> None:
@@ -54,20 +57,50 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 task.cancel()
 
     async def Store(self, request_iterator, context):
-        stored = failed = 0
+        """Writes go out in batches while the stream keeps flowing; the summary
+        counts them once the caller closes the stream."""
+        counts = {"stored": 0, "failed": 0}
+        pending: set[asyncio.Future] = set()
+
+        def settle(future: asyncio.Future) -> None:
+            pending.discard(future)
+            counts["failed" if future.cancelled() or future.exception() else "stored"] += 1
+
         async for request in request_iterator:
-            value = cache_pb2.CachedResult(outputs=request.outputs).SerializeToString()
-            if await self._cache.put(request.model, request.digest, value):
-                stored += 1
-            else:
-                failed += 1
-        return cache_pb2.StoreSummary(stored=stored, failed=failed)
+            future = self._cache.put(request.model, request.digest, tensors_from_proto(request.outputs))
+            if future is None:
+                counts["failed"] += 1
+                continue
+            pending.add(future)
+            future.add_done_callback(settle)
+        # settle() was registered first, so it has run for each future by the time gather returns.
+        await asyncio.gather(*list(pending), return_exceptions=True)
+        return cache_pb2.StoreSummary(**counts)
+
+    async def Purge(self, request, context):
+        if not self._admin_token:
+            metrics.PURGES.labels("disabled").inc()
+            raise errors.PermissionDenied("Purge is disabled: the cache service has no admin token configured")
+        metadata = dict(context.invocation_metadata() or ())
+        presented = metadata.get("authorization", "")
+        if not hmac.compare_digest(presented.encode(), f"Bearer {self._admin_token}".encode()):
+            metrics.PURGES.labels("unauthenticated").inc()
+            raise errors.Unauthenticated("Purge needs metadata 'authorization: Bearer <admin token>'")
+        if not request.model:
+            raise errors.InvalidArgument("PurgeRequest.model is empty; name the model to purge")
+        try:
+            generation, deleted = await self._cache.purge(request.model)
+        except (RedisError, OSError) as exc:
+            metrics.PURGES.labels("failed").inc()
+            raise errors.Unavailable(f"Purge of model '{request.model}' failed: Redis is unreachable ({exc})") from None
+        metrics.PURGES.labels("ok").inc()
+        return cache_pb2.PurgeResponse(generation=generation, l2_deleted=deleted)
 
 
 async def build_server(config: CacheConfig, cache: ResultCache, port: int | None = None):
     """Returns (server, bound_port, health servicer); the server is started."""
     server = serving.new_server("cache", config.max_message_bytes)
-    cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache), server)
+    cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache, config.admin_token), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
     await server.start()

@@ -61,6 +61,20 @@ class Unavailable(InfermeshError):
     retryable = True
 
 
+class PermissionDenied(InfermeshError):
+    """PERMISSION_DENIED: the operation is disabled or not allowed."""
+
+    code = 7
+    code_name = "PERMISSION_DENIED"
+
+
+class Unauthenticated(InfermeshError):
+    """UNAUTHENTICATED: the operation needs credentials that were missing or wrong."""
+
+    code = 16
+    code_name = "UNAUTHENTICATED"
+
+
 class Cancelled(InfermeshError):
     """CANCELLED: the caller went away."""
 
@@ -70,7 +84,8 @@ class Cancelled(InfermeshError):
 
 BY_CODE: dict[int, type[InfermeshError]] = {
     cls.code: cls
-    for cls in (InvalidArgument, DeadlineExceeded, NotFound, ResourceExhausted, Internal, Unavailable, Cancelled)
+    for cls in (InvalidArgument, DeadlineExceeded, NotFound, ResourceExhausted, Internal, Unavailable, Cancelled,
+                PermissionDenied, Unauthenticated)
 }
 
 

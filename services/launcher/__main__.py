@@ -16,6 +16,8 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=int(os.environ.get("INFERMESH_PORT", 8001)), help="router gRPC port")
     parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("INFERMESH_METRICS_PORT", 8002)))
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="use this Redis instead of starting one")
+    parser.add_argument("--l2-path", default=os.environ.get("INFERMESH_L2_PATH", "var/cache"),
+                        help="the cache's on-disk L2 folder; it survives restarts ('' disables L2)")
     parser.add_argument("--log-dir", default=os.environ.get("INFERMESH_LOG_DIR"), help="write each service's log here")
     args = parser.parse_args()
 
@@ -23,7 +25,7 @@ def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
     mesh = Mesh(models=args.models, host=args.host, router_port=args.port, metrics_port=args.metrics_port,
-                redis_url=args.redis_url, log_dir=args.log_dir)
+                redis_url=args.redis_url, l2_path=args.l2_path, log_dir=args.log_dir)
     try:
         mesh.start()
     except MeshError as exc:

@@ -91,6 +91,7 @@ class Mesh:
         metrics_port: int = 0,
         redis_url: str | None = None,
         cache: bool = True,
+        l2_path: str | os.PathLike | None = None,
         log_dir: str | os.PathLike | None = None,
         batcher_args: tuple[str, ...] = (),
         router_args: tuple[str, ...] = (),
@@ -105,7 +106,10 @@ class Mesh:
         self.metrics_port = metrics_port
         self.redis_url = redis_url
         self.use_cache = cache
+        self.l2_path = str(l2_path) if l2_path else None
         self.log_dir = pathlib.Path(log_dir) if log_dir else None
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
         self.batcher_args = batcher_args
         self.router_args = router_args
         self.model_server_args = model_server_args
@@ -118,8 +122,6 @@ class Mesh:
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> "Mesh":
-        if self.log_dir:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             if self.use_cache and self.redis_url is None:
                 self.start_redis()
@@ -132,7 +134,7 @@ class Mesh:
             batcher = self._spawn("batcher", "services.batcher", ["--model-servers", addresses, *self.batcher_args])
             cache = None
             if self.use_cache:
-                cache = self._spawn("cache", "services.cache", ["--redis-url", self.redis_url, *self.cache_args])
+                cache = self.start_cache()
             batcher_address = batcher.wait_ready(self.ready_timeout_s)["grpc"]
             router_argv = ["--batcher", batcher_address, "--port", str(self.router_port),
                            "--metrics-port", str(self.metrics_port)]
@@ -151,6 +153,18 @@ class Mesh:
         process = Process(name, argv, self.log_dir, self.env)
         self.processes[name] = process
         return process
+
+    def start_cache(self) -> Process:
+        """Spawns the cache service (also to restart it); the caller waits for it."""
+        argv = ["--redis-url", self.redis_url, *self.cache_args]
+        if self.l2_path:
+            argv += ["--l2-path", self.l2_path]
+        return self._spawn("cache", "services.cache", argv)
+
+    def stop_service(self, name: str) -> None:
+        process = self.processes.pop(name, None)
+        if process is not None:
+            process.stop(15)
 
     def start_redis(self) -> None:
         """Our own redis-server on a Unix socket: no TCP port to collide or expose."""
@@ -178,9 +192,7 @@ class Mesh:
         raise MeshError("redis-server did not answer PING within 10s")
 
     def stop_redis(self) -> None:
-        process = self.processes.pop("redis", None)
-        if process is not None:
-            process.stop(5)
+        self.stop_service("redis")
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Drains the router first, then the services behind it, then Redis."""

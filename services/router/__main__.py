@@ -6,6 +6,7 @@ import sys
 
 from services.common import serving
 from services.common.metrics import start_metrics_server
+from services.router.bypass import AdaptiveBypass
 from services.router.clients import BatcherClient, CacheClient
 from services.router.config import RouterConfig
 from services.router.core import Catalog, Router
@@ -18,7 +19,8 @@ async def serve(config: RouterConfig) -> None:
     catalog = Catalog()
     batcher = BatcherClient(config.batcher, config.batcher_streams, catalog, config.catalog_poll_s)
     cache = CacheClient(config.cache, config.cache_lookup_timeout_ms / 1000) if config.cache else None
-    router = Router(catalog, batcher, cache)
+    bypass = AdaptiveBypass(config.cache_bypass_window, config.cache_min_hit_rate, config.cache_probe_every)
+    router = Router(catalog, batcher, cache, bypass)
     await batcher.start()
     metrics_port = start_metrics_server(config.host, config.metrics_port)
     server, port, health = await build_server(config, router)

@@ -89,10 +89,10 @@ class CacheClient:
         self._stores: asyncio.Queue = asyncio.Queue(max_pending_stores)
         self._writer: asyncio.Task | None = None
 
-    async def lookup(self, model: str, digest: bytes) -> list[TensorData] | None:
+    async def lookup(self, model: str, digest: bytes, tier: int) -> list[TensorData] | None:
         try:
             response = await self._lookups.request(
-                lambda i: cache_pb2.LookupRequest(id=i, model=model, digest=digest), self._timeout_s)
+                lambda i: cache_pb2.LookupRequest(id=i, model=model, digest=digest, tier=tier), self._timeout_s)
         except (errors.InfermeshError, TimeoutError) as exc:
             metrics.CACHE.labels("error").inc()
             metrics.CACHE_ERRORS.labels("lookup").inc()

@@ -14,10 +14,12 @@ from typing import Protocol
 from services.common import errors
 from services.common.tensors import NUMPY_DTYPES, TensorData, element_count, split_bytes_elements
 from services.router import metrics
+from services.router.bypass import AdaptiveBypass
 
 log = logging.getLogger(__name__)
 
 STANDARD, VIP = 0, 1
+SINGLE_FLIGHT_LINGER_S = 0.05
 TIERS = {"standard": STANDARD, "vip": VIP}
 
 
@@ -50,6 +52,7 @@ class InferRequest:
     outputs: list[str]
     tier: int = STANDARD
     timeout_s: float | None = None
+    cache_bypass: bool = False
 
 
 @dataclasses.dataclass
@@ -67,7 +70,7 @@ class Batcher(Protocol):
 
 
 class Cache(Protocol):
-    async def lookup(self, model: str, digest: bytes) -> list[TensorData] | None: ...
+    async def lookup(self, model: str, digest: bytes, tier: int) -> list[TensorData] | None: ...
 
     def store(self, model: str, digest: bytes, outputs: list[TensorData]) -> None: ...
 
@@ -98,10 +101,15 @@ class Catalog:
 
 
 class Router:
-    def __init__(self, catalog: Catalog, batcher: Batcher, cache: Cache | None):
+    def __init__(self, catalog: Catalog, batcher: Batcher, cache: Cache | None, bypass: AdaptiveBypass | None = None):
         self.catalog = catalog
         self._batcher = batcher
         self._cache = cache
+        self._bypass = bypass or AdaptiveBypass()
+        # Single-flight: the one computation running for a digest, and how many
+        # callers wait on it.
+        self._running: dict[bytes, asyncio.Task] = {}
+        self._waiting: dict[bytes, int] = {}
 
     def signature(self, model: str, version: str = "") -> tuple[ModelSignature, str]:
         """The model's signature and the concrete version a request would use."""
@@ -144,17 +152,67 @@ class Router:
         if version not in sig.ready_versions:
             raise errors.Unavailable(f"model '{sig.name}' version '{version}' has no ready replica; retry later")
         inputs = validate(sig, request)
-        digest = None
-        if self._cache is not None:
-            digest = request_digest(sig.name, version, inputs, request.outputs)
-            cached = await self._cache.lookup(sig.name, digest)
+        if request.cache_bypass:
+            metrics.CACHE.labels("bypassed").inc()
+            used, outputs = await self._submit(sig.name, version, inputs, request)
+            return InferResult(sig.name, used, request.id, outputs, cached=False)
+        digest = request_digest(sig.name, version, inputs, request.outputs)
+        used, outputs, cached = await self._single_flight(digest, sig.name, version, inputs, request)
+        return InferResult(sig.name, used, request.id, outputs, cached=cached)
+
+    async def _single_flight(self, digest: bytes, model: str, version: str, inputs: list[TensorData],
+                             request: InferRequest) -> tuple[str, list[TensorData], bool]:
+        """Identical requests share one lookup-and-compute. It runs with the first
+        caller's deadline and is cancelled only when every caller has left. A
+        success lingers briefly, covering the moment before its store lands."""
+        task = self._running.get(digest)
+        if task is None:
+            task = asyncio.create_task(self._resolve(digest, model, version, inputs, request))
+            self._running[digest] = task
+            task.add_done_callback(lambda done: self._finished(digest, done))
+        else:
+            metrics.CACHE.labels("shared").inc()
+        self._waiting[digest] = self._waiting.get(digest, 0) + 1
+        try:
+            return await asyncio.shield(task)
+        finally:
+            left = self._waiting[digest] - 1
+            if left:
+                self._waiting[digest] = left
+            else:
+                del self._waiting[digest]
+                if not task.done():
+                    task.cancel()
+
+    def _finished(self, digest: bytes, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is not None:
+            self._forget(digest, task)
+        else:
+            asyncio.get_running_loop().call_later(SINGLE_FLIGHT_LINGER_S, self._forget, digest, task)
+
+    def _forget(self, digest: bytes, task: asyncio.Task) -> None:
+        if self._running.get(digest) is task:
+            del self._running[digest]
+
+    async def _resolve(self, digest: bytes, model: str, version: str, inputs: list[TensorData],
+                       request: InferRequest) -> tuple[str, list[TensorData], bool]:
+        use_cache = self._cache is not None and self._bypass.should_use_cache(model)
+        if use_cache:
+            cached = await self._cache.lookup(model, digest, request.tier)
+            self._bypass.record(model, hit=cached is not None)
             if cached is not None:
-                return InferResult(sig.name, version, request.id, cached, cached=True)
-        used, outputs = await self._batcher.submit(
-            sig.name, version, inputs, request.outputs, request.tier, _downstream_timeout(request.timeout_s))
-        if self._cache is not None and used == version:
-            self._cache.store(sig.name, digest, outputs)
-        return InferResult(sig.name, used, request.id, outputs, cached=False)
+                return version, cached, True
+        elif self._cache is not None:
+            metrics.CACHE.labels("bypassed").inc()
+        used, outputs = await self._submit(model, version, inputs, request)
+        if use_cache and used == version:
+            self._cache.store(model, digest, outputs)
+        return used, outputs, False
+
+    async def _submit(self, model: str, version: str, inputs: list[TensorData],
+                      request: InferRequest) -> tuple[str, list[TensorData]]:
+        return await self._batcher.submit(
+            model, version, inputs, request.outputs, request.tier, _downstream_timeout(request.timeout_s))
 
 
 def _downstream_timeout(timeout_s: float | None) -> float | None:

@@ -8,7 +8,12 @@ LATENCY = prometheus_client.Histogram(
     "infermesh_router_request_duration_seconds", "Time to answer an inference request, by model.", ["model"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 CACHE = prometheus_client.Counter(
-    "infermesh_router_cache_lookups_total", "Cache lookups by the router, by result (hit, miss, error).", ["result"])
+    "infermesh_router_cache_lookups_total",
+    "Requests by what the cache did for them: hit, miss, error, bypassed (asked or automatic) or shared "
+    "(an identical request was already running; single-flight).", ["result"])
+CACHE_BYPASS = prometheus_client.Gauge(
+    "infermesh_router_cache_bypassed", "1 while a model's cache lookups are bypassed for a near-zero hit rate.",
+    ["model"])
 CACHE_ERRORS = prometheus_client.Counter(
     "infermesh_router_cache_errors_total", "Cache calls that failed or timed out; the request went on uncached.",
     ["operation"])

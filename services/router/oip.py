@@ -40,6 +40,7 @@ def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], 
     if tier_name not in TIERS:
         raise errors.InvalidArgument(f"metadata x-user-tier is {tier_name!r}; expected one of {sorted(TIERS)}")
     return InferRequest(
+        cache_bypass=_bool_parameter(request, "cache_bypass"),
         model=request.model_name,
         version=request.model_version,
         id=request.id,
@@ -48,6 +49,16 @@ def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], 
         tier=TIERS[tier_name],
         timeout_s=timeout_s,
     )
+
+
+def _bool_parameter(request: pb.ModelInferRequest, name: str) -> bool:
+    if name not in request.parameters:
+        return False
+    parameter = request.parameters[name]
+    if parameter.WhichOneof("parameter_choice") != "bool_param":
+        raise errors.InvalidArgument(
+            f"parameter '{name}' must be a bool_param, got {parameter.WhichOneof('parameter_choice')}")
+    return parameter.bool_param
 
 
 def _contents_bytes(tensor) -> bytes:

@@ -1,0 +1,105 @@
+"""The L2 store: LMDB on local disk, bounded, surviving restarts.
+
+LMDB was chosen by measurement (bench/cache_store.py): the fastest reads of
+the stores tried and no background compaction competing for the cores.
+Values are kept in write order in a second table, so that when the stored
+bytes pass the bound the oldest entries go first. Every call blocks, so the
+cache service runs them in one worker thread, never on the event loop.
+"""
+
+import logging
+import pathlib
+import struct
+import threading
+import time
+
+import lmdb
+
+log = logging.getLogger(__name__)
+_ORDER_KEY = struct.Struct(">dI")  # write time, then a tie-breaking counter; big-endian sorts by time
+_META_BYTES = b"stored_bytes"
+
+
+class DiskStore:
+    """get_many / put_many / delete_prefix over LMDB, at most `max_bytes` of values."""
+
+    def __init__(self, path: str | pathlib.Path, max_bytes: int):
+        self._path = pathlib.Path(path)
+        self._path.mkdir(parents=True, exist_ok=True)
+        self._max_bytes = max_bytes
+        # The map is the file's upper bound; values plus LMDB's own pages stay well inside it.
+        self._env = lmdb.open(str(self._path), map_size=max(4 * max_bytes, 64 << 20), max_dbs=3,
+                              sync=False, metasync=False, lock=True)
+        self._values = self._env.open_db(b"values")
+        self._order = self._env.open_db(b"order")
+        self._meta = self._env.open_db(b"meta")
+        self._counter = 0
+        self._lock = threading.Lock()
+        with self._env.begin(db=self._meta) as txn:
+            raw = txn.get(_META_BYTES)
+        self.stored_bytes = int(raw) if raw else 0
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        with self._env.begin(db=self._values, buffers=False) as txn:
+            return [_value(txn.get(k)) for k in keys]
+
+    def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
+        with self._lock, self._env.begin(write=True) as txn:
+            now = time.time()
+            for key, value in items:
+                self._counter = (self._counter + 1) & 0xFFFFFFFF
+                order_key = _ORDER_KEY.pack(now, self._counter)
+                old = txn.get(key, db=self._values)
+                if old is not None:
+                    self.stored_bytes -= len(old) - _ORDER_KEY.size
+                    txn.delete(old[:_ORDER_KEY.size], db=self._order)
+                # Each value carries its order key, so replacing it can drop the old order entry.
+                txn.put(key, order_key + value, db=self._values)
+                txn.put(order_key, key, db=self._order)
+                self.stored_bytes += len(value)
+            self._evict(txn)
+            txn.put(_META_BYTES, str(self.stored_bytes).encode(), db=self._meta)
+
+    def _evict(self, txn) -> None:
+        if self.stored_bytes <= self._max_bytes:
+            return
+        evicted = 0
+        with txn.cursor(db=self._order) as cursor:
+            for order_key, key in cursor:
+                if self.stored_bytes <= self._max_bytes * 0.9:  # leave room, so eviction is not every write
+                    break
+                value = txn.get(key, db=self._values)
+                if value is not None:
+                    self.stored_bytes -= len(value) - _ORDER_KEY.size
+                    txn.delete(key, db=self._values)
+                txn.delete(order_key, db=self._order)
+                evicted += 1
+        log.info("L2 evicted %d oldest entries; %d bytes stored", evicted, self.stored_bytes)
+
+    def delete_prefix(self, prefix: bytes) -> int:
+        """Deletes every key starting with `prefix`; returns how many."""
+        deleted = 0
+        with self._lock, self._env.begin(write=True) as txn:
+            with txn.cursor(db=self._values) as cursor:
+                if cursor.set_range(prefix):
+                    while cursor.key().startswith(prefix):
+                        value = cursor.value()
+                        txn.delete(value[:_ORDER_KEY.size], db=self._order)
+                        self.stored_bytes -= len(value) - _ORDER_KEY.size
+                        deleted += 1
+                        if not cursor.delete():
+                            break
+            txn.put(_META_BYTES, str(self.stored_bytes).encode(), db=self._meta)
+        return deleted
+
+    def __len__(self) -> int:
+        with self._env.begin(db=self._values) as txn:
+            return txn.stat(self._values)["entries"]
+
+    def close(self) -> None:
+        self._env.sync(True)
+        self._env.close()
+
+
+def _value(stored: bytes | None) -> bytes | None:
+    return None if stored is None else stored[_ORDER_KEY.size:]

@@ -1,0 +1,85 @@
+"""The cache as the router uses it: single-flight, per-request and automatic bypass."""
+
+import asyncio
+import time
+import uuid
+
+import grpc
+import pytest
+from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
+from inference import grpc_predict_v2_pb2 as pb
+from inference import grpc_predict_v2_pb2_grpc as pb_grpc
+
+from services.launcher.mesh import Mesh
+from tests.conftest import metric
+from tests.oip import output_array, text_request
+
+
+def rows_run(mesh) -> float:
+    return metric(mesh.metrics_url("model_server"), "infermesh_model_batch_rows_sum", model="minilm")
+
+
+def bypassing(request: pb.ModelInferRequest) -> pb.ModelInferRequest:
+    request.parameters["cache_bypass"].bool_param = True
+    return request
+
+
+async def test_a_hundred_identical_concurrent_requests_run_the_model_once(mesh):
+    request = text_request([f"the same question, asked by everyone at once {uuid.uuid4().hex}"])
+    before = rows_run(mesh)
+    async with grpc.aio.insecure_channel(mesh.router) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        responses = await asyncio.gather(*(stub.ModelInfer(request) for _ in range(100)))
+    assert len({r.raw_output_contents[0] for r in responses}) == 1
+    assert rows_run(mesh) - before == 1
+
+
+def test_per_request_bypass_runs_the_model_every_time(mesh):
+    request = bypassing(text_request([f"do not cache me {uuid.uuid4().hex}"]))
+    before = rows_run(mesh)
+    bypassed = metric(mesh.router_metrics, "infermesh_router_cache_lookups_total", result="bypassed")
+    with grpc.insecure_channel(mesh.router) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        answers = [stub.ModelInfer(request, timeout=30) for _ in range(3)]
+        with pytest.raises(grpc.RpcError) as info:
+            wrong = text_request(["x"])
+            wrong.parameters["cache_bypass"].string_param = "yes"
+            stub.ModelInfer(wrong, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "parameter 'cache_bypass' must be a bool_param, got string_param" in info.value.details()
+    assert rows_run(mesh) - before == 3
+    assert metric(mesh.router_metrics, "infermesh_router_cache_lookups_total", result="bypassed") - bypassed == 3
+    assert len({a.raw_output_contents[0] for a in answers}) == 1
+
+
+def test_purge_is_refused_when_no_admin_token_is_configured(mesh):
+    with grpc.insecure_channel(mesh.address("cache")) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            cache_pb2_grpc.CacheStub(channel).Purge(cache_pb2.PurgeRequest(model="minilm"),
+                                                    metadata=(("authorization", "Bearer anything"),), timeout=10)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "no admin token configured" in info.value.details()
+
+
+def test_a_unique_workload_stops_paying_for_lookups_and_a_repeating_one_resumes(model_repository, tmp_path):
+    with Mesh(models=model_repository, log_dir=tmp_path,
+              router_args=("--cache-bypass-window", "20", "--cache-min-hit-rate", "0.1", "--cache-probe-every", "4")) as m:
+        lookups = lambda: sum(metric(m.router_metrics, "infermesh_router_cache_lookups_total", result=r)  # noqa: E731
+                              for r in ("hit", "miss", "error"))
+        gauge = lambda: metric(m.router_metrics, "infermesh_router_cache_bypassed", model="minilm")  # noqa: E731
+        with grpc.insecure_channel(m.router) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            for i in range(20):
+                stub.ModelInfer(text_request([f"unique {i} {uuid.uuid4().hex}"]), timeout=30)
+            assert gauge() == 1
+            before = lookups()
+            for i in range(40):
+                stub.ModelInfer(text_request([f"still unique {i} {uuid.uuid4().hex}"]), timeout=30)
+            assert lookups() - before == 10  # only the probes
+            # The workload turns repetitive: probes store and then hit, and the bypass lifts.
+            deadline = time.monotonic() + 60
+            while gauge() == 1 and time.monotonic() < deadline:
+                response = stub.ModelInfer(text_request(["the one popular question"]), timeout=30)
+                time.sleep(0.06)  # past single-flight's linger, so each request is a new flight
+            assert gauge() == 0
+            assert output_array(response, "EMBEDDING").shape == (1, 384)

@@ -1,0 +1,91 @@
+"""The cache's value codec, its disk store and the router's automatic bypass."""
+
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from services.cache import codec
+from services.cache.disk import DiskStore
+from services.common.tensors import TensorData, from_numpy, to_numpy
+from services.router.bypass import AdaptiveBypass
+
+
+def embedding_tensor(rows: int = 2) -> TensorData:
+    vectors = np.random.default_rng(rows).standard_normal((rows, 384)).astype(np.float32)
+    return from_numpy("EMBEDDING", vectors / np.linalg.norm(vectors, axis=1, keepdims=True))
+
+
+def test_codec_round_trips_fixed_and_bytes_tensors_exactly():
+    tensors = [embedding_tensor(), from_numpy("T", np.array([b"", "é".encode()], dtype=object))]
+    for compress in (False, True):
+        assert codec.decode(codec.encode(tensors, compress=compress)) == tensors
+
+
+def test_codec_compresses_only_when_it_pays():
+    repetitive = from_numpy("X", np.zeros((64, 64), np.float32))
+    assert len(codec.encode([repetitive], compress=True)) < len(repetitive.data) / 10
+    noise = TensorData("X", "UINT8", (4096,), os.urandom(4096))
+    assert codec.encode([noise], compress=True)[4] & codec.ZSTD == 0  # incompressible: kept raw
+
+
+def test_codec_fp16_halves_embeddings_within_cosine_budget():
+    tensor = embedding_tensor(16)
+    packed = codec.encode([tensor], fp16=True)
+    assert len(packed) < 0.55 * len(tensor.data)
+    (back,) = codec.decode(packed)
+    assert back.datatype == "FP32" and back.shape == tensor.shape
+    a, b = to_numpy(tensor), to_numpy(back)
+    assert (np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min() > 0.99999
+
+
+@pytest.mark.parametrize("value", [
+    b"", b"IMC", b"pickle\x80\x04", b"IMC1\x00\x01", b"IMC1\x01\x01garbage-not-zstd",
+    codec.encode([embedding_tensor()])[:-7],                       # truncated data
+    codec.encode([embedding_tensor()]) + b"extra",                 # trailing bytes
+    b"IMC1\x00\x01" + struct.pack("<H", 1) + b"X" + b"\x04NOPE" + b"\x00" + struct.pack("<I", 0),  # bad dtype
+])
+def test_foreign_or_corrupt_values_are_rejected_never_executed(value):
+    with pytest.raises(codec.CorruptValue):
+        codec.decode(value)
+
+
+def test_disk_store_is_bounded_drops_oldest_first_and_survives_reopen(tmp_path):
+    store = DiskStore(tmp_path, max_bytes=1 << 20)
+    for batch in range(30):
+        store.put_many([(f"m\x00{batch:03d}{i:03d}".encode(), os.urandom(4096)) for i in range(10)])
+    assert store.stored_bytes <= 1 << 20
+    newest, oldest = store.get_many([b"m\x00029009", b"m\x00000000"])
+    assert newest is not None and oldest is None
+    count, stored = len(store), store.stored_bytes
+    store.close()
+    reopened = DiskStore(tmp_path, max_bytes=1 << 20)
+    assert (len(reopened), reopened.stored_bytes) == (count, stored)
+    assert reopened.get_many([b"m\x00029009"])[0] == newest
+    assert reopened.delete_prefix(b"m\x00") == count
+    assert len(reopened) == 0 and reopened.stored_bytes == 0
+    reopened.close()
+
+
+def test_replacing_a_value_keeps_the_byte_count_right(tmp_path):
+    store = DiskStore(tmp_path, max_bytes=1 << 20)
+    store.put_many([(b"k", b"x" * 100)])
+    store.put_many([(b"k", b"y" * 40)])
+    assert store.stored_bytes == 40 and store.get_many([b"k"]) == [b"y" * 40]
+    store.close()
+
+
+def test_bypass_turns_on_for_a_unique_workload_and_off_when_it_repeats():
+    bypass = AdaptiveBypass(window=10, min_hit_rate=0.1, probe_every=5)
+    for _ in range(10):
+        assert bypass.should_use_cache("m")
+        bypass.record("m", hit=False)
+    assert bypass.is_bypassed("m")
+    used = [bypass.should_use_cache("m") for _ in range(50)]
+    assert sum(used) == 10  # one in five still probes
+    for _ in range(10):
+        bypass.record("m", hit=True)
+    assert not bypass.is_bypassed("m")
+    assert all(bypass.should_use_cache("m") for _ in range(5))
+    assert not bypass.is_bypassed("other")
