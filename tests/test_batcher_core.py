@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from services.batcher.core import STANDARD, VIP, Batcher
+from services.batcher.core import STANDARD, VIP, Batcher, ModelLimits
 from services.common import errors
 from services.common.tensors import from_numpy, to_numpy
 
@@ -22,8 +22,8 @@ class GatedBackend:
         self.started = asyncio.Event()
         self.poison = None
 
-    def max_batch_size(self, model):
-        return self._max_batch
+    def limits(self, model):
+        return ModelLimits(self._max_batch, ("X",)) if model == "m" else None
 
     def capacity(self):
         return self._capacity
@@ -61,12 +61,17 @@ async def test_full_batches_go_out_at_once_and_results_fan_back_in_order():
     assert [float(to_numpy(out[0])[0, 0]) for _, out in results] == [2.0 * i for i in range(8)]
 
 
-async def test_a_partial_batch_leaves_after_the_queue_delay():
-    backend = GatedBackend(max_batch=8)
+async def test_while_a_batch_runs_a_partial_batch_leaves_after_the_queue_delay():
+    backend = GatedBackend(max_batch=8, capacity=2)
+    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=20, max_queue_size=100)
+    running = submit(batcher, 0.0)
+    await backend.started.wait()  # the model is busy, so the next batch waits for company
+    backend.started.clear()
+    waiting = [submit(batcher, 1.0), submit(batcher, 2.0)]
+    await asyncio.wait_for(backend.started.wait(), timeout=5)  # ... but only max_queue_delay_ms
+    assert backend.batches == [[0.0], [1.0, 2.0]]
     backend.gate.set()
-    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=1, max_queue_size=100)
-    await asyncio.gather(submit(batcher, 1.0), submit(batcher, 2.0))
-    assert backend.batches == [[1.0, 2.0]]
+    await asyncio.gather(running, *waiting)
 
 
 async def test_vip_goes_first_and_fifo_holds_within_a_level():
@@ -137,11 +142,48 @@ async def test_one_bad_request_does_not_fail_its_batch_neighbours():
     assert backend.batches[0] == [1.0, 13.0, 3.0, 4.0]
 
 
-async def test_a_request_larger_than_a_batch_is_refused():
-    batcher = Batcher(GatedBackend(max_batch=2), max_batch_size=8, max_queue_delay_ms=0, max_queue_size=10)
-    inputs = [from_numpy("X", np.zeros((3, 1), dtype=np.float32))]
-    with pytest.raises(errors.InvalidArgument, match="request of 3 rows exceeds the batch size 2"):
-        await batcher.submit("m", "1", inputs, [], priority=STANDARD)
+async def test_a_request_larger_than_the_batch_size_runs_alone_up_to_the_model_limit():
+    backend = GatedBackend(max_batch=4)
+    backend.gate.set()
+    batcher = Batcher(backend, max_batch_size=2, max_queue_delay_ms=0, max_queue_size=10)
+    inputs = [from_numpy("X", np.arange(3, dtype=np.float32).reshape(3, 1))]
+    version, (out,) = await batcher.submit("m", "1", inputs, [])
+    assert to_numpy(out)[:, 0].tolist() == [0.0, 2.0, 4.0] and backend.batches == [[0.0, 1.0, 2.0]]
+    too_big = [from_numpy("X", np.zeros((5, 1), dtype=np.float32))]
+    with pytest.raises(errors.InvalidArgument, match="request of 5 rows exceeds max_batch_size 4 of model 'm'"):
+        await batcher.submit("m", "1", too_big, [])
+
+
+async def test_unknown_models_bad_priorities_and_wrong_inputs_never_reach_a_queue():
+    batcher = Batcher(GatedBackend(), max_batch_size=2, max_queue_delay_ms=0, max_queue_size=10)
+    with pytest.raises(errors.Unavailable, match="no ready model_server replica serves model 'nope'"):
+        await batcher.submit("nope", "1", row(1.0), [])
+    with pytest.raises(errors.InvalidArgument, match="priority 5 is not a Priority value"):
+        await batcher.submit("m", "1", row(1.0), [], priority=5)
+    with pytest.raises(errors.InvalidArgument, match=r"model 'm' takes inputs \['X'\], got \['Y'\]"):
+        await batcher.submit("m", "1", [from_numpy("Y", np.zeros((1, 1), np.float32))], [])
+    assert batcher.queue_length() == 0 and not batcher._queues
+
+
+async def test_idle_queues_hold_no_execution_slot():
+    backend = GatedBackend(max_batch=1, capacity=1)
+    backend.gate.set()
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    await batcher.submit("m", "1", row(1.0), [])
+    # Version 2 gets its own queue; version 1's idle queue must not keep the only slot.
+    await asyncio.wait_for(batcher.submit("m", "2", row(2.0), []), timeout=5)
+    await asyncio.wait_for(batcher.submit("m", "1", row(3.0), []), timeout=5)
+
+
+async def test_a_deadline_passing_while_the_batch_runs_does_not_claim_it_never_ran():
+    backend = GatedBackend(max_batch=1)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    task = submit(batcher, 1.0, timeout_s=0.01)
+    await backend.started.wait()
+    await asyncio.sleep(0.03)  # the queue deadline passes while the model runs it
+    backend.gate.set()
+    version, (out,) = await task
+    assert float(to_numpy(out)[0, 0]) == 2.0
 
 
 async def test_close_answers_everything_still_queued():
@@ -154,7 +196,8 @@ async def test_close_answers_everything_still_queued():
     backend.gate.set()
     await batcher.close()
     results = await asyncio.gather(running, queued, return_exceptions=True)
-    assert all(not isinstance(r, asyncio.CancelledError) for r in results)
+    assert float(to_numpy(results[0][1][0])[0, 0]) == 0.0
+    assert isinstance(results[1], errors.Unavailable) and "shutting down" in results[1].message
 
 
 async def test_an_idle_model_gets_a_lone_request_at_once_without_waiting_for_company():

@@ -1,6 +1,7 @@
 """make run's launcher: one ready line, a working router, and SIGTERM stops every
 process it started, redis-server included."""
 
+import json
 import os
 import signal
 import socket
@@ -37,10 +38,12 @@ def descendants(pid: int) -> set[int]:
 
 def test_launcher_serves_then_drains_and_stops_everything(model_repository, redis_binary, tmp_path):
     port, metrics_port = free_port(), free_port()
+    run_file = tmp_path / "mesh.json"
     launcher = subprocess.Popen(
         [sys.executable, "-m", "services.launcher", "--models", str(model_repository), "--port", str(port),
-         "--metrics-port", str(metrics_port), "--log-dir", str(tmp_path)],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+         "--metrics-port", str(metrics_port), "--log-dir", str(tmp_path), "--run-file", str(run_file),
+         "--l2-path", str(tmp_path / "l2")],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "INFERMESH_CACHE_ADMIN_TOKEN": "t0ken"})
     try:
         line = launcher.stdout.readline()
         assert line.startswith("infermesh ready: router gRPC 127.0.0.1:%d" % port), line
@@ -49,6 +52,14 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
         names = {open(f"/proc/{c}/cmdline").read().replace("\0", " ") for c in children}
         assert len(children) == 5, names  # redis, model_server, batcher, cache, router
         assert any("redis-server" in n for n in names)
+
+        assert set(json.loads(run_file.read_text())) == {"router", "batcher", "cache", "model_server", "redis"}
+        purge = subprocess.run([sys.executable, "-m", "services.cache.admin", "purge", "minilm", "--run-file",
+                                str(run_file), "--token", "t0ken"], cwd=ROOT, capture_output=True, text=True)
+        assert purge.returncode == 0 and "purged model minilm: generation 1" in purge.stdout, purge.stderr
+        refused = subprocess.run([sys.executable, "-m", "services.cache.admin", "purge", "minilm", "--run-file",
+                                  str(run_file), "--token", "wrong"], cwd=ROOT, capture_output=True, text=True)
+        assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
 
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -63,6 +74,7 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
                 assert output_array(future.result(), "EMBEDDING").shape == (8, 384)
         assert launcher.wait(timeout=60) == 0
         assert "infermesh: stopped" in launcher.stdout.read()
+        assert not run_file.exists()
         for child in children:
             assert not os.path.exists(f"/proc/{child}") or "zombie" in open(f"/proc/{child}/status").read().lower()
     finally:

@@ -76,10 +76,9 @@ async def test_stream_answers_every_request_by_id_and_survives_bad_ones(stub):
         for request in requests:
             yield request
 
-    answers = {}
-    async for message in stub.ModelStreamInfer(send()):
-        answers[message.infer_response.id] = message
-    assert sorted(answers) == sorted(r.id for r in requests)
+    received = [message async for message in stub.ModelStreamInfer(send())]
+    answers = {message.infer_response.id: message for message in received}
+    assert sorted(m.infer_response.id for m in received) == sorted(r.id for r in requests)  # each exactly once
     for request_id, message in answers.items():
         if int(request_id.split("-")[1]) % 5 == 3:
             assert message.error_message.startswith("INVALID_ARGUMENT")
@@ -164,12 +163,14 @@ async def test_expired_requests_are_dropped_before_the_model(stub, mesh):
     batcher_metrics = mesh.metrics_url("batcher")
     before = metric(batcher_metrics, "infermesh_batcher_rejections_total", reason="deadline")
     # Keep the model busy with long texts, then send a request that cannot wait that long.
-    flood = [stub.ModelInfer(text_request([unique("long " * 250)] * 8)) for _ in range(12)]
+    flood = [stub.ModelInfer(text_request([unique("long " * 250)] * 8)) for _ in range(16)]
     flood_tasks = [asyncio.ensure_future(c) for c in flood]
     await asyncio.sleep(0.05)
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.ModelInfer(text_request([unique("in a hurry")]), timeout=0.15)
+        await stub.ModelInfer(text_request([unique("in a hurry")]), timeout=1.0)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The mesh answered (before the caller's own deadline fired) and said why.
+    assert "past its deadline; it was not run" in info.value.details()
     await asyncio.gather(*flood_tasks)
     assert metric(batcher_metrics, "infermesh_batcher_rejections_total", reason="deadline") >= before + 1
 
@@ -239,3 +240,66 @@ async def test_redis_down_answers_still_come_uncached_and_the_cache_recovers(stu
         await asyncio.sleep(0.1)
     else:
         pytest.fail("the cache did not recover after redis-server came back")
+
+
+async def test_unreadable_messages_are_invalid_argument_and_end_only_their_own_call(mesh):
+    async with grpc.aio.insecure_channel(mesh.router) as channel:
+        raw_unary = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await raw_unary(b"\xff\xff\xff garbage", timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "is not a valid message" in info.value.details()
+
+        raw_stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        good = text_request([unique("good, before the garbage")], request_id="g1").SerializeToString()
+
+        async def messages():
+            yield good
+            yield b"\xff\xff\xff garbage"
+
+        call = raw_stream(messages(), timeout=30)
+        answers = [pb.ModelStreamInferResponse.FromString(m) async for m in _drain(call)]
+        assert [a.infer_response.id for a in answers] == ["g1"] and not answers[0].error_message
+        assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert (await stub.ServerLive(pb.ServerLiveRequest())).live
+
+
+async def _drain(call):
+    try:
+        async for message in call:
+            yield message
+    except grpc.aio.AioRpcError:
+        return
+
+
+async def test_an_oversized_request_on_a_stream_fails_alone(stub):
+    big = tensor_request(np.zeros((200, 64 * 90), np.float32))
+    big.id = "big"
+    requests = [text_request([unique(f"small {i}")], request_id=f"s{i}") for i in range(3)] + [big]
+
+    async def send():
+        for request in requests:
+            yield request
+
+    answers = {m.infer_response.id: m async for m in stub.ModelStreamInfer(send())}
+    assert sorted(answers) == ["big", "s0", "s1", "s2"]
+    assert answers["big"].error_message.startswith("RESOURCE_EXHAUSTED")
+    assert f"exceeds the limit of {MAX_REQUEST_BYTES} bytes" in answers["big"].error_message
+    assert all(not answers[f"s{i}"].error_message for i in range(3))
+
+
+async def test_invalid_utf8_text_fails_alone_in_its_batch(stub):
+    bad = text_request([b"\xff\xfe not utf-8"])
+    good = [text_request([unique(f"valid text {i}")]) for i in range(8)]
+    results = await asyncio.gather(stub.ModelInfer(bad), *(stub.ModelInfer(g) for g in good), return_exceptions=True)
+    assert isinstance(results[0], grpc.aio.AioRpcError)
+    assert results[0].code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "element 0 is not UTF-8 text" in results[0].details()
+    assert all(isinstance(r, pb.ModelInferResponse) for r in results[1:])
+
+
+async def test_requests_up_to_the_model_limit_and_far_deadlines_are_served(stub):
+    texts = [unique(f"one of many {i}") for i in range(64)]  # minilm's limit, above the batcher's 32
+    response = await stub.ModelInfer(text_request(texts), timeout=60 * 24 * 3600)  # 60 days
+    assert output_array(response, "EMBEDDING").shape == (64, 384)

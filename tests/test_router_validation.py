@@ -146,3 +146,10 @@ def test_digest_depends_on_every_input_byte_version_and_outputs():
     assert base == request_digest("m", "1", list(a), [])
     assert len({base, request_digest("m", "1", b, []), request_digest("m", "2", a, []),
                 request_digest("m", "1", a, ["Y"]), request_digest("n", "1", a, [])}) == 5
+
+
+def test_typed_contents_out_of_range_for_the_datatype():
+    message = pb.ModelInferRequest(model_name="m")
+    message.inputs.add(name="X", datatype="INT8", shape=[1]).contents.int_contents.append(300)
+    with pytest.raises(errors.InvalidArgument, match="input 'X' has a value out of range for INT8"):
+        convert(message)

@@ -18,14 +18,15 @@ async def serve(config: BatcherConfig) -> None:
     batcher = Batcher(replicas, config.max_batch_size, config.max_queue_delay_ms, config.max_queue_size,
                       config.execute_timeout_s)
     metrics_port = start_metrics_server(config.host, config.metrics_port)
-    server, port, health = await build_server(config, batcher, replicas)
+    draining = asyncio.Event()
+    server, port, health = await build_server(config, batcher, replicas, draining)
     serving.announce("batcher", grpc=f"{config.host}:{port}", metrics=f"{config.host}:{metrics_port}")
 
     async def close():
         await batcher.close()
         await replicas.close()
 
-    await serving.run_until_signal(server, health, config.drain_grace_s, close)
+    await serving.run_until_signal(server, health, config.drain_grace_s, close, draining)
 
 
 if __name__ == "__main__":

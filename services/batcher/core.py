@@ -1,18 +1,19 @@
 """Dynamic batching: per-model priority queues drained into batches.
 
 Each (model, version) has one queue and one lazily started task. The task
-waits for a free execution slot, blocks for the first request, then waits
-until the batch is full or the oldest request has waited max_queue_delay_ms
-(no wait at all while none of its batches is running), takes what fits and
-sends it to the backend as one batch. Every request's
-future is always resolved: with its outputs or with a domain error.
+waits for a request, then for a free execution slot (so an idle queue holds
+none), then until the batch is full or the oldest request has waited
+max_queue_delay_ms (no wait at all while none of its batches is running:
+waiting would only leave the model idle), takes what fits and sends it to the
+backend as one batch. A request larger than the batch size runs alone, up to
+the model's own limit. Every request's future is always resolved: with its
+outputs or with a domain error.
 """
 
 import asyncio
 import collections
 import dataclasses
 import logging
-import time
 from typing import Protocol
 
 from services.batcher import metrics
@@ -23,12 +24,22 @@ log = logging.getLogger(__name__)
 
 VIP = 1
 STANDARD = 0
+PRIORITIES = (STANDARD, VIP)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLimits:
+    """What the batcher must know of a model to batch it."""
+
+    max_batch_size: int
+    inputs: tuple[str, ...]
 
 
 class Backend(Protocol):
     """Where batches run: the model_server replicas."""
 
-    def max_batch_size(self, model: str) -> int: ...
+    def limits(self, model: str) -> ModelLimits | None:
+        """None when no ready replica serves the model."""
 
     def capacity(self) -> int:
         """How many batches may be in flight at once across replicas."""
@@ -48,10 +59,16 @@ class Pending:
     deadline: float | None  # loop time
     future: asyncio.Future
     enqueued: float
+    timer: asyncio.TimerHandle | None = None
 
     @property
     def rows(self) -> int:
         return self.inputs[0].rows
+
+    def taken(self) -> None:
+        """From here on the batch's own timeout governs, not the queue's deadline timer."""
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 class ModelQueue:
@@ -62,7 +79,7 @@ class ModelQueue:
         self.model = model
         self.version = version
         self._backend = backend
-        self._max_batch_size = max_batch_size
+        self._configured_batch_size = max_batch_size
         self._max_delay_s = max_delay_s
         self._max_queue_size = max_queue_size
         self._slots = slots
@@ -74,7 +91,8 @@ class ModelQueue:
 
     @property
     def batch_size(self) -> int:
-        return self._max_batch_size
+        limits = self._backend.limits(self.model)
+        return min(self._configured_batch_size, limits.max_batch_size) if limits else self._configured_batch_size
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._levels.values())
@@ -93,19 +111,26 @@ class ModelQueue:
 
     async def _run(self) -> None:
         while True:
+            while not len(self):
+                self._arrived.clear()
+                await self._arrived.wait()
             await self._slots.acquire()
             try:
                 batch = await self._collect()
             except BaseException:
                 self._slots.release()
                 raise
+            if not batch:  # everything waiting had expired or been cancelled
+                self._slots.release()
+                continue
             task = asyncio.create_task(self._execute(batch))
             self._batches.add(task)
             task.add_done_callback(self._batches.discard)
 
-    def _take(self, room: int) -> Pending | None:
-        """The next live request that fits in `room` rows, strict priority, FIFO
-        within a level; expired and cancelled requests are answered and dropped."""
+    def _take(self, room: int, alone: bool) -> Pending | None:
+        """The next live request that fits in `room` rows (any size when `alone`),
+        strict priority, FIFO within a level; expired and cancelled requests are
+        answered and dropped on the way."""
         now = asyncio.get_running_loop().time()
         for level in (VIP, STANDARD):
             queue = self._levels[level]
@@ -118,9 +143,11 @@ class ModelQueue:
                     if item.future.cancelled():
                         metrics.REJECTIONS.labels(self.model, "cancelled").inc()
                     continue
-                if item.rows > room:
+                if item.rows > room and not alone:
                     break
-                return queue.popleft()
+                queue.popleft()
+                item.taken()
+                return item
         return None
 
     def expire(self, item: Pending) -> None:
@@ -135,28 +162,27 @@ class ModelQueue:
 
     async def _collect(self) -> list[Pending]:
         loop = asyncio.get_running_loop()
+        size = self.batch_size
         batch: list[Pending] = []
         rows = 0
         while True:
-            item = self._take(self._max_batch_size - rows)
+            item = self._take(size - rows, alone=not batch)
             if item is not None:
                 batch.append(item)
                 rows += item.rows
-                if rows >= self._max_batch_size:
+                if rows >= size:
                     break
                 continue
-            if batch and (len(self) > 0 or self._max_delay_s == 0 or not self._batches):
-                # The next request does not fit, or we may not wait, or the
-                # model is idle: waiting for company would only leave it idle.
-                # Under load batches grow by themselves while earlier ones run.
-                break
-            self._arrived.clear()
             if not batch:
-                await self._arrived.wait()
-                continue
+                break
+            if len(self) > 0 or self._max_delay_s == 0 or not self._batches:
+                # The next request does not fit, or we may not wait, or the
+                # model is idle. Under load batches grow while earlier ones run.
+                break
             remaining = batch[0].enqueued + self._max_delay_s - loop.time()
             if remaining <= 0:
                 break
+            self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), remaining)
             except TimeoutError:
@@ -181,15 +207,16 @@ class ModelQueue:
         now = loop.time()
         deadlines = [item.deadline for item in batch if item.deadline is not None]
         timeout = max(deadlines) - now if len(deadlines) == len(batch) else self._default_timeout_s
-        names = [t.name for t in batch[0].inputs]
+        names = [t.name for t in batch[0].inputs]  # submit() checked that every request has exactly these
         inputs = [concat_rows([next(t for t in item.inputs if t.name == name) for item in batch]) for name in names]
         counts = [item.rows for item in batch]
+        # One execution serves every request: ask for the union of what they want ([] means all).
+        wanted = [] if any(not item.outputs for item in batch) else sorted({o for item in batch for o in item.outputs})
         metrics.BATCH_ROWS.labels(self.model).observe(sum(counts))
         for item in batch:
             metrics.QUEUE_WAIT.labels(self.model).observe(now - item.enqueued)
         try:
-            version, outputs = await self._backend.execute(
-                self.model, self.version, inputs, batch[0].outputs, max(timeout, 0.001))
+            version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout, 0.001))
         except errors.InfermeshError as exc:
             if split_on_error and len(batch) > 1 and not exc.retryable and not isinstance(exc, errors.DeadlineExceeded):
                 # One bad request must not fail its neighbours: run each alone.
@@ -201,7 +228,8 @@ class ModelQueue:
         parts = {out.name: split_rows(out, counts) for out in outputs}
         for i, item in enumerate(batch):
             if not item.future.done():
-                item.future.set_result((version, [parts[name][i] for name in parts]))
+                names = item.outputs or list(parts)
+                item.future.set_result((version, [parts[name][i] for name in names]))
 
     async def close(self) -> None:
         if self._task is not None:
@@ -238,9 +266,8 @@ class Batcher:
         if queue is None:
             if self._slots is None:
                 self._slots = asyncio.Semaphore(self._backend.capacity())
-            size = min(self._max_batch_size, self._backend.max_batch_size(model))
-            queue = ModelQueue(model, version, self._backend, size, self._max_delay_s, self._max_queue_size,
-                               self._slots, self._default_timeout_s)
+            queue = ModelQueue(model, version, self._backend, self._max_batch_size, self._max_delay_s,
+                               self._max_queue_size, self._slots, self._default_timeout_s)
             self._queues[key] = queue
         return queue
 
@@ -249,22 +276,30 @@ class Batcher:
         """Queues one request and waits for its answer; cancelling the caller
         drops the request before it runs."""
         loop = asyncio.get_running_loop()
-        if not inputs:
-            raise errors.InvalidArgument(f"request for model '{model}' has no inputs")
+        limits = self._backend.limits(model)
+        if limits is None:
+            raise errors.Unavailable(f"no ready model_server replica serves model '{model}'")
+        if priority not in PRIORITIES:
+            raise errors.InvalidArgument(f"priority {priority} is not a Priority value; expected one of {PRIORITIES}")
+        names = [t.name for t in inputs]
+        if sorted(names) != sorted(limits.inputs) or len(set(names)) != len(names):
+            raise errors.InvalidArgument(f"model '{model}' takes inputs {sorted(limits.inputs)}, got {names}")
         rows = inputs[0].rows
-        queue = self._queue(model, version)
-        if rows > queue.batch_size:
+        if any(t.rows != rows for t in inputs) or rows < 1:
+            raise errors.InvalidArgument(f"inputs of the request disagree on the batch dimension: {[t.shape for t in inputs]}")
+        if rows > limits.max_batch_size:
             raise errors.InvalidArgument(
-                f"request of {rows} rows exceeds the batch size {queue.batch_size} for model '{model}'")
+                f"request of {rows} rows exceeds max_batch_size {limits.max_batch_size} of model '{model}'")
+        queue = self._queue(model, version)
         now = loop.time()
         item = Pending(inputs, outputs, priority, now + timeout_s if timeout_s else None, loop.create_future(), now)
         queue.put(item)
-        timer = loop.call_at(item.deadline, queue.expire, item) if item.deadline is not None else None
+        if item.deadline is not None:
+            item.timer = loop.call_at(item.deadline, queue.expire, item)
         try:
             return await item.future
         finally:
-            if timer is not None:
-                timer.cancel()
+            item.taken()
 
     def queue_length(self) -> int:
         return sum(len(q) for q in self._queues.values())

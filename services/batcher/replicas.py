@@ -9,7 +9,9 @@ import grpc
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
 from services.batcher import metrics
+from services.batcher.core import ModelLimits
 from services.common import errors
+from services.common.serving import client_options
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.tensors import TensorData
 
@@ -20,10 +22,7 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 class Replica:
     def __init__(self, address: str, max_message_bytes: int):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ])
+        self.channel = grpc.aio.insecure_channel(address, options=client_options(max_message_bytes))
         self.stub = model_server_pb2_grpc.ModelServerStub(self.channel)
         self.models: dict[str, object] = {}  # name -> common.v1.ModelInfo
         self.inflight = 0
@@ -73,9 +72,11 @@ class ReplicaSet:
                     merged.setdefault(name, info)
         return [merged[name] for name in sorted(merged)]
 
-    def max_batch_size(self, model: str) -> int:
-        sizes = [r.models[model].max_batch_size for r in self._replicas if model in r.models]
-        return min(sizes) if sizes else 1
+    def limits(self, model: str) -> ModelLimits | None:
+        infos = [r.models[model] for r in self._replicas if r.ready and model in r.models]
+        if not infos:
+            return None
+        return ModelLimits(min(i.max_batch_size for i in infos), tuple(spec.name for spec in infos[0].inputs))
 
     def capacity(self) -> int:
         return len(self._replicas) * self._max_inflight

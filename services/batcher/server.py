@@ -10,76 +10,66 @@ from services.batcher.core import Batcher
 from services.batcher.replicas import ReplicaSet
 from services.common import errors, serving
 from services.common.protoconv import error_to_proto, tensors_from_proto, tensors_to_proto
+from services.common.streams import answer_concurrently
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = batcher_pb2.DESCRIPTOR.services_by_name["Batcher"].full_name
+MAX_INFLIGHT_PER_STREAM = 8192
 
 
 class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
-    def __init__(self, batcher: Batcher, replicas: ReplicaSet):
+    def __init__(self, batcher: Batcher, replicas: ReplicaSet, draining: asyncio.Event):
         self._batcher = batcher
         self._replicas = replicas
+        self._draining = draining
 
     async def Submit(self, request_iterator, context):
         """Answers every request of the stream exactly once, in completion
-        order; when the caller closes the stream, outstanding requests are
-        still answered; when it goes away, they are dropped before they run."""
-        outbox: asyncio.Queue = asyncio.Queue()
-        tasks: dict[int, asyncio.Task] = {}
+        order. A cancel message drops its request before it runs; when the
+        caller goes away, all of its requests are dropped. While draining, new
+        requests are refused with UNAVAILABLE and the stream ends once idle."""
+        running: dict[int, asyncio.Task] = {}
 
-        async def answer(request) -> None:
+        def error(request, exc: errors.InfermeshError):
+            return batcher_pb2.SubmitResponse(id=request.id, error=error_to_proto(exc))
+
+        async def handle(request):
+            if request.cancel:
+                task = running.get(request.id)
+                if task is not None:
+                    task.cancel()
+                return None
+            if request.id in running:
+                return error(request, errors.InvalidArgument(f"request id {request.id} is already in flight on this stream"))
+            if self._draining.is_set():
+                return error(request, errors.Unavailable("the batcher is draining; retry on another replica"))
+            running[request.id] = asyncio.current_task()
             try:
                 version, outputs = await self._batcher.submit(
                     request.model, request.version, tensors_from_proto(request.inputs), list(request.outputs),
                     priority=int(request.priority), timeout_s=request.timeout_ms / 1000 if request.timeout_ms else None)
-                response = batcher_pb2.SubmitResponse(id=request.id, version=version, outputs=tensors_to_proto(outputs))
+                return batcher_pb2.SubmitResponse(id=request.id, version=version, outputs=tensors_to_proto(outputs))
             except errors.InfermeshError as exc:
-                response = batcher_pb2.SubmitResponse(id=request.id, error=error_to_proto(exc))
-            except asyncio.CancelledError:
-                response = batcher_pb2.SubmitResponse(
-                    id=request.id, error=error_to_proto(errors.Cancelled(f"request {request.id} was cancelled")))
-            except Exception:  # noqa: BLE001 - the request still gets its one answer
-                log.exception("request %d failed unexpectedly", request.id)
-                response = batcher_pb2.SubmitResponse(
-                    id=request.id, error=error_to_proto(errors.Internal("internal error in the batcher; see its log")))
-            outbox.put_nowait(response)
+                return error(request, exc)
+            finally:
+                running.pop(request.id, None)
 
-        async def read() -> None:
-            async for request in request_iterator:
-                if request.cancel:
-                    task = tasks.get(request.id)
-                    if task is not None:
-                        task.cancel()
-                    continue
-                task = asyncio.create_task(answer(request))
-                tasks[request.id] = task
-                task.add_done_callback(lambda _t, rid=request.id: tasks.pop(rid, None))
-            if tasks:
-                await asyncio.gather(*list(tasks.values()), return_exceptions=True)
-            outbox.put_nowait(None)
+        def on_error(request, exc):
+            return error(request, errors.Internal("internal error in the batcher; see its log"))
 
-        reader = asyncio.create_task(read())
-        try:
-            while True:
-                response = await outbox.get()
-                if response is None:
-                    break
-                yield response
-            await reader
-        finally:
-            # The caller went away (or the stream failed): drop its requests.
-            reader.cancel()
-            for task in list(tasks.values()):
-                task.cancel()
+        async for response in answer_concurrently(request_iterator, handle, on_error, MAX_INFLIGHT_PER_STREAM,
+                                                  self._draining):
+            yield response
 
     async def ListModels(self, request, context):
         return batcher_pb2.ListModelsResponse(models=self._replicas.models())
 
 
-async def build_server(config: BatcherConfig, batcher: Batcher, replicas: ReplicaSet, port: int | None = None):
+async def build_server(config: BatcherConfig, batcher: Batcher, replicas: ReplicaSet, draining: asyncio.Event,
+                       port: int | None = None):
     """Returns (server, bound_port, health servicer); the server is started."""
     server = serving.new_server("batcher", config.max_message_bytes)
-    batcher_pb2_grpc.add_BatcherServicer_to_server(BatcherServicer(batcher, replicas), server)
+    batcher_pb2_grpc.add_BatcherServicer_to_server(BatcherServicer(batcher, replicas, draining), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
     await server.start()

@@ -17,14 +17,15 @@ async def serve(config: CacheConfig) -> None:
                         config.breaker_open_s, config.model_ttls(), disk, config.l2_fp16)
     follower = asyncio.create_task(cache.follow_generations(config.generation_poll_s))
     metrics_port = start_metrics_server(config.host, config.metrics_port)
-    server, port, health = await build_server(config, cache)
+    draining = asyncio.Event()
+    server, port, health = await build_server(config, cache, draining)
     serving.announce("cache", grpc=f"{config.host}:{port}", metrics=f"{config.host}:{metrics_port}")
 
     async def close() -> None:
         follower.cancel()
         await cache.close()
 
-    await serving.run_until_signal(server, health, config.drain_grace_s, close)
+    await serving.run_until_signal(server, health, config.drain_grace_s, close, draining)
 
 
 if __name__ == "__main__":

@@ -12,49 +12,35 @@ from services.cache.config import CacheConfig
 from services.cache.core import ResultCache
 from services.common import errors, serving
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
+from services.common.streams import answer_concurrently
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
+MAX_INFLIGHT_PER_STREAM = 8192
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
-    def __init__(self, cache: ResultCache, admin_token: str):
+    def __init__(self, cache: ResultCache, admin_token: str, draining: asyncio.Event):
         self._cache = cache
         self._admin_token = admin_token
+        self._draining = draining
 
     async def Lookup(self, request_iterator, context):
         """One answer per lookup, in completion order; anything unreadable is a miss."""
-        outbox: asyncio.Queue = asyncio.Queue()
-        pending: set[asyncio.Task] = set()
 
-        async def answer(request) -> None:
-            try:
-                outputs = await self._cache.get(request.model, request.digest, request.tier)
-            except Exception:  # noqa: BLE001 - the cache never fails a request: a miss
-                log.exception("lookup failed unexpectedly")
-                outputs = None
+        async def handle(request):
+            outputs = await self._cache.get(request.model, request.digest, request.tier)
             response = cache_pb2.LookupResponse(id=request.id, hit=outputs is not None)
             if outputs is not None:
                 response.outputs.extend(tensors_to_proto(outputs))
-            outbox.put_nowait(response)
+            return response
 
-        async def read() -> None:
-            async for request in request_iterator:
-                task = asyncio.create_task(answer(request))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-            if pending:
-                await asyncio.gather(*list(pending), return_exceptions=True)
-            outbox.put_nowait(None)
+        def on_error(request, exc):  # the cache never fails a request: a miss
+            return cache_pb2.LookupResponse(id=request.id, hit=False)
 
-        reader = asyncio.create_task(read())
-        try:
-            while (response := await outbox.get()) is not None:
-                yield response
-        finally:
-            reader.cancel()
-            for task in list(pending):
-                task.cancel()
+        async for response in answer_concurrently(request_iterator, handle, on_error, MAX_INFLIGHT_PER_STREAM,
+                                                  self._draining):
+            yield response
 
     async def Store(self, request_iterator, context):
         """Writes go out in batches while the stream keeps flowing; the summary
@@ -97,10 +83,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         return cache_pb2.PurgeResponse(generation=generation, l2_deleted=deleted)
 
 
-async def build_server(config: CacheConfig, cache: ResultCache, port: int | None = None):
+async def build_server(config: CacheConfig, cache: ResultCache, draining: asyncio.Event, port: int | None = None):
     """Returns (server, bound_port, health servicer); the server is started."""
     server = serving.new_server("cache", config.max_message_bytes)
-    cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache, config.admin_token), server)
+    cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache, config.admin_token, draining), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
     await server.start()

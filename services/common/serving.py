@@ -29,48 +29,76 @@ def status_code(error: errors.InfermeshError) -> grpc.StatusCode:
     return STATUS_BY_CODE[error.code]
 
 
+class Oversized:
+    """A stream message over the per-message limit, parsed all the same so that
+    the servicer can answer that one request with RESOURCE_EXHAUSTED and keep
+    the stream (and every other request on it) alive."""
+
+    __slots__ = ("message", "size")
+
+    def __init__(self, message, size: int):
+        self.message = message
+        self.size = size
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps domain errors to their gRPC status, anything unexpected to INTERNAL
     (traceback in the log, a generic message to the caller), and records the
-    per-RPC metrics."""
+    per-RPC metrics. It also parses requests itself, so that a message that is
+    not valid protobuf is INVALID_ARGUMENT rather than grpc's UNKNOWN, and a
+    unary request over `max_request_bytes` is RESOURCE_EXHAUSTED naming both
+    sizes (stream messages over it arrive wrapped in Oversized)."""
 
-    def __init__(self, service: str):
+    def __init__(self, service: str, max_request_bytes: int | None = None):
         self._service = service
+        self._max_request_bytes = max_request_bytes
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method.rsplit("/", 1)[-1]
+        parse = handler.request_deserializer
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+                self._wrap_unary(handler.unary_unary, method, parse), response_serializer=handler.response_serializer)
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                self._wrap_stream(handler.stream_stream, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+                self._wrap_stream(handler.stream_stream, method, parse), response_serializer=handler.response_serializer)
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                self._wrap_unary(handler.stream_unary, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+                self._wrap_stream_unary(handler.stream_unary, method, parse),
+                response_serializer=handler.response_serializer)
         return handler
+
+    def _parse(self, parse, raw: bytes, method: str):
+        if parse is None:
+            return raw
+        try:
+            return parse(raw)
+        except Exception as exc:  # noqa: BLE001 - DecodeError and friends
+            raise errors.InvalidArgument(f"{method} request of {len(raw)} bytes is not a valid message: {exc}") from None
+
+    def _too_large(self, raw: bytes) -> bool:
+        return self._max_request_bytes is not None and len(raw) > self._max_request_bytes
+
+    async def _messages(self, raw_iterator, parse, method: str):
+        async for raw in raw_iterator:
+            message = self._parse(parse, raw, method)
+            yield Oversized(message, len(raw)) if self._too_large(raw) else message
 
     def _record(self, method: str, code: str, started: float) -> None:
         RPC_REQUESTS.labels(self._service, method, code).inc()
         RPC_LATENCY.labels(self._service, method).observe(time.perf_counter() - started)
 
-    def _wrap_unary(self, behavior, method):
-        async def wrapper(request, context):
+    def _wrap_unary(self, behavior, method, parse):
+        async def wrapper(raw, context):
             started = time.perf_counter()
             try:
-                response = await behavior(request, context)
+                if self._too_large(raw):
+                    raise errors.ResourceExhausted(
+                        f"{method} request of {len(raw)} bytes exceeds the limit of {self._max_request_bytes} bytes")
+                response = await behavior(self._parse(parse, raw, method), context)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 await self._abort(context, exc, method, started)
             self._record(method, _code_name(context), started)
@@ -78,16 +106,24 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         return wrapper
 
-    def _wrap_stream(self, behavior, method):
-        async def wrapper(request_iterator, context):
+    def _wrap_stream_unary(self, behavior, method, parse):
+        async def wrapper(raw_iterator, context):
             started = time.perf_counter()
             try:
-                result = behavior(request_iterator, context)
-                if hasattr(result, "__aiter__"):
-                    async for response in result:
-                        yield response
-                else:
-                    await result
+                response = await behavior(self._messages(raw_iterator, parse, method), context)
+            except Exception as exc:  # noqa: BLE001
+                await self._abort(context, exc, method, started)
+            self._record(method, _code_name(context), started)
+            return response
+
+        return wrapper
+
+    def _wrap_stream(self, behavior, method, parse):
+        async def wrapper(raw_iterator, context):
+            started = time.perf_counter()
+            try:
+                async for response in behavior(self._messages(raw_iterator, parse, method), context):
+                    yield response
             except Exception as exc:  # noqa: BLE001
                 await self._abort(context, exc, method, started)
             self._record(method, _code_name(context), started)
@@ -122,16 +158,35 @@ def _code_name(context) -> str:
     return code.name if isinstance(code, grpc.StatusCode) else str(code)
 
 
-def new_server(service: str, max_message_bytes: int, max_concurrent_rpcs: int | None = None) -> grpc.aio.Server:
+def new_server(service: str, max_message_bytes: int, max_concurrent_rpcs: int | None = None,
+               max_request_bytes: int | None = None) -> grpc.aio.Server:
+    """A grpc.aio server with our interceptor. `max_message_bytes` is the
+    transport's hard limit; `max_request_bytes`, when set and lower, is checked
+    per request so that one oversized message fails alone."""
     return grpc.aio.server(
-        interceptors=[ErrorInterceptor(service)],
+        interceptors=[ErrorInterceptor(service, max_request_bytes)],
         maximum_concurrent_rpcs=max_concurrent_rpcs,
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # Our clients ping long-lived streams to notice a frozen peer.
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
         ],
     )
+
+
+def client_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, int]]:
+    """Channel options of every internal hop. Keepalive pings let long-lived
+    streams notice a peer that stopped answering (frozen, or gone without a FIN)."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 15_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
@@ -183,10 +238,12 @@ def announce(service: str, **addresses) -> None:
 
 
 async def run_until_signal(
-    server: grpc.aio.Server, health_servicer, grace_s: float, on_stop: Callable[[], object] | None = None
+    server: grpc.aio.Server, health_servicer, grace_s: float, on_stop: Callable[[], object] | None = None,
+    draining: asyncio.Event | None = None,
 ) -> None:
-    """Waits for SIGTERM or SIGINT, then drains: health NOT_SERVING, stop taking
-    new calls, let in-flight ones finish within grace_s, then run on_stop."""
+    """Waits for SIGTERM or SIGINT, then drains: health NOT_SERVING, `draining`
+    set (long-lived streams end once idle), stop taking new calls, let
+    in-flight ones finish within grace_s, then run on_stop."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -195,6 +252,8 @@ async def run_until_signal(
     await asyncio.wait([termination, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     log.info("draining (grace %.1fs)", grace_s)
     await health_servicer.enter_graceful_shutdown()
+    if draining is not None:
+        draining.set()
     await server.stop(grace_s)
     if on_stop is not None:
         result = on_stop()

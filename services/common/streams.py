@@ -8,7 +8,7 @@ UNAVAILABLE at once and the next request opens a new stream.
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -90,3 +90,88 @@ class StreamMux:
             self._stream.outbox.put_nowait(None)
             self._stream.reader.cancel()
             await asyncio.gather(self._stream.reader, return_exceptions=True)
+
+
+async def answer_concurrently(
+    request_iterator,
+    handle: Callable[[object], Awaitable[object | None]],
+    on_error: Callable[[object, Exception], object],
+    max_unsent: int,
+    draining: asyncio.Event | None = None,
+) -> AsyncIterator:
+    """The server side of a multiplexed stream, as an async generator.
+
+    Runs handle(request) for every request concurrently and yields each answer
+    when it is ready. Contracts: every request gets exactly one answer (an
+    unexpected exception becomes on_error's answer; handle may return None
+    for messages that need none, such as cancellations); at most max_unsent
+    requests are unanswered or answered-but-unsent, after which reading
+    pauses; the stream ends once the input has ended and every answer is
+    sent, or, after `draining` is set, as soon as nothing is in flight. A
+    message that cannot be read ends the stream with INVALID_ARGUMENT after
+    the answers already due. When the caller goes away, work in flight is
+    cancelled.
+    """
+    outbox: asyncio.Queue = asyncio.Queue()
+    slots = asyncio.Semaphore(max_unsent)
+    tasks: set[asyncio.Task] = set()
+    broken: list[Exception] = []
+    ended = asyncio.Event()
+
+    def maybe_finish() -> None:
+        if not tasks and (ended.is_set() or (draining is not None and draining.is_set())):
+            outbox.put_nowait(None)
+
+    async def run(request) -> None:
+        answer = None
+        try:
+            answer = await handle(request)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the request still gets its one answer
+            log.exception("stream request failed unexpectedly")
+            answer = on_error(request, exc)
+        finally:
+            if answer is None:
+                slots.release()
+            else:
+                outbox.put_nowait(answer)
+
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        maybe_finish()
+
+    async def read() -> None:
+        try:
+            async for request in request_iterator:
+                await slots.acquire()
+                task = asyncio.create_task(run(request))
+                tasks.add(task)
+                task.add_done_callback(done)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported once the answers due are sent
+            broken.append(exc)
+        ended.set()
+        maybe_finish()
+
+    async def watch_drain() -> None:
+        await draining.wait()
+        maybe_finish()
+
+    reader = asyncio.create_task(read())
+    watcher = asyncio.create_task(watch_drain()) if draining is not None else None
+    try:
+        while (answer := await outbox.get()) is not None:
+            yield answer
+            slots.release()
+        if broken:
+            exc = broken[0]
+            raise exc if isinstance(exc, errors.InfermeshError) else errors.InvalidArgument(
+                f"the request stream could not be read: {type(exc).__name__}: {exc}")
+    finally:
+        reader.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        for task in list(tasks):
+            task.cancel()

@@ -1,12 +1,15 @@
 """make run: the whole mesh in the foreground until Ctrl-C or SIGTERM."""
 
 import argparse
+import json
 import os
+import pathlib
 import signal
 import sys
 import time
 
 from services.launcher.mesh import Mesh, MeshError
+
 
 
 def main() -> int:
@@ -18,6 +21,8 @@ def main() -> int:
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="use this Redis instead of starting one")
     parser.add_argument("--l2-path", default=os.environ.get("INFERMESH_L2_PATH", "var/cache"),
                         help="the cache's on-disk L2 folder; it survives restarts ('' disables L2)")
+    parser.add_argument("--run-file", type=pathlib.Path, default=pathlib.Path("var/run/mesh.json"),
+                        help="where to write every service's address while the mesh runs")
     parser.add_argument("--log-dir", default=os.environ.get("INFERMESH_LOG_DIR"), help="write each service's log here")
     args = parser.parse_args()
 
@@ -33,6 +38,10 @@ def main() -> int:
         return 1
     print(f"infermesh ready: router gRPC {mesh.router}, metrics {mesh.router_metrics} "
           f"(Ctrl-C drains and stops)", flush=True)
+    # Where every service listens, for operators' tools (services.cache.admin, ...).
+    args.run_file.parent.mkdir(parents=True, exist_ok=True)
+    args.run_file.write_text(json.dumps({name: p.info.get("grpc") for name, p in mesh.processes.items()
+                                    if name != "redis"} | {"redis": mesh.redis_url}, indent=1))
     try:
         while not stopping:
             dead = mesh.dead()
@@ -44,6 +53,7 @@ def main() -> int:
     finally:
         print("infermesh: draining and stopping ...", flush=True)
         mesh.stop()
+        args.run_file.unlink(missing_ok=True)
         print("infermesh: stopped", flush=True)
     return 0
 

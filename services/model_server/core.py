@@ -60,7 +60,13 @@ class LoadedVersion:
         if self.tokenizer is None:
             return {name: to_numpy(tensor) for name, tensor in inputs.items()}
         (text,) = inputs.values()
-        texts = [item.decode("utf-8", errors="replace") for item in to_numpy(text).reshape(-1)]
+        texts = []
+        for i, item in enumerate(to_numpy(text).reshape(-1)):
+            try:
+                texts.append(item.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise errors.InvalidArgument(
+                    f"input '{text.name}' element {i} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
         encodings = self.tokenizer.encode_batch(texts)
         ids = np.array([e.ids for e in encodings], dtype=np.int64)
         mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)

@@ -20,7 +20,7 @@ async def serve(config: RouterConfig) -> None:
     batcher = BatcherClient(config.batcher, config.batcher_streams, catalog, config.catalog_poll_s)
     cache = CacheClient(config.cache, config.cache_lookup_timeout_ms / 1000) if config.cache else None
     bypass = AdaptiveBypass(config.cache_bypass_window, config.cache_min_hit_rate, config.cache_probe_every)
-    router = Router(catalog, batcher, cache, bypass)
+    router = Router(catalog, batcher, cache, bypass, config.default_timeout_s)
     await batcher.start()
     metrics_port = start_metrics_server(config.host, config.metrics_port)
     server, port, health = await build_server(config, router)

@@ -1,6 +1,8 @@
 """Automatic cache bypass: a model whose lookups almost never hit stops paying
 for them. While bypassed, a small sample of its requests still looks up and
-stores, so the bypass lifts by itself when the workload starts repeating."""
+stores, so the bypass lifts by itself when the workload starts repeating;
+the probes are judged over a window a tenth as long, so that lifting takes
+about as many requests as engaging did."""
 
 import collections
 import dataclasses
@@ -45,10 +47,10 @@ class AdaptiveBypass:
         rate = sum(state.outcomes) / len(state.outcomes)
         if not state.bypassed and rate < self._min_hit_rate:
             state.bypassed = True
-            state.outcomes.clear()
+            state.outcomes = collections.deque(maxlen=max(10, self._window // 10))
         elif state.bypassed and rate >= 2 * self._min_hit_rate:
             state.bypassed = False
-            state.outcomes.clear()
+            state.outcomes = collections.deque(maxlen=self._window)
         metrics.CACHE_BYPASS.labels(model).set(1 if state.bypassed else 0)
 
     def is_bypassed(self, model: str) -> bool:

@@ -9,6 +9,7 @@ from infermesh.batcher.v1 import batcher_pb2, batcher_pb2_grpc
 from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from services.common import errors
+from services.common.serving import client_options
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.streams import StreamMux
 from services.common.tensors import TensorData
@@ -16,14 +17,13 @@ from services.router import metrics
 from services.router.core import Catalog, ModelSignature, Spec
 
 log = logging.getLogger(__name__)
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.max_send_message_length", 64 * 1024 * 1024)]
 
 
 class BatcherClient:
     """Submits requests over a few multiplexed bidi streams and keeps the catalog fresh."""
 
     def __init__(self, address: str, streams: int, catalog: Catalog, poll_s: float):
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(address, options=client_options())
         self._stub = batcher_pb2_grpc.BatcherStub(self._channel)
         self._muxes = [
             StreamMux(f"batcher {address}", self._stub.Submit,
@@ -49,15 +49,20 @@ class BatcherClient:
             await asyncio.sleep(self._poll_s)
 
     async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                     tier: int, timeout_s: float | None) -> tuple[str, list[TensorData]]:
+                     tier: int, timeout_s: float) -> tuple[str, list[TensorData]]:
         proto_inputs = tensors_to_proto(inputs)
-        timeout_ms = max(1, int(timeout_s * 1000)) if timeout_s is not None else 0
+        timeout_ms = min(max(1, int(timeout_s * 1000)), 2**32 - 1)
 
         def build(request_id: int):
             return batcher_pb2.SubmitRequest(id=request_id, model=model, version=version, inputs=proto_inputs,
                                              outputs=outputs, priority=tier, timeout_ms=timeout_ms)
 
-        response = await next(self._next).request(build)
+        # The batcher answers DEADLINE_EXCEEDED by then; past it (plus a margin
+        # for the answer's trip), the batcher is not answering at all.
+        try:
+            response = await next(self._next).request(build, timeout_s + 1.0)
+        except TimeoutError:
+            raise errors.Unavailable(f"the batcher did not answer within {timeout_s + 1.0:.1f}s") from None
         if response.HasField("error"):
             raise errors.from_code(response.error.code, response.error.message)
         return response.version, tensors_from_proto(response.outputs)
@@ -82,7 +87,7 @@ class CacheClient:
     client stream that nobody waits for. Failures are misses, never errors."""
 
     def __init__(self, address: str, lookup_timeout_s: float, max_pending_stores: int = 10000):
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(address, options=client_options())
         self._stub = cache_pb2_grpc.CacheStub(self._channel)
         self._lookups = StreamMux(f"cache {address}", self._stub.Lookup)
         self._timeout_s = lookup_timeout_s

@@ -16,6 +16,7 @@ class RouterConfig:
     max_concurrent_rpcs: int = dataclasses.field(default=4096)
     max_stream_inflight: int = dataclasses.field(default=1024, metadata={"help": "requests in flight per ModelStreamInfer stream"})
     batcher_streams: int = dataclasses.field(default=4, metadata={"help": "bidi streams multiplexing requests to the batcher"})
+    default_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "deadline of a request that brings none"})
     cache_lookup_timeout_ms: float = dataclasses.field(default=25.0, metadata={"help": "a slower lookup counts as a miss"})
     cache_bypass_window: int = dataclasses.field(default=500, metadata={"help": "lookups per model that judge its hit rate"})
     cache_min_hit_rate: float = dataclasses.field(default=0.01, metadata={"help": "below this a model's lookups are bypassed"})
@@ -26,6 +27,7 @@ class RouterConfig:
 
     def __post_init__(self):
         require(self.max_request_bytes >= 1024, f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        require(self.default_timeout_s > 0, f"default_timeout_s must be > 0, got {self.default_timeout_s}")
         require(self.batcher_streams >= 1, f"batcher_streams must be >= 1, got {self.batcher_streams}")
         require(self.max_stream_inflight >= 1, f"max_stream_inflight must be >= 1, got {self.max_stream_inflight}")
         require(self.cache_lookup_timeout_ms > 0, f"cache_lookup_timeout_ms must be > 0, got {self.cache_lookup_timeout_ms}")

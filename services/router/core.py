@@ -66,7 +66,7 @@ class InferResult:
 
 class Batcher(Protocol):
     async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                     tier: int, timeout_s: float | None) -> tuple[str, list[TensorData]]: ...
+                     tier: int, timeout_s: float) -> tuple[str, list[TensorData]]: ...
 
 
 class Cache(Protocol):
@@ -101,15 +101,17 @@ class Catalog:
 
 
 class Router:
-    def __init__(self, catalog: Catalog, batcher: Batcher, cache: Cache | None, bypass: AdaptiveBypass | None = None):
+    def __init__(self, catalog: Catalog, batcher: Batcher, cache: Cache | None, bypass: AdaptiveBypass | None = None,
+                 default_timeout_s: float = 60.0):
         self.catalog = catalog
+        self._default_timeout_s = default_timeout_s
         self._batcher = batcher
         self._cache = cache
         self._bypass = bypass or AdaptiveBypass()
-        # Single-flight: the one computation running for a digest, and how many
-        # callers wait on it.
-        self._running: dict[bytes, asyncio.Task] = {}
-        self._waiting: dict[bytes, int] = {}
+        # Single-flight: the one computation running per (digest, tier), and how
+        # many callers wait on it.
+        self._running: dict[tuple[bytes, int], asyncio.Task] = {}
+        self._waiting: dict[tuple[bytes, int], int] = {}
 
     def signature(self, model: str, version: str = "") -> tuple[ModelSignature, str]:
         """The model's signature and the concrete version a request would use."""
@@ -152,75 +154,96 @@ class Router:
         if version not in sig.ready_versions:
             raise errors.Unavailable(f"model '{sig.name}' version '{version}' has no ready replica; retry later")
         inputs = validate(sig, request)
+        # Every request has a deadline downstream: the caller's, or ours. The
+        # batcher's is a little earlier, so that it answers DEADLINE_EXCEEDED
+        # itself before the caller's own deadline fires.
+        timeout = request.timeout_s if request.timeout_s is not None else self._default_timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout - max(0.005, 0.1 * timeout)
         if request.cache_bypass:
             metrics.CACHE.labels("bypassed").inc()
-            used, outputs = await self._submit(sig.name, version, inputs, request)
+            used, outputs = await self._submit(sig.name, version, inputs, request.outputs, request.tier, deadline)
             return InferResult(sig.name, used, request.id, outputs, cached=False)
         digest = request_digest(sig.name, version, inputs, request.outputs)
-        used, outputs, cached = await self._single_flight(digest, sig.name, version, inputs, request)
+        flight = Flight(digest, sig.name, version, inputs, request.outputs, request.tier, deadline)
+        used, outputs, cached = await self._single_flight(flight)
         return InferResult(sig.name, used, request.id, outputs, cached=cached)
 
-    async def _single_flight(self, digest: bytes, model: str, version: str, inputs: list[TensorData],
-                             request: InferRequest) -> tuple[str, list[TensorData], bool]:
-        """Identical requests share one lookup-and-compute. It runs with the first
-        caller's deadline and is cancelled only when every caller has left. A
-        success lingers briefly, covering the moment before its store lands."""
-        task = self._running.get(digest)
-        if task is None:
-            task = asyncio.create_task(self._resolve(digest, model, version, inputs, request))
-            self._running[digest] = task
-            task.add_done_callback(lambda done: self._finished(digest, done))
-        else:
-            metrics.CACHE.labels("shared").inc()
-        self._waiting[digest] = self._waiting.get(digest, 0) + 1
-        try:
-            return await asyncio.shield(task)
-        finally:
-            left = self._waiting[digest] - 1
-            if left:
-                self._waiting[digest] = left
+    async def _single_flight(self, flight: "Flight") -> tuple[str, list[TensorData], bool]:
+        """Identical requests of one tier share one lookup-and-compute. It runs
+        with its first caller's deadline; a caller with time left when that
+        deadline ends the flight starts a new one. The flight is cancelled only
+        when every caller has left. A success lingers briefly, covering the
+        moment before its store lands."""
+        key = (flight.digest, flight.tier)
+        while True:
+            task = self._running.get(key)
+            joined = task is not None
+            if joined:
+                metrics.CACHE.labels("shared").inc()
             else:
-                del self._waiting[digest]
-                if not task.done():
-                    task.cancel()
+                task = asyncio.create_task(self._resolve(flight))
+                self._running[key] = task
+                task.add_done_callback(lambda done, key=key: self._finished(key, done))
+            self._waiting[key] = self._waiting.get(key, 0) + 1
+            try:
+                return await asyncio.shield(task)
+            except errors.DeadlineExceeded:
+                if not joined or asyncio.get_running_loop().time() >= flight.deadline:
+                    raise
+                # Someone else's deadline ended the shared flight; ours has time left.
+            finally:
+                left = self._waiting[key] - 1
+                if left:
+                    self._waiting[key] = left
+                else:
+                    del self._waiting[key]
+                    if not task.done():
+                        task.cancel()
 
-    def _finished(self, digest: bytes, task: asyncio.Task) -> None:
+    def _finished(self, key, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is not None:
-            self._forget(digest, task)
+            self._forget(key, task)
         else:
-            asyncio.get_running_loop().call_later(SINGLE_FLIGHT_LINGER_S, self._forget, digest, task)
+            asyncio.get_running_loop().call_later(SINGLE_FLIGHT_LINGER_S, self._forget, key, task)
 
-    def _forget(self, digest: bytes, task: asyncio.Task) -> None:
-        if self._running.get(digest) is task:
-            del self._running[digest]
+    def _forget(self, key, task: asyncio.Task) -> None:
+        if self._running.get(key) is task:
+            del self._running[key]
 
-    async def _resolve(self, digest: bytes, model: str, version: str, inputs: list[TensorData],
-                       request: InferRequest) -> tuple[str, list[TensorData], bool]:
-        use_cache = self._cache is not None and self._bypass.should_use_cache(model)
+    async def _resolve(self, flight: "Flight") -> tuple[str, list[TensorData], bool]:
+        use_cache = self._cache is not None and self._bypass.should_use_cache(flight.model)
         if use_cache:
-            cached = await self._cache.lookup(model, digest, request.tier)
-            self._bypass.record(model, hit=cached is not None)
+            cached = await self._cache.lookup(flight.model, flight.digest, flight.tier)
+            self._bypass.record(flight.model, hit=cached is not None)
             if cached is not None:
-                return version, cached, True
+                return flight.version, cached, True
         elif self._cache is not None:
             metrics.CACHE.labels("bypassed").inc()
-        used, outputs = await self._submit(model, version, inputs, request)
-        if use_cache and used == version:
-            self._cache.store(model, digest, outputs)
+        used, outputs = await self._submit(flight.model, flight.version, flight.inputs, flight.outputs, flight.tier,
+                                           flight.deadline)
+        if use_cache and used == flight.version:
+            self._cache.store(flight.model, flight.digest, outputs)
         return used, outputs, False
 
-    async def _submit(self, model: str, version: str, inputs: list[TensorData],
-                      request: InferRequest) -> tuple[str, list[TensorData]]:
-        return await self._batcher.submit(
-            model, version, inputs, request.outputs, request.tier, _downstream_timeout(request.timeout_s))
+    async def _submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str], tier: int,
+                      deadline: float) -> tuple[str, list[TensorData]]:
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            raise errors.DeadlineExceeded(f"request for model '{model}' reached its deadline before it could be queued")
+        return await self._batcher.submit(model, version, inputs, outputs, tier, remaining)
 
 
-def _downstream_timeout(timeout_s: float | None) -> float | None:
-    """The batcher gets a little less time than the caller, so that it answers
-    DEADLINE_EXCEEDED itself before the caller's own deadline fires."""
-    if timeout_s is None:
-        return None
-    return max(timeout_s - max(0.005, 0.1 * timeout_s), 0.001)
+@dataclasses.dataclass(frozen=True)
+class Flight:
+    """One computation that identical requests may share."""
+
+    digest: bytes
+    model: str
+    version: str
+    inputs: list[TensorData]
+    outputs: list[str]
+    tier: int
+    deadline: float  # loop time, the batcher's (a little before the caller's)
 
 
 def validate(sig: ModelSignature, request: InferRequest) -> list[TensorData]:

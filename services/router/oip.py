@@ -77,7 +77,10 @@ def _contents_bytes(tensor) -> bytes:
     values = getattr(contents, field)
     if datatype == "BYTES":
         return pack_bytes_elements(list(values))
-    return np.asarray(values, dtype=NUMPY_DTYPES[datatype]).tobytes()
+    try:
+        return np.asarray(values, dtype=NUMPY_DTYPES[datatype]).tobytes()
+    except (OverflowError, ValueError) as exc:
+        raise errors.InvalidArgument(f"input '{tensor.name}' has a value out of range for {datatype}: {exc}") from None
 
 
 def response_to_proto(result: InferResult) -> pb.ModelInferResponse:

@@ -1,12 +1,12 @@
 """The router's gRPC face: the Open Inference Protocol, unary and streaming."""
 
-import asyncio
 import logging
 
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.common import errors, serving
+from services.common.streams import answer_concurrently
 from services.router.config import RouterConfig
 from services.router.core import Router
 from services.router.oip import metadata_to_proto, request_from_proto, response_to_proto
@@ -21,9 +21,10 @@ def _metadata(context) -> dict[str, str]:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, router: Router, max_stream_inflight: int):
+    def __init__(self, router: Router, max_stream_inflight: int, max_request_bytes: int):
         self._router = router
         self._max_stream_inflight = max_stream_inflight
+        self._max_request_bytes = max_request_bytes
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -47,48 +48,34 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response_to_proto(await self._router.infer(infer_request))
 
     async def ModelStreamInfer(self, request_iterator, context):
-        """Requests run concurrently (at most max_stream_inflight at once, then
-        reading pauses); each gets one response, in completion order. A failed
-        request is an error_message on the stream, which stays open."""
+        """Requests run concurrently; each gets one response, in completion
+        order. A failed request is an error_message on the stream, which stays
+        open; a request over the size limit fails alone."""
         metadata = _metadata(context)
-        outbox: asyncio.Queue = asyncio.Queue()
-        slots = asyncio.Semaphore(self._max_stream_inflight)
-        tasks: set[asyncio.Task] = set()
 
-        async def answer(request) -> None:
+        async def answer(request):
+            if isinstance(request, serving.Oversized):
+                raise errors.ResourceExhausted(
+                    f"request of {request.size} bytes exceeds the limit of {self._max_request_bytes} bytes")
+            result = await self._router.infer(request_from_proto(request, metadata, context.time_remaining()))
+            return pb.ModelStreamInferResponse(infer_response=response_to_proto(result))
+
+        async def handle(request):
             try:
-                result = await self._router.infer(request_from_proto(request, metadata, context.time_remaining()))
-                outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=response_to_proto(result)))
+                return await answer(request)
             except errors.InfermeshError as exc:
-                outbox.put_nowait(_stream_error(request, exc))
-            except Exception:  # noqa: BLE001 - one request's bug must not end the stream
-                log.exception("stream request %r failed unexpectedly", request.id)
-                outbox.put_nowait(_stream_error(request, errors.Internal("internal error in the router; see its log")))
-            finally:
-                slots.release()
+                return _stream_error(request, exc)
 
-        async def read() -> None:
-            async for request in request_iterator:
-                await slots.acquire()
-                task = asyncio.create_task(answer(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            if tasks:
-                await asyncio.gather(*list(tasks), return_exceptions=True)
-            outbox.put_nowait(None)
+        def on_error(request, exc):
+            return _stream_error(request, errors.Internal("internal error in the router; see its log"))
 
-        reader = asyncio.create_task(read())
-        try:
-            while (response := await outbox.get()) is not None:
-                yield response
-            await reader
-        finally:
-            reader.cancel()
-            for task in list(tasks):
-                task.cancel()
+        async for response in answer_concurrently(request_iterator, handle, on_error, self._max_stream_inflight):
+            yield response
 
 
 def _stream_error(request, exc: errors.InfermeshError) -> pb.ModelStreamInferResponse:
+    if isinstance(request, serving.Oversized):
+        request = request.message
     response = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version, id=request.id)
     response.parameters["grpc_status"].string_param = exc.code_name
     return pb.ModelStreamInferResponse(error_message=f"{exc.code_name}: {exc.message}", infer_response=response)
@@ -96,8 +83,12 @@ def _stream_error(request, exc: errors.InfermeshError) -> pb.ModelStreamInferRes
 
 async def build_server(config: RouterConfig, router: Router, port: int | None = None):
     """Returns (server, bound_port, health servicer); the server is started."""
-    server = serving.new_server("router", config.max_request_bytes, config.max_concurrent_rpcs)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(router, config.max_stream_inflight), server)
+    # The transport takes up to 4x the limit so that on a stream one oversized
+    # request fails alone instead of taking the whole stream down with it.
+    server = serving.new_server("router", min(4 * config.max_request_bytes, 2**31 - 1), config.max_concurrent_rpcs,
+                                max_request_bytes=config.max_request_bytes)
+    servicer = InferenceServicer(router, config.max_stream_inflight, config.max_request_bytes)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
     await server.start()

@@ -1,0 +1,216 @@
+"""The cache under realistic and hostile workloads, measured side by side in one run.
+
+    .venv/bin/python -m bench.cache_bench --runs 3
+
+- Zipf (s = 1.1) over 10,000 distinct texts: hit rate per level, throughput,
+  p50/p99, with the cache and without it.
+- All-unique texts: what the cache costs when it can never help (goal <= 5%),
+  with automatic bypass (the default) and with it switched off.
+- Cache-hit latency through the router at one caller (goal p50 <= 1 ms).
+
+Writes bench/results/cache.{json,md,png}.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from bench.workload import ghz_data, texts
+from services.launcher.mesh import Mesh
+from tests.conftest import metric
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GHZ = ROOT / "bin" / "ghz"
+DISTINCT = 10_000
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def zipf_sequence(count: int, seed: int, s: float = 1.1) -> list[str]:
+    pool = texts(DISTINCT, seed=seed)
+    ranks = np.arange(1, DISTINCT + 1)
+    weights = ranks ** -s
+    picks = np.random.default_rng(seed).choice(DISTINCT, size=count, p=weights / weights.sum())
+    return [pool[i] for i in picks]
+
+
+def ghz(router: str, items: list[str], concurrency: int) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as data:
+        data.write(ghz_data(items))
+    try:
+        out = subprocess.run(
+            [str(GHZ), "--insecure", "--call", "inference.GRPCInferenceService.ModelInfer", "--data-file", data.name,
+             "--total", str(len(items)), "--concurrency", str(concurrency), "--connections", str(min(concurrency, 4)),
+             "--format", "json", router], capture_output=True, text=True, check=True, timeout=1800).stdout
+    finally:
+        os.unlink(data.name)
+    report = json.loads(out)
+    latency = {p["percentage"]: p["latency"] / 1e6 for p in report["latencyDistribution"]}
+    return {"rps": report["rps"], "p50_ms": latency[50], "p99_ms": latency[99],
+            "errors": report["count"] - report["statusCodeDistribution"].get("OK", 0)}
+
+
+def cache_levels(mesh: Mesh) -> dict[str, float]:
+    url = mesh.metrics_url("cache")
+    return {level: metric(url, "infermesh_cache_lookups_total", level=level, result="hit") for level in ("l1", "l2")} | {
+        "miss": metric(url, "infermesh_cache_lookups_total", result="miss"),
+        "shared": metric(mesh.router_metrics, "infermesh_router_cache_lookups_total", result="shared"),
+    }
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--zipf-requests", type=int, default=4000)
+    parser.add_argument("--unique-requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    models = ROOT / "build" / "models"
+    work = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-cache-bench-"))
+    c = args.concurrency
+    runs = []
+    # Four meshes side by side; only the one being measured gets traffic. The
+    # unique workloads get meshes of their own: they would (rightly) switch on
+    # the automatic bypass of a mesh that the Zipf workload then measures.
+    with Mesh(models=models, cache=False, log_dir=work / "plain") as plain, \
+            Mesh(models=models, l2_path=work / "l2", log_dir=work / "cached") as cached, \
+            Mesh(models=models, l2_path=work / "l2-unique", log_dir=work / "unique") as unique_mesh, \
+            Mesh(models=models, l2_path=work / "l2-nobypass", log_dir=work / "nobypass",
+                 router_args=("--cache-min-hit-rate", "0")) as nobypass:
+        progress("four meshes up; warming up")
+        for mesh in (plain, cached, unique_mesh, nobypass):
+            ghz(mesh.router, texts(200, seed=7), 8)
+        for run in range(args.runs):
+            seed = 1000 + run  # new texts every run: every run starts with a cold cache
+            result = {}
+            sequence = zipf_sequence(args.zipf_requests, seed)
+            result["zipf_plain"] = ghz(plain.router, sequence, c)
+            before = cache_levels(cached)
+            result["zipf_cached"] = ghz(cached.router, sequence, c)
+            result["zipf_levels"] = delta(cache_levels(cached), before)
+            unique = texts(args.unique_requests, seed=seed + 500)
+            result["unique_plain"] = ghz(plain.router, unique, c)
+            result["unique_cached"] = ghz(unique_mesh.router, unique, c)
+            result["unique_nobypass"] = ghz(nobypass.router, unique, c)
+            hot = texts(50, seed=seed + 900)
+            ghz(cached.router, hot, 1)
+            result["hit_latency"] = ghz(cached.router, hot * 40, 1)
+            runs.append(result)
+            z = result["zipf_levels"]
+            lookups = z["l1"] + z["l2"] + z["miss"]
+            progress(f"run {run + 1}/{args.runs}: zipf {result['zipf_plain']['rps']:.0f} -> "
+                     f"{result['zipf_cached']['rps']:.0f} req/s (l1 {z['l1'] / lookups:.0%}, l2 {z['l2'] / lookups:.0%}); "
+                     f"unique {result['unique_plain']['rps']:.0f} / {result['unique_cached']['rps']:.0f} / "
+                     f"{result['unique_nobypass']['rps']:.0f} req/s; hit p50 {result['hit_latency']['p50_ms']:.2f} ms")
+    report = summarise(runs, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cache.json").write_text(json.dumps(report, indent=1))
+    (args.out / "cache.md").write_text(markdown(report))
+    plot(report, args.out / "cache.png")
+    print(markdown(report))
+    return 0
+
+
+def summarise(runs: list[dict], args) -> dict:
+    med = statistics.median
+
+    def m(key, field):
+        return med(r[key][field] for r in runs)
+
+    def rate(r, level):
+        z = r["zipf_levels"]
+        return z[level] / max(z["l1"] + z["l2"] + z["miss"], 1)
+
+    return {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "command": "python -m bench.cache_bench " + " ".join(sys.argv[1:]),
+        "runs": len(runs), "date": time.strftime("%Y-%m-%d"), "concurrency": args.concurrency,
+        "zipf_requests": args.zipf_requests, "unique_requests": args.unique_requests,
+        "summary": {
+            **{f"{k}_{f}": m(k, f) for k in ("zipf_plain", "zipf_cached", "unique_plain", "unique_cached",
+                                             "unique_nobypass", "hit_latency") for f in ("rps", "p50_ms", "p99_ms")},
+            "zipf_l1_hit_rate": med(rate(r, "l1") for r in runs),
+            "zipf_l2_hit_rate": med(rate(r, "l2") for r in runs),
+            "zipf_shared": med(r["zipf_levels"]["shared"] for r in runs),
+            "zipf_speedup": med(r["zipf_cached"]["rps"] / r["zipf_plain"]["rps"] for r in runs),
+            "unique_cost": med(1 - r["unique_cached"]["rps"] / r["unique_plain"]["rps"] for r in runs),
+            "unique_cost_nobypass": med(1 - r["unique_nobypass"]["rps"] / r["unique_plain"]["rps"] for r in runs),
+            "errors": sum(r[k]["errors"] for r in runs for k in r if k != "zipf_levels"),
+        },
+        "raw": runs,
+    }
+
+
+def markdown(report: dict) -> str:
+    s = report["summary"]
+    return "\n".join([
+        f"Machine: {report['machine']}. Command: `{report['command']}`. Medians of {report['runs']} runs on "
+        f"{report['date']}, ghz at concurrency {report['concurrency']}; ratios taken within each run.",
+        "",
+        "| workload | mesh | requests/s | p50 ms | p99 ms |",
+        "|---|---|---|---|---|",
+        f"| Zipf 1.1 over 10,000 texts ({report['zipf_requests']} requests) | no cache | {s['zipf_plain_rps']:.0f} | "
+        f"{s['zipf_plain_p50_ms']:.1f} | {s['zipf_plain_p99_ms']:.1f} |",
+        f"| | cache (cold at start) | {s['zipf_cached_rps']:.0f} | {s['zipf_cached_p50_ms']:.1f} | {s['zipf_cached_p99_ms']:.1f} |",
+        f"| all unique ({report['unique_requests']} requests) | no cache | {s['unique_plain_rps']:.0f} | "
+        f"{s['unique_plain_p50_ms']:.1f} | {s['unique_plain_p99_ms']:.1f} |",
+        f"| | cache, automatic bypass (default) | {s['unique_cached_rps']:.0f} | {s['unique_cached_p50_ms']:.1f} | "
+        f"{s['unique_cached_p99_ms']:.1f} |",
+        f"| | cache, bypass off | {s['unique_nobypass_rps']:.0f} | {s['unique_nobypass_p50_ms']:.1f} | "
+        f"{s['unique_nobypass_p99_ms']:.1f} |",
+        f"| cache hits only, 1 caller | cache | {s['hit_latency_rps']:.0f} | {s['hit_latency_p50_ms']:.2f} | "
+        f"{s['hit_latency_p99_ms']:.2f} |",
+        "",
+        f"Zipf: hit rate L1 {s['zipf_l1_hit_rate']:.1%}, L2 {s['zipf_l2_hit_rate']:.1%}; "
+        f"{s['zipf_shared']:.0f} requests joined an identical one in flight; throughput × {s['zipf_speedup']:.2f}. "
+        f"All unique: the cache costs {s['unique_cost']:.1%} of throughput with automatic bypass, "
+        f"{s['unique_cost_nobypass']:.1%} without it. Failed requests: {s['errors']}.",
+        "",
+    ])
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = report["summary"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    labels = ["Zipf\nno cache", "Zipf\ncache", "unique\nno cache", "unique\ncache+bypass", "unique\ncache, no bypass"]
+    keys = ["zipf_plain", "zipf_cached", "unique_plain", "unique_cached", "unique_nobypass"]
+    left.bar(labels, [s[f"{k}_rps"] for k in keys], color=["#8c8c8c", "#4c72b0", "#8c8c8c", "#4c72b0", "#dd8452"])
+    left.set_ylabel("requests / s")
+    left.set_title("throughput")
+    left.tick_params(axis="x", labelsize=8)
+    x = np.arange(len(keys))
+    right.bar(x - 0.2, [s[f"{k}_p50_ms"] for k in keys], 0.4, label="p50")
+    right.bar(x + 0.2, [s[f"{k}_p99_ms"] for k in keys], 0.4, label="p99")
+    right.set_xticks(x, labels, fontsize=8)
+    right.set_ylabel("ms")
+    right.set_title("latency")
+    right.legend()
+    fig.suptitle(f"{report['machine']}; medians of {report['runs']} runs; ghz concurrency {report['concurrency']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The router's single-flight policy in plain asyncio, with a gated batcher stand-in
+(the real batcher is exercised end to end elsewhere; here only who waits on what)."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from services.common import errors
+from services.common.tensors import from_numpy
+from services.router.core import Catalog, InferRequest, Router
+from tests.test_router_validation import MLP
+
+
+class SlowBatcher:
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+        self.calls: list[tuple[int, float]] = []
+
+    async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+        self.calls.append((tier, timeout_s))
+        if timeout_s < self.delay_s:
+            await asyncio.sleep(timeout_s)
+            raise errors.DeadlineExceeded("waited past its deadline; it was not run")
+        await asyncio.sleep(self.delay_s)
+        return version, [from_numpy("OUTPUT0", np.ones((1, 64), np.float32))]
+
+
+def make_router(batcher) -> Router:
+    catalog = Catalog()
+    catalog.replace([MLP])
+    return Router(catalog, batcher, cache=None)
+
+
+def request(timeout_s=None, tier=0) -> InferRequest:
+    return InferRequest("mlp", "", "", [from_numpy("INPUT0", np.zeros((1, 64), np.float32))], [], tier, timeout_s)
+
+
+async def test_identical_requests_share_one_computation():
+    batcher = SlowBatcher(0.05)
+    router = make_router(batcher)
+    results = await asyncio.gather(*(router.infer(request(timeout_s=5)) for _ in range(10)))
+    assert len(batcher.calls) == 1 and all(r.outputs == results[0].outputs for r in results)
+
+
+async def test_a_caller_with_time_left_outlives_the_first_callers_short_deadline():
+    batcher = SlowBatcher(0.2)
+    router = make_router(batcher)
+    short = asyncio.create_task(router.infer(request(timeout_s=0.05)))
+    await asyncio.sleep(0.01)
+    patient = asyncio.create_task(router.infer(request(timeout_s=5)))
+    with pytest.raises(errors.DeadlineExceeded):
+        await short
+    result = await patient
+    assert result.outputs[0].shape == (1, 64)
+    assert len(batcher.calls) == 2 and batcher.calls[1][1] > 1
+
+
+async def test_vip_requests_do_not_ride_on_a_standard_flight():
+    batcher = SlowBatcher(0.05)
+    router = make_router(batcher)
+    await asyncio.gather(router.infer(request(timeout_s=5, tier=0)), router.infer(request(timeout_s=5, tier=1)))
+    assert sorted(tier for tier, _ in batcher.calls) == [0, 1]
+
+
+async def test_the_shared_computation_stops_only_when_every_caller_left():
+    batcher = SlowBatcher(0.2)
+    router = make_router(batcher)
+    first = asyncio.create_task(router.infer(request(timeout_s=5)))
+    second = asyncio.create_task(router.infer(request(timeout_s=5)))
+    await asyncio.sleep(0.02)
+    first.cancel()
+    assert (await second).outputs[0].shape == (1, 64)
+    assert len(batcher.calls) == 1
