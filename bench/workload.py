@@ -39,3 +39,14 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     print(ghz_data(texts(args.count, args.seed)))
+
+
+def ghz_unique_template(tag: str, model: str = "minilm") -> str:
+    """A ghz -d body whose text differs on every call (sprig's b64enc over ghz's
+    request number and worker id). One small message that ghz renders per call:
+    a data file of many messages costs ghz ~1 ms of CPU per call per thousand
+    messages, which on a small machine is taken from the mesh being measured."""
+    text = (f"{{{{ printf `Hello, my order %d has not arrived yet, what should I do? (case {tag}-%s)` "
+            f".RequestNumber .WorkerID | b64enc }}}}")
+    return json.dumps({"model_name": model, "inputs": [
+        {"name": "TEXT", "datatype": "BYTES", "shape": [1], "contents": {"bytes_contents": [text]}}]})

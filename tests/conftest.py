@@ -26,9 +26,11 @@ def mesh(model_repository, tmp_path_factory):
     from services.launcher.mesh import Mesh
 
     log_dir = tmp_path_factory.mktemp("mesh-logs")
-    # Automatic cache bypass is off here: the tests send mostly unique texts yet expect lookups.
+    # Automatic cache bypass is off here (the tests send mostly unique texts yet expect lookups),
+    # and so is the near cache: these tests watch the cache service itself.
     with Mesh(models=model_repository, log_dir=log_dir, l2_path=tmp_path_factory.mktemp("l2"),
-              router_args=("--max-request-bytes", str(MAX_REQUEST_BYTES), "--cache-min-hit-rate", "0")) as running:
+              router_args=("--max-request-bytes", str(MAX_REQUEST_BYTES), "--cache-min-hit-rate", "0",
+                           "--near-cache-ttl-s", "0")) as running:
         yield running
         dead = running.dead()
         assert not dead, f"services died during the tests: {dead}"

@@ -61,7 +61,7 @@ def test_purge_is_refused_when_no_admin_token_is_configured(mesh):
     assert "no admin token configured" in info.value.details()
 
 
-def test_a_unique_workload_stops_paying_for_lookups_and_a_repeating_one_resumes(model_repository, tmp_path):
+def test_near_cache_then_bypass_for_unique_work_then_recovery(model_repository, tmp_path):
     with Mesh(models=model_repository, log_dir=tmp_path,
               router_args=("--cache-bypass-window", "20", "--cache-min-hit-rate", "0.1", "--cache-probe-every", "4")) as m:
         lookups = lambda: sum(metric(m.router_metrics, "infermesh_router_cache_lookups_total", result=r)  # noqa: E731
@@ -69,7 +69,16 @@ def test_a_unique_workload_stops_paying_for_lookups_and_a_repeating_one_resumes(
         gauge = lambda: metric(m.router_metrics, "infermesh_router_cache_bypassed", model="minilm")  # noqa: E731
         with grpc.insecure_channel(m.router) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            for i in range(20):
+            # A repeat within the near cache's TTL never leaves the router.
+            repeat = text_request([f"asked twice {uuid.uuid4().hex}"])
+            first = stub.ModelInfer(repeat, timeout=30)
+            time.sleep(0.1)  # past single-flight's linger
+            lookups_before, near_before = lookups(), metric(m.router_metrics, "infermesh_router_cache_lookups_total",
+                                                             result="near_hit")
+            assert stub.ModelInfer(repeat, timeout=30).raw_output_contents == first.raw_output_contents
+            assert lookups() == lookups_before
+            assert metric(m.router_metrics, "infermesh_router_cache_lookups_total", result="near_hit") == near_before + 1
+            for i in range(19):  # with the repeat's miss above, 20 lookups: one window, one hit
                 stub.ModelInfer(text_request([f"unique {i} {uuid.uuid4().hex}"]), timeout=30)
             assert gauge() == 1
             before = lookups()

@@ -10,6 +10,7 @@ from services.cache import codec
 from services.cache.disk import DiskStore
 from services.common.tensors import TensorData, from_numpy, to_numpy
 from services.router.bypass import AdaptiveBypass
+from services.router.nearcache import NearCache
 
 
 def embedding_tensor(rows: int = 2) -> TensorData:
@@ -91,3 +92,18 @@ def test_bypass_turns_on_for_a_unique_workload_and_off_when_it_repeats():
     assert not bypass.is_bypassed("m")
     assert all(bypass.should_use_cache("m") for _ in range(5))
     assert not bypass.is_bypassed("other")
+
+
+def test_near_cache_expires_and_stays_within_its_byte_bound():
+    now = [0.0]
+    near = NearCache(ttl_s=1.0, max_bytes=3 * (1536 + 64), clock=lambda: now[0])
+    tensor = embedding_tensor(1)
+    for i in range(4):
+        near.put(bytes([i]), [tensor])
+    assert len(near) == 3 and near.get(b"\x00") is None  # least recently used went first
+    assert near.get(b"\x01") == [tensor]
+    near.put(b"\x04", [tensor])
+    assert near.get(b"\x02") is None and near.get(b"\x01") == [tensor]  # a get refreshes recency
+    now[0] = 1.5
+    assert near.get(b"\x01") is None and near.bytes < 3 * (1536 + 64)
+    assert not NearCache(ttl_s=0, max_bytes=1 << 20).enabled

@@ -10,6 +10,7 @@ from services.router.bypass import AdaptiveBypass
 from services.router.clients import BatcherClient, CacheClient
 from services.router.config import RouterConfig
 from services.router.core import Catalog, Router
+from services.router.nearcache import NearCache
 from services.router.server import SERVICE_NAME, build_server
 
 log = logging.getLogger("services.router")
@@ -20,7 +21,8 @@ async def serve(config: RouterConfig) -> None:
     batcher = BatcherClient(config.batcher, config.batcher_streams, catalog, config.catalog_poll_s)
     cache = CacheClient(config.cache, config.cache_lookup_timeout_ms / 1000) if config.cache else None
     bypass = AdaptiveBypass(config.cache_bypass_window, config.cache_min_hit_rate, config.cache_probe_every)
-    router = Router(catalog, batcher, cache, bypass, config.default_timeout_s)
+    near = NearCache(config.near_cache_ttl_s, config.near_cache_max_bytes)
+    router = Router(catalog, batcher, cache, bypass, config.default_timeout_s, near)
     await batcher.start()
     metrics_port = start_metrics_server(config.host, config.metrics_port)
     server, port, health = await build_server(config, router)

@@ -15,6 +15,7 @@ from services.common import errors
 from services.common.tensors import NUMPY_DTYPES, TensorData, element_count, split_bytes_elements
 from services.router import metrics
 from services.router.bypass import AdaptiveBypass
+from services.router.nearcache import NearCache
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +103,13 @@ class Catalog:
 
 class Router:
     def __init__(self, catalog: Catalog, batcher: Batcher, cache: Cache | None, bypass: AdaptiveBypass | None = None,
-                 default_timeout_s: float = 60.0):
+                 default_timeout_s: float = 60.0, near: NearCache | None = None):
         self.catalog = catalog
+        self._near = near if near is not None else NearCache(ttl_s=0, max_bytes=0)
         self._default_timeout_s = default_timeout_s
         self._batcher = batcher
         self._cache = cache
-        self._bypass = bypass or AdaptiveBypass()
+        self._bypass = bypass if bypass is not None else AdaptiveBypass()
         # Single-flight: the one computation running per (digest, tier), and how
         # many callers wait on it.
         self._running: dict[tuple[bytes, int], asyncio.Task] = {}
@@ -213,9 +215,15 @@ class Router:
     async def _resolve(self, flight: "Flight") -> tuple[str, list[TensorData], bool]:
         use_cache = self._cache is not None and self._bypass.should_use_cache(flight.model)
         if use_cache:
+            near = self._near.get(flight.digest)
+            if near is not None:
+                metrics.CACHE.labels("near_hit").inc()
+                self._bypass.record(flight.model, hit=True)
+                return flight.version, near, True
             cached = await self._cache.lookup(flight.model, flight.digest, flight.tier)
             self._bypass.record(flight.model, hit=cached is not None)
             if cached is not None:
+                self._near.put(flight.digest, cached)
                 return flight.version, cached, True
         elif self._cache is not None:
             metrics.CACHE.labels("bypassed").inc()
@@ -223,6 +231,7 @@ class Router:
                                            flight.deadline)
         if use_cache and used == flight.version:
             self._cache.store(flight.model, flight.digest, outputs)
+            self._near.put(flight.digest, outputs)
         return used, outputs, False
 
     async def _submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str], tier: int,

@@ -9,8 +9,8 @@ LATENCY = prometheus_client.Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 CACHE = prometheus_client.Counter(
     "infermesh_router_cache_lookups_total",
-    "Requests by what the cache did for them: hit, miss, error, bypassed (asked or automatic) or shared "
-    "(an identical request was already running; single-flight).", ["result"])
+    "Requests by what the cache did for them: near_hit (router memory), hit, miss, error, bypassed (asked or "
+    "automatic) or shared (an identical request was already running; single-flight).", ["result"])
 CACHE_BYPASS = prometheus_client.Gauge(
     "infermesh_router_cache_bypassed", "1 while a model's cache lookups are bypassed for a near-zero hit rate.",
     ["model"])
