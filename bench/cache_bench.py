@@ -213,7 +213,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
     s = report["summary"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    labels = ["Zipf\nno cache", "Zipf\ncache", "unique\nno cache", "unique\ncache+bypass", "unique\ncache, no bypass"]
+    labels = ["Zipf\nno cache", "Zipf\ncache", "unique\nno cache", "unique\ncache", "unique\ncache,\nno bypass"]
     keys = ["zipf_plain", "zipf_cached", "unique_plain", "unique_cached", "unique_nobypass"]
     left.bar(labels, [s[f"{k}_rps"] for k in keys], color=["#8c8c8c", "#4c72b0", "#8c8c8c", "#4c72b0", "#dd8452"])
     left.set_ylabel("requests / s")

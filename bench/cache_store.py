@@ -22,12 +22,10 @@ import time
 import lmdb
 import lz4.frame
 import numpy as np
-import onnxruntime as ort
 import rocksdict
 import zstandard
-from tokenizers import Tokenizer
 
-from bench.workload import texts
+from bench.workload import InProcessMinilm, texts
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL = ROOT / "build" / "models" / "minilm" / "1"
@@ -37,21 +35,9 @@ RUNS = 3
 
 
 def embeddings(count: int) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = os.cpu_count() or 1
-    session = ort.InferenceSession(str(MODEL / "model.onnx"), options, providers=["CPUExecutionProvider"])
-    tokenizer = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
-    tokenizer.enable_truncation(max_length=256)
-    tokenizer.enable_padding()
-    out = []
+    model = InProcessMinilm(MODEL)
     pool = texts(count, seed=42)
-    for start in range(0, count, 64):
-        enc = tokenizer.encode_batch(pool[start:start + 64])
-        feeds = {"input_ids": np.array([e.ids for e in enc], dtype=np.int64),
-                 "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
-                 "token_type_ids": np.array([e.type_ids for e in enc], dtype=np.int64)}
-        out.append(session.run(["sentence_embedding"], feeds)[0])
-    return np.concatenate(out)
+    return np.concatenate([model.embed(pool[start:start + 64]) for start in range(0, count, 64)])
 
 
 class LmdbStore:

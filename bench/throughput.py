@@ -20,11 +20,8 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-import onnxruntime as ort
-from tokenizers import Tokenizer
 
-from bench.workload import ghz_unique_template, texts
+from bench.workload import InProcessMinilm, ghz_unique_template, texts
 from services.launcher.mesh import Mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -39,24 +36,14 @@ def progress(message: str) -> None:
 def in_process_throughput(batch_sizes: list[int], seconds: float, seed: int) -> dict[int, float]:
     """Sentences per second of a bare ORT session (same graph, same tokenizer,
     2 intra-op threads, padding to the longest text of each batch)."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = os.cpu_count() or 1
-    session = ort.InferenceSession(str(MODEL / "model.onnx"), options, providers=["CPUExecutionProvider"])
-    tokenizer = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
-    tokenizer.enable_truncation(max_length=256)
-    tokenizer.enable_padding()
+    model = InProcessMinilm(MODEL)
     pool = texts(20000, seed)
     results = {}
     for batch in batch_sizes:
         done = 0
         started = time.perf_counter()
         while time.perf_counter() - started < seconds:
-            chunk = pool[(done % 19000):(done % 19000) + batch]
-            enc = tokenizer.encode_batch(chunk)
-            feeds = {"input_ids": np.array([e.ids for e in enc], dtype=np.int64),
-                     "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
-                     "token_type_ids": np.array([e.type_ids for e in enc], dtype=np.int64)}
-            session.run(["sentence_embedding"], feeds)
+            model.embed(pool[(done % 19000):(done % 19000) + batch])
             done += batch
         results[batch] = done / (time.perf_counter() - started)
         progress(f"  in-process ORT batch {batch:3d}: {results[batch]:7.1f} sentences/s")

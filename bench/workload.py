@@ -3,7 +3,13 @@ every benchmark so the mesh and the in-process baseline see the same work."""
 
 import base64
 import json
+import os
+import pathlib
 import random
+
+import numpy as np
+import onnxruntime as ort
+from tokenizers import Tokenizer
 
 SUBJECTS = ["my order", "the invoice", "my account", "the delivery", "my refund", "the app", "my password",
             "the subscription", "the parcel", "my card", "the discount code", "the warranty"]
@@ -50,3 +56,24 @@ def ghz_unique_template(tag: str, model: str = "minilm") -> str:
             f".RequestNumber .WorkerID | b64enc }}}}")
     return json.dumps({"model_name": model, "inputs": [
         {"name": "TEXT", "datatype": "BYTES", "shape": [1], "contents": {"bytes_contents": [text]}}]})
+
+
+class InProcessMinilm:
+    """minilm run directly on ONNX Runtime, as the mesh's model server would
+    (same graph and tokenizer, padding to the longest text of each batch, one
+    intra-op thread per core): the baseline the mesh is measured against."""
+
+    def __init__(self, model_dir: pathlib.Path):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = os.cpu_count() or 1
+        self._session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
+        self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._tokenizer.enable_truncation(max_length=256)
+        self._tokenizer.enable_padding()
+
+    def embed(self, batch: list[str]) -> np.ndarray:
+        encodings = self._tokenizer.encode_batch(batch)
+        feeds = {"input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+                 "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+                 "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64)}
+        return self._session.run(["sentence_embedding"], feeds)[0]
