@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from services.batcher.core import STANDARD, VIP, Batcher, ModelLimits
+from services.batcher.core import STANDARD, VIP, Batcher, LevelPolicy, ModelLimits, QueuePolicy
 from services.common import errors
 from services.common.tensors import from_numpy, to_numpy
 
@@ -217,3 +217,48 @@ async def test_while_a_batch_runs_the_next_one_waits_for_company():
     backend.gate.set()
     await asyncio.gather(first, *rest)
     assert backend.batches == [[0.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]]
+
+
+async def test_each_level_has_its_own_bound_and_a_full_one_says_when_to_retry():
+    backend = GatedBackend(max_batch=1)
+    policy = QueuePolicy({VIP: LevelPolicy(2, 30), STANDARD: LevelPolicy(1, 30)})
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
+    running = submit(batcher, 0.0)
+    await backend.started.wait()
+    queued = [submit(batcher, 1.0), submit(batcher, 2.0, priority=VIP), submit(batcher, 3.0, priority=VIP)]
+    await settle()
+    with pytest.raises(errors.ResourceExhausted, match="the standard queue of model 'm' is full") as info:
+        await batcher.submit("m", "1", row(4.0), [])
+    assert info.value.retry_after_ms >= 10 and "retry after about" in info.value.message
+    with pytest.raises(errors.ResourceExhausted, match="the vip queue"):
+        await batcher.submit("m", "1", row(5.0), [], priority=VIP)
+    backend.gate.set()
+    await asyncio.gather(running, *queued)
+
+
+async def test_a_level_default_timeout_bounds_requests_without_a_tighter_deadline():
+    backend = GatedBackend(max_batch=1)
+    policy = QueuePolicy({VIP: LevelPolicy(10, 30), STANDARD: LevelPolicy(10, 0.01)})
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
+    running = submit(batcher, 0.0, priority=VIP)
+    await backend.started.wait()
+    patient = submit(batcher, 1.0, timeout_s=60)  # asks for a minute; its level allows 10 ms
+    with pytest.raises(errors.DeadlineExceeded):
+        await patient
+    backend.gate.set()
+    await running
+
+
+async def test_aging_lets_a_standard_request_past_a_steady_vip_stream():
+    backend = GatedBackend(max_batch=1)
+    policy = QueuePolicy.uniform(100, 30, aging_s=0.02)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
+    running = submit(batcher, 0.0, priority=VIP)
+    await backend.started.wait()
+    old = submit(batcher, 1.0)
+    await asyncio.sleep(0.03)  # the standard request ages past the bound
+    vips = [submit(batcher, 2.0 + i, priority=VIP) for i in range(3)]
+    await settle()
+    backend.gate.set()
+    await asyncio.gather(running, old, *vips)
+    assert backend.batches[:3] == [[0.0], [1.0], [2.0]]

@@ -1,6 +1,7 @@
 """When the model server is gone: UNAVAILABLE (retryable), readiness withdrawn,
 the router and batcher stay up."""
 
+import asyncio
 import signal
 import time
 
@@ -10,6 +11,7 @@ from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.launcher.mesh import Mesh
+from tests.conftest import metric
 from tests.oip import output_array, text_request
 
 
@@ -41,3 +43,34 @@ def test_model_server_gone_means_unavailable_and_not_ready(uncached_mesh):
             stub.ModelInfer(text_request(["still down"]), timeout=10)
         assert again.value.code() == grpc.StatusCode.UNAVAILABLE
     assert sorted(uncached_mesh.dead()) == ["model_server"]
+
+
+@pytest.fixture
+def tiny_queues(model_repository, tmp_path):
+    with Mesh(models=model_repository, cache=False, log_dir=tmp_path,
+              batcher_args=("--max-batch-size", "1", "--standard-max-queue-size", "2", "--vip-max-queue-size", "50")) as mesh:
+        yield mesh
+
+
+async def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint_and_vip_still_gets_in(tiny_queues):
+    async with grpc.aio.insecure_channel(tiny_queues.router) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        long_text = "words " * 200
+        standard = [stub.ModelInfer(text_request([f"{i} {long_text}"]), timeout=60) for i in range(12)]
+        vip = []
+        for i in range(4):
+            request = text_request([f"vip {i} {long_text}"])
+            request.parameters["priority"].int64_param = 1
+            vip.append(stub.ModelInfer(request, timeout=60))
+        calls = [asyncio.ensure_future(c) for c in standard + vip]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+    rejected = [r for r in results[:12] if isinstance(r, grpc.aio.AioRpcError)]
+    assert rejected, "12 standard requests against a queue of 2 should overflow"
+    for error in rejected:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "the standard queue of model 'minilm' is full (2 requests waiting)" in error.details()
+        assert int(dict(error.trailing_metadata())["retry-after-ms"]) >= 10
+    assert all(isinstance(r, pb.ModelInferResponse) for r in results[12:]), "VIP has a queue of its own"
+    rejections = metric(tiny_queues.metrics_url("batcher"), "infermesh_batcher_rejections_total",
+                        level="standard", reason="queue_full")
+    assert rejections == len(rejected)

@@ -212,7 +212,7 @@ def test_metrics_cover_requests_latency_queue_batches_and_cache(mesh):
     assert metric(mesh.router_metrics, "infermesh_router_request_duration_seconds_count", model="minilm") > 0
     batcher = mesh.metrics_url("batcher")
     assert metric(batcher, "infermesh_batcher_batch_size_count", model="minilm") > 0
-    assert ("infermesh_batcher_queue_length", (("model", "minilm"),)) in scrape(batcher)
+    assert ("infermesh_batcher_queue_length", (("level", "standard"), ("model", "minilm"))) in scrape(batcher)
     assert metric(mesh.metrics_url("model_server"), "infermesh_model_inference_duration_seconds_count", model="minilm") > 0
     cache = mesh.metrics_url("cache")
     assert metric(cache, "infermesh_cache_lookups_total", result="hit") > 0

@@ -153,3 +153,24 @@ def test_typed_contents_out_of_range_for_the_datatype():
     message.inputs.add(name="X", datatype="INT8", shape=[1]).contents.int_contents.append(300)
     with pytest.raises(errors.InvalidArgument, match="input 'X' has a value out of range for INT8"):
         convert(message)
+
+
+def test_oip_priority_and_timeout_parameters():
+    message = text_request(["a"])
+    message.parameters["priority"].int64_param = 1
+    message.parameters["timeout"].uint64_param = 250_000
+    request = convert(message)
+    assert request.tier == 1 and request.timeout_s == 0.25
+    message.parameters["priority"].uint64_param = 2
+    assert request_from_proto(message, {"x-user-tier": "vip"}, 0.1).tier == 0  # the parameter wins
+    assert request_from_proto(message, {}, 0.1).timeout_s == 0.1  # a timeout only shortens the deadline
+    message.parameters["priority"].int64_param = 7
+    with pytest.raises(errors.InvalidArgument, match="parameter 'priority' is 7; levels are 1 \\(VIP\\) and 2"):
+        convert(message)
+    message.parameters["priority"].int64_param = 0
+    message.parameters["timeout"].int64_param = -5
+    with pytest.raises(errors.InvalidArgument, match="parameter 'timeout' is -5"):
+        convert(message)
+    message.parameters["timeout"].string_param = "1s"
+    with pytest.raises(errors.InvalidArgument, match="parameter 'timeout' must be an int64_param or uint64_param"):
+        convert(message)

@@ -15,8 +15,8 @@ async def serve(config: BatcherConfig) -> None:
     replicas = ReplicaSet(config.model_servers, config.max_inflight_batches_per_replica, config.replica_poll_s,
                           config.max_message_bytes)
     await replicas.start()
-    batcher = Batcher(replicas, config.max_batch_size, config.max_queue_delay_ms, config.max_queue_size,
-                      config.execute_timeout_s)
+    batcher = Batcher(replicas, config.max_batch_size, config.max_queue_delay_ms,
+                      default_timeout_s=config.execute_timeout_s, policy=config.queue_policy())
     metrics_port = start_metrics_server(config.host, config.metrics_port)
     draining = asyncio.Event()
     server, port, health = await build_server(config, batcher, replicas, draining)

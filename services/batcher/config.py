@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from services.batcher.core import STANDARD, VIP, LevelPolicy, QueuePolicy
 from services.common.config import require
 
 
@@ -15,7 +16,11 @@ class BatcherConfig:
     metrics_port: int = dataclasses.field(default=0, metadata={"help": "Prometheus port, 0 picks a free one"})
     max_batch_size: int = dataclasses.field(default=32, metadata={"help": "rows per batch, capped by each model's own max"})
     max_queue_delay_ms: float = dataclasses.field(default=5.0, metadata={"help": "longest wait of the oldest request for a fuller batch"})
-    max_queue_size: int = dataclasses.field(default=2048, metadata={"help": "requests waiting per model before RESOURCE_EXHAUSTED"})
+    vip_max_queue_size: int = dataclasses.field(default=1024, metadata={"help": "VIP requests waiting per model before RESOURCE_EXHAUSTED"})
+    standard_max_queue_size: int = dataclasses.field(default=2048, metadata={"help": "standard requests waiting per model before RESOURCE_EXHAUSTED"})
+    vip_default_timeout_ms: float = dataclasses.field(default=30_000, metadata={"help": "longest a VIP request waits unless its deadline is sooner (0: no limit)"})
+    standard_default_timeout_ms: float = dataclasses.field(default=30_000, metadata={"help": "longest a standard request waits unless its deadline is sooner (0: no limit)"})
+    standard_aging_ms: float = dataclasses.field(default=1000, metadata={"help": "a standard request waiting this long goes ahead of VIP ones"})
     max_inflight_batches_per_replica: int = dataclasses.field(default=2)
     replica_poll_s: float = dataclasses.field(default=1.0, metadata={"help": "how often replicas are asked for their models"})
     execute_timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "longest a batch RPC may take without a tighter deadline"})
@@ -27,7 +32,16 @@ class BatcherConfig:
         require(len(self.model_servers) > 0, "model_servers must name at least one host:port")
         require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
         require(self.max_queue_delay_ms >= 0, f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms}")
-        require(self.max_queue_size >= 1, f"max_queue_size must be >= 1, got {self.max_queue_size}")
+        for name in ("vip_max_queue_size", "standard_max_queue_size"):
+            require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("vip_default_timeout_ms", "standard_default_timeout_ms", "standard_aging_ms"):
+            require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         require(self.max_inflight_batches_per_replica >= 1,
                 f"max_inflight_batches_per_replica must be >= 1, got {self.max_inflight_batches_per_replica}")
         require(self.replica_poll_s > 0, f"replica_poll_s must be > 0, got {self.replica_poll_s}")
+
+    def queue_policy(self) -> QueuePolicy:
+        return QueuePolicy({
+            VIP: LevelPolicy(self.vip_max_queue_size, self.vip_default_timeout_ms / 1000),
+            STANDARD: LevelPolicy(self.standard_max_queue_size, self.standard_default_timeout_ms / 1000),
+        }, aging_s=self.standard_aging_ms / 1000)

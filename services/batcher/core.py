@@ -1,5 +1,9 @@
 """Dynamic batching: per-model priority queues drained into batches.
 
+Priority levels are strict and non-preemptive, FIFO within a level, with an
+aging bound for standard requests; each level has its own queue bound and
+default timeout (Triton's queue policy).
+
 Each (model, version) has one queue and one lazily started task. The task
 waits for a request, then for a free execution slot (so an idle queue holds
 none), then until the batch is full or the oldest request has waited
@@ -25,6 +29,30 @@ log = logging.getLogger(__name__)
 VIP = 1
 STANDARD = 0
 PRIORITIES = (STANDARD, VIP)
+
+
+LEVEL_NAMES = {VIP: "vip", STANDARD: "standard"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelPolicy:
+    """Triton's queue policy, per priority level: how many may wait, and the
+    longest a request may wait when it brings no tighter deadline."""
+
+    max_queue_size: int
+    default_timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class QueuePolicy:
+    levels: dict[int, LevelPolicy]
+    # A standard request waiting this long is served as if it were VIP, so a
+    # steady VIP stream delays standard traffic by at most this much.
+    aging_s: float = 1.0
+
+    @classmethod
+    def uniform(cls, max_queue_size: int, default_timeout_s: float, aging_s: float = 1.0) -> "QueuePolicy":
+        return cls({level: LevelPolicy(max_queue_size, default_timeout_s) for level in PRIORITIES}, aging_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,15 +103,16 @@ class ModelQueue:
     """The queue and batching task of one model version."""
 
     def __init__(self, model: str, version: str, backend: Backend, max_batch_size: int,
-                 max_delay_s: float, max_queue_size: int, slots: asyncio.Semaphore, default_timeout_s: float):
+                 max_delay_s: float, policy: QueuePolicy, slots: asyncio.Semaphore, default_timeout_s: float):
         self.model = model
         self.version = version
         self._backend = backend
         self._configured_batch_size = max_batch_size
         self._max_delay_s = max_delay_s
-        self._max_queue_size = max_queue_size
+        self._policy = policy
         self._slots = slots
         self._default_timeout_s = default_timeout_s
+        self._batch_seconds = 0.05  # running estimate of one batch's time, for retry hints
         self._levels = {VIP: collections.deque(), STANDARD: collections.deque()}
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -98,13 +127,18 @@ class ModelQueue:
         return sum(len(q) for q in self._levels.values())
 
     def put(self, item: Pending) -> None:
-        if len(self) >= self._max_queue_size:
-            metrics.REJECTIONS.labels(self.model, "queue_full").inc()
+        level = self._levels[item.priority]
+        limit = self._policy.levels[item.priority].max_queue_size
+        name = LEVEL_NAMES[item.priority]
+        if len(level) >= limit:
+            metrics.REJECTIONS.labels(self.model, name, "queue_full").inc()
+            # About how long until a place frees up: the batches ahead of it.
+            retry_ms = max(10, int(1000 * self._batch_seconds * len(self) / max(self.batch_size, 1)))
             raise errors.ResourceExhausted(
-                f"queue of model '{self.model}' is full ({self._max_queue_size} requests waiting); retry with backoff"
-            )
-        self._levels[item.priority].append(item)
-        metrics.QUEUE_LENGTH.labels(self.model).set(len(self))
+                f"the {name} queue of model '{self.model}' is full ({limit} requests waiting); "
+                f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
+        level.append(item)
+        metrics.QUEUE_LENGTH.labels(self.model, name).set(len(level))
         self._arrived.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"batcher-{self.model}-{self.version}")
@@ -132,7 +166,11 @@ class ModelQueue:
         strict priority, FIFO within a level; expired and cancelled requests are
         answered and dropped on the way."""
         now = asyncio.get_running_loop().time()
-        for level in (VIP, STANDARD):
+        order = (VIP, STANDARD)
+        standard = self._levels[STANDARD]
+        if standard and now - standard[0].enqueued >= self._policy.aging_s:
+            order = (STANDARD, VIP)  # aged: bounded starvation
+        for level in order:
             queue = self._levels[level]
             while queue:
                 item = queue[0]
@@ -141,7 +179,7 @@ class ModelQueue:
                 if item.future.done():  # expired, or its caller went away
                     queue.popleft()
                     if item.future.cancelled():
-                        metrics.REJECTIONS.labels(self.model, "cancelled").inc()
+                        metrics.REJECTIONS.labels(self.model, LEVEL_NAMES[level], "cancelled").inc()
                     continue
                 if item.rows > room and not alone:
                     break
@@ -155,7 +193,7 @@ class ModelQueue:
         the queue until the batching task skips it, but never runs."""
         if item.future.done():
             return
-        metrics.REJECTIONS.labels(self.model, "deadline").inc()
+        metrics.REJECTIONS.labels(self.model, LEVEL_NAMES[item.priority], "deadline").inc()
         waited_ms = 1000 * (asyncio.get_running_loop().time() - item.enqueued)
         item.future.set_exception(errors.DeadlineExceeded(
             f"request for model '{self.model}' waited {waited_ms:.1f} ms in the queue, past its deadline; it was not run"))
@@ -187,7 +225,8 @@ class ModelQueue:
                 await asyncio.wait_for(self._arrived.wait(), remaining)
             except TimeoutError:
                 break
-        metrics.QUEUE_LENGTH.labels(self.model).set(len(self))
+        for level, queue in self._levels.items():
+            metrics.QUEUE_LENGTH.labels(self.model, LEVEL_NAMES[level]).set(len(queue))
         return batch
 
     async def _execute(self, batch: list[Pending]) -> None:
@@ -214,9 +253,10 @@ class ModelQueue:
         wanted = [] if any(not item.outputs for item in batch) else sorted({o for item in batch for o in item.outputs})
         metrics.BATCH_ROWS.labels(self.model).observe(sum(counts))
         for item in batch:
-            metrics.QUEUE_WAIT.labels(self.model).observe(now - item.enqueued)
+            metrics.QUEUE_WAIT.labels(self.model, LEVEL_NAMES[item.priority]).observe(now - item.enqueued)
         try:
             version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout, 0.001))
+            self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * (loop.time() - now)
         except errors.InfermeshError as exc:
             if split_on_error and len(batch) > 1 and not exc.retryable and not isinstance(exc, errors.DeadlineExceeded):
                 # One bad request must not fail its neighbours: run each alone.
@@ -250,12 +290,12 @@ def _fail_all(items: list[Pending], error: errors.InfermeshError) -> None:
 class Batcher:
     """Routes requests to per-model queues and answers each exactly once."""
 
-    def __init__(self, backend: Backend, max_batch_size: int, max_queue_delay_ms: float, max_queue_size: int,
-                 default_timeout_s: float = 30.0):
+    def __init__(self, backend: Backend, max_batch_size: int, max_queue_delay_ms: float, max_queue_size: int = 2048,
+                 default_timeout_s: float = 30.0, policy: QueuePolicy | None = None):
         self._backend = backend
         self._max_batch_size = max_batch_size
         self._max_delay_s = max_queue_delay_ms / 1000
-        self._max_queue_size = max_queue_size
+        self._policy = policy if policy is not None else QueuePolicy.uniform(max_queue_size, default_timeout_s)
         self._default_timeout_s = default_timeout_s
         self._queues: dict[tuple[str, str], ModelQueue] = {}
         self._slots: asyncio.Semaphore | None = None
@@ -267,7 +307,7 @@ class Batcher:
             if self._slots is None:
                 self._slots = asyncio.Semaphore(self._backend.capacity())
             queue = ModelQueue(model, version, self._backend, self._max_batch_size, self._max_delay_s,
-                               self._max_queue_size, self._slots, self._default_timeout_s)
+                               self._policy, self._slots, self._default_timeout_s)
             self._queues[key] = queue
         return queue
 
@@ -292,6 +332,10 @@ class Batcher:
                 f"request of {rows} rows exceeds max_batch_size {limits.max_batch_size} of model '{model}'")
         queue = self._queue(model, version)
         now = loop.time()
+        # A request's own deadline may only shorten its level's default wait.
+        level_timeout = self._policy.levels[priority].default_timeout_s
+        if level_timeout > 0:
+            timeout_s = min(timeout_s, level_timeout) if timeout_s else level_timeout
         item = Pending(inputs, outputs, priority, now + timeout_s if timeout_s else None, loop.create_future(), now)
         queue.put(item)
         if item.deadline is not None:

@@ -3,17 +3,21 @@
 import prometheus_client
 
 QUEUE_LENGTH = prometheus_client.Gauge(
-    "infermesh_batcher_queue_length", "Requests waiting, by model.", ["model"])
+    "infermesh_batcher_queue_length", "Requests waiting, by model and priority level.", ["model", "level"])
 QUEUE_WAIT = prometheus_client.Histogram(
-    "infermesh_batcher_queue_wait_seconds", "Time from arrival to batch dispatch, by model.", ["model"],
+    "infermesh_batcher_queue_wait_seconds", "Time from arrival to batch dispatch, by model and level.",
+    ["model", "level"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
 BATCH_ROWS = prometheus_client.Histogram(
     "infermesh_batcher_batch_size", "Rows per dispatched batch, by model.", ["model"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 REJECTIONS = prometheus_client.Counter(
-    "infermesh_batcher_rejections_total", "Requests answered without running, by model and reason.",
-    ["model", "reason"])
+    "infermesh_batcher_rejections_total", "Requests answered without running, by model, level and reason "
+    "(queue_full, deadline, cancelled).", ["model", "level", "reason"])
 INFLIGHT = prometheus_client.Gauge(
     "infermesh_batcher_inflight_batches", "Batches in flight, by replica.", ["replica"])
 REPLICA_READY = prometheus_client.Gauge(
     "infermesh_batcher_replica_ready", "1 when the replica answered its last model poll.", ["replica"])
+RETRIES = prometheus_client.Counter(
+    "infermesh_batcher_retries_total", "Batches sent again to another replica after a retryable failure, by code.",
+    ["code"])

@@ -110,6 +110,7 @@ class ReplicaSet:
                     replica.ready = False  # until its next poll says otherwise
                     if len(tried) < 2 and deadline - loop.time() > 0:
                         log.warning("batch for %s failed on %s (%s); retrying once elsewhere", model, replica.address, code.name)
+                        metrics.RETRIES.labels(code.name).inc()
                         continue
                 raise errors.from_code(code.value[0], exc.details() or code.name) from None
             return response.version, tensors_from_proto(response.outputs)

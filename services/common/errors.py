@@ -40,10 +40,15 @@ class NotFound(InfermeshError):
 
 class ResourceExhausted(InfermeshError):
     """RESOURCE_EXHAUSTED: a queue is full or a request too large; Envoy does not
-    count it as a server failure, so busy replicas are not ejected."""
+    count it as a server failure, so busy replicas are not ejected. A queue
+    that is full says when to come back (`retry_after_ms`)."""
 
     code = 8
     code_name = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after_ms: int = 0):
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class Internal(InfermeshError):
@@ -89,6 +94,8 @@ BY_CODE: dict[int, type[InfermeshError]] = {
 }
 
 
-def from_code(code: int, message: str) -> InfermeshError:
+def from_code(code: int, message: str, retry_after_ms: int = 0) -> InfermeshError:
     """Rebuilds the domain error that a stream message or a status carried."""
+    if code == ResourceExhausted.code:
+        return ResourceExhausted(message, retry_after_ms)
     return BY_CODE.get(code, Internal)(message)

@@ -23,4 +23,4 @@ def tensors_from_proto(messages) -> list[TensorData]:
 
 
 def error_to_proto(error: InfermeshError) -> tensor_pb2.Error:
-    return tensor_pb2.Error(code=error.code, message=error.message)
+    return tensor_pb2.Error(code=error.code, message=error.message, retry_after_ms=getattr(error, "retry_after_ms", 0))

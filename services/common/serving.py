@@ -133,6 +133,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     async def _abort(self, context, exc: Exception, method: str, started: float):
         if isinstance(exc, errors.InfermeshError):
             code, message = status_code(exc), exc.message
+            if getattr(exc, "retry_after_ms", 0):
+                context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
         elif isinstance(exc, asyncio.CancelledError):
             self._record(method, "CANCELLED", started)
             raise exc

@@ -64,7 +64,7 @@ class BatcherClient:
         except TimeoutError:
             raise errors.Unavailable(f"the batcher did not answer within {timeout_s + 1.0:.1f}s") from None
         if response.HasField("error"):
-            raise errors.from_code(response.error.code, response.error.message)
+            raise errors.from_code(response.error.code, response.error.message, response.error.retry_after_ms)
         return response.version, tensors_from_proto(response.outputs)
 
     async def close(self) -> None:

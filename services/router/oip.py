@@ -5,7 +5,7 @@ from inference import grpc_predict_v2_pb2 as pb
 
 from services.common import errors
 from services.common.tensors import NUMPY_DTYPES, TensorData, pack_bytes_elements
-from services.router.core import TIERS, InferRequest, InferResult, ModelSignature
+from services.router.core import STANDARD, TIERS, VIP, InferRequest, InferResult, ModelSignature
 
 # The typed `contents` field that carries each datatype (FP16 has none: raw only).
 CONTENTS_FIELD = {
@@ -39,6 +39,20 @@ def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], 
     tier_name = metadata.get("x-user-tier", "standard").lower()
     if tier_name not in TIERS:
         raise errors.InvalidArgument(f"metadata x-user-tier is {tier_name!r}; expected one of {sorted(TIERS)}")
+    tier = TIERS[tier_name]
+    # The OIP/Triton request parameters: priority (1 is the highest level, 0 the
+    # default) and timeout in microseconds, which may only shorten the deadline.
+    priority = _int_parameter(request, "priority")
+    if priority is not None and priority != 0:
+        if priority not in PRIORITY_LEVELS:
+            raise errors.InvalidArgument(
+                f"parameter 'priority' is {priority}; levels are 1 (VIP) and 2 (standard), 0 for the default")
+        tier = PRIORITY_LEVELS[priority]
+    timeout_us = _int_parameter(request, "timeout")
+    if timeout_us is not None:
+        if timeout_us <= 0:
+            raise errors.InvalidArgument(f"parameter 'timeout' is {timeout_us}; give microseconds > 0")
+        timeout_s = min(timeout_s, timeout_us / 1e6) if timeout_s is not None else timeout_us / 1e6
     return InferRequest(
         cache_bypass=_bool_parameter(request, "cache_bypass"),
         model=request.model_name,
@@ -46,9 +60,22 @@ def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], 
         id=request.id,
         inputs=inputs,
         outputs=[o.name for o in request.outputs],
-        tier=TIERS[tier_name],
+        tier=tier,
         timeout_s=timeout_s,
     )
+
+
+PRIORITY_LEVELS = {1: VIP, 2: STANDARD}
+
+
+def _int_parameter(request: pb.ModelInferRequest, name: str) -> int | None:
+    if name not in request.parameters:
+        return None
+    parameter = request.parameters[name]
+    kind = parameter.WhichOneof("parameter_choice")
+    if kind not in ("int64_param", "uint64_param"):
+        raise errors.InvalidArgument(f"parameter '{name}' must be an int64_param or uint64_param, got {kind}")
+    return getattr(parameter, kind)
 
 
 def _bool_parameter(request: pb.ModelInferRequest, name: str) -> bool:
