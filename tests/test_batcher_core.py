@@ -249,16 +249,90 @@ async def test_a_level_default_timeout_bounds_requests_without_a_tighter_deadlin
     await running
 
 
-async def test_aging_lets_a_standard_request_past_a_steady_vip_stream():
+async def test_aging_lets_standard_requests_alternate_with_a_steady_vip_stream():
     backend = GatedBackend(max_batch=1)
     policy = QueuePolicy.uniform(100, 30, aging_s=0.02)
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
     running = submit(batcher, 0.0, priority=VIP)
     await backend.started.wait()
-    old = submit(batcher, 1.0)
-    await asyncio.sleep(0.03)  # the standard request ages past the bound
-    vips = [submit(batcher, 2.0 + i, priority=VIP) for i in range(3)]
+    standard = [submit(batcher, 1.0), submit(batcher, 2.0)]
+    await asyncio.sleep(0.03)  # the standard requests age past the bound
+    vips = [submit(batcher, 10.0 + i, priority=VIP) for i in range(3)]
     await settle()
     backend.gate.set()
-    await asyncio.gather(running, old, *vips)
-    assert backend.batches[:3] == [[0.0], [1.0], [2.0]]
+    await asyncio.gather(running, *standard, *vips)
+    assert backend.batches == [[0.0], [1.0], [10.0], [2.0], [11.0], [12.0]]
+
+
+async def test_a_standard_backlog_does_not_push_vip_back():
+    backend = GatedBackend(max_batch=1)
+    policy = QueuePolicy.uniform(100, 30, aging_s=0.0)  # every standard request is "aged"
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
+    running = submit(batcher, 0.0)
+    await backend.started.wait()
+    standard = [submit(batcher, float(i)) for i in range(1, 4)]
+    vip = submit(batcher, 10.0, priority=VIP)
+    await settle()
+    backend.gate.set()
+    await asyncio.gather(running, *standard, vip)
+    assert backend.batches[1] == [10.0]  # the last batch was standard-led: VIP goes next
+
+
+class TextBackend(GatedBackend):
+    """Records the texts of each batch (their lengths are what matters here)."""
+
+    def limits(self, model):
+        return ModelLimits(self._max_batch, ("TEXT",))
+
+    async def execute(self, model, version, inputs, outputs, timeout_s):
+        self.batches.append([len(t) for t in to_numpy(inputs[0])])
+        self.started.set()
+        await self.gate.wait()
+        return "1", [from_numpy("EMBEDDING", np.zeros((inputs[0].rows, 2), np.float32))]
+
+
+def text(length: int):
+    return [from_numpy("TEXT", np.array([b"x" * length], dtype=object))]
+
+
+@pytest.mark.parametrize("length_aware, expected", [
+    (True, [[5], [10, 11, 12], [200, 205, 190]]),  # nearest to the oldest first
+    (False, [[5], [10, 200, 12], [190, 11, 205]]),
+])
+async def test_length_aware_batching_groups_texts_of_similar_length(length_aware, expected):
+    backend = TextBackend(max_batch=3)
+    batcher = Batcher(backend, max_batch_size=3, max_queue_delay_ms=0, max_queue_size=100, length_aware=length_aware)
+    running = asyncio.create_task(batcher.submit("m", "1", text(5), []))
+    await backend.started.wait()
+    waiting = [asyncio.create_task(batcher.submit("m", "1", text(n), [])) for n in (10, 200, 12, 190, 11, 205)]
+    await settle()
+    backend.gate.set()
+    await asyncio.gather(running, *waiting)
+    assert backend.batches == expected
+
+
+class TimedBackend(GatedBackend):
+    """Each batch takes `seconds`: a model with a known service rate."""
+
+    def __init__(self, seconds: float, **kwargs):
+        super().__init__(**kwargs)
+        self.seconds = seconds
+        self.gate.set()
+
+    async def execute(self, model, version, inputs, outputs, timeout_s):
+        await asyncio.sleep(self.seconds)
+        return await super().execute(model, version, inputs, outputs, timeout_s)
+
+
+async def test_a_request_that_would_wait_past_its_deadline_is_refused_at_once():
+    backend = TimedBackend(0.01, max_batch=1)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=1000)
+    await asyncio.gather(*(batcher.submit("m", "1", row(float(i)), []) for i in range(5)))  # learn ~100 rows/s
+    backlog = [submit(batcher, float(i), timeout_s=30) for i in range(40)]  # ~0.4 s of work
+    await settle()
+    with pytest.raises(errors.ResourceExhausted, match="past this request's deadline in 50 ms") as info:
+        await batcher.submit("m", "1", row(99.0), [], timeout_s=0.05)
+    assert info.value.retry_after_ms > 100
+    vip = await batcher.submit("m", "1", row(7.0), [], priority=VIP, timeout_s=0.2)  # nothing ahead at VIP
+    assert float(to_numpy(vip[1][0])[0, 0]) == 14.0
+    await asyncio.gather(*backlog)

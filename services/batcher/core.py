@@ -10,13 +10,15 @@ none), then until the batch is full or the oldest request has waited
 max_queue_delay_ms (no wait at all while none of its batches is running:
 waiting would only leave the model idle), takes what fits and sends it to the
 backend as one batch. A request larger than the batch size runs alone, up to
-the model's own limit. Every request's future is always resolved: with its
-outputs or with a domain error.
+the model's own limit. Length-aware batching fills a batch with requests of
+similar text length, so that padding stays small. Every request's future is
+always resolved: with its outputs or with a domain error.
 """
 
 import asyncio
 import collections
 import dataclasses
+import itertools
 import logging
 from typing import Protocol
 
@@ -29,6 +31,8 @@ log = logging.getLogger(__name__)
 VIP = 1
 STANDARD = 0
 PRIORITIES = (STANDARD, VIP)
+LENGTH_WINDOW = 128  # how far into a level length-aware batching looks for a similar request
+RATE_WINDOW_S = 5.0  # the completions that estimate a queue's service rate
 
 
 LEVEL_NAMES = {VIP: "vip", STANDARD: "standard"}
@@ -46,8 +50,8 @@ class LevelPolicy:
 @dataclasses.dataclass(frozen=True)
 class QueuePolicy:
     levels: dict[int, LevelPolicy]
-    # A standard request waiting this long is served as if it were VIP, so a
-    # steady VIP stream delays standard traffic by at most this much.
+    # Once a standard request has waited this long, VIP-led batches alternate
+    # with standard-led ones: a steady VIP stream cannot starve standard traffic.
     aging_s: float = 1.0
 
     @classmethod
@@ -88,6 +92,7 @@ class Pending:
     future: asyncio.Future
     enqueued: float
     timer: asyncio.TimerHandle | None = None
+    length: float = 0.0  # bytes per row of its BYTES inputs: a cheap proxy for token count
 
     @property
     def rows(self) -> int:
@@ -103,7 +108,8 @@ class ModelQueue:
     """The queue and batching task of one model version."""
 
     def __init__(self, model: str, version: str, backend: Backend, max_batch_size: int,
-                 max_delay_s: float, policy: QueuePolicy, slots: asyncio.Semaphore, default_timeout_s: float):
+                 max_delay_s: float, policy: QueuePolicy, slots: asyncio.Semaphore, default_timeout_s: float,
+                 length_aware: bool = True):
         self.model = model
         self.version = version
         self._backend = backend
@@ -113,6 +119,9 @@ class ModelQueue:
         self._slots = slots
         self._default_timeout_s = default_timeout_s
         self._batch_seconds = 0.05  # running estimate of one batch's time, for retry hints
+        self._completed: collections.deque[tuple[float, int]] = collections.deque()  # (time, rows) of recent batches
+        self._length_aware = length_aware
+        self._last_led = STANDARD  # the level of the request that led the last batch
         self._levels = {VIP: collections.deque(), STANDARD: collections.deque()}
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -137,11 +146,44 @@ class ModelQueue:
             raise errors.ResourceExhausted(
                 f"the {name} queue of model '{self.model}' is full ({limit} requests waiting); "
                 f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
+        self._admit(item, name)
         level.append(item)
         metrics.QUEUE_LENGTH.labels(self.model, name).set(len(level))
         self._arrived.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"batcher-{self.model}-{self.version}")
+
+    def rows_per_second(self, now: float) -> float | None:
+        """Rows this queue completed per second over the last few seconds; None
+        until enough batches have finished to tell."""
+        while self._completed and now - self._completed[0][0] > RATE_WINDOW_S:
+            self._completed.popleft()
+        if len(self._completed) < 3:
+            return None
+        span = max(now - self._completed[0][0], self._batch_seconds)
+        return sum(rows for _, rows in self._completed) / span
+
+    def _admit(self, item: Pending, level_name: str) -> None:
+        """Deadline-aware admission: a request that would wait in the queue past
+        its deadline is refused now, in microseconds, instead of timing out
+        later having held a place. Only with a real backlog and a measured rate."""
+        if item.deadline is None:
+            return
+        ahead = sum(q.rows for level, queue in self._levels.items() if level >= item.priority for q in queue)
+        if ahead <= self.batch_size:
+            return
+        rate = self.rows_per_second(item.enqueued)
+        if rate is None:
+            return
+        wait_s = ahead / rate
+        left_s = item.deadline - item.enqueued
+        if wait_s > left_s:
+            metrics.REJECTIONS.labels(self.model, level_name, "would_miss_deadline").inc()
+            retry_ms = max(10, int(1000 * (wait_s - left_s)))
+            raise errors.ResourceExhausted(
+                f"model '{self.model}' has {ahead} rows queued ahead at {level_name} priority or above, about "
+                f"{1000 * wait_s:.0f} ms of work, past this request's deadline in {1000 * left_s:.0f} ms; "
+                f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
 
     async def _run(self) -> None:
         while True:
@@ -161,15 +203,22 @@ class ModelQueue:
             self._batches.add(task)
             task.add_done_callback(self._batches.discard)
 
-    def _take(self, room: int, alone: bool) -> Pending | None:
-        """The next live request that fits in `room` rows (any size when `alone`),
+    def _take(self, room: int, alone: bool, near_length: float | None = None) -> Pending | None:
+        """The next live request that fits in `room` rows (any size when `alone`):
         strict priority, FIFO within a level; expired and cancelled requests are
-        answered and dropped on the way."""
+        answered and dropped on the way. Given `near_length` (length-aware
+        batching), it is the request of the most similar length among the
+        first few that fit, so that short texts are not padded to long ones."""
         now = asyncio.get_running_loop().time()
         order = (VIP, STANDARD)
         standard = self._levels[STANDARD]
-        if standard and now - standard[0].enqueued >= self._policy.aging_s:
-            order = (STANDARD, VIP)  # aged: bounded starvation
+        if (alone and self._last_led == VIP and standard
+                and now - standard[0].enqueued >= self._policy.aging_s):
+            # Starvation bound: while VIP batches follow each other, a standard
+            # request that has aged gets every other batch. Standard traffic
+            # that merely waits behind its own backlog is not promoted, so a
+            # standard overload never pushes VIP requests back.
+            order = (STANDARD, VIP)
         for level in order:
             queue = self._levels[level]
             while queue:
@@ -183,10 +232,28 @@ class ModelQueue:
                     continue
                 if item.rows > room and not alone:
                     break
-                queue.popleft()
+                if near_length is None or len(queue) == 1:
+                    queue.popleft()
+                else:
+                    item = self._closest(queue, room, near_length, now)
+                    queue.remove(item)
+                if alone:
+                    self._last_led = level
                 item.taken()
                 return item
         return None
+
+    def _closest(self, queue: collections.deque, room: int, length: float, now: float) -> Pending:
+        """Among the first LENGTH_WINDOW live requests that fit, the one nearest
+        `length`; ties go to the older. The head fits, so there is always one."""
+        best, best_gap = queue[0], abs(queue[0].length - length)
+        for item in itertools.islice(queue, 1, LENGTH_WINDOW):
+            if item.rows > room or item.future.done() or (item.deadline is not None and now >= item.deadline):
+                continue
+            gap = abs(item.length - length)
+            if gap < best_gap:
+                best, best_gap = item, gap
+        return best
 
     def expire(self, item: Pending) -> None:
         """Answers a request whose deadline passed while it waited; it stays in
@@ -204,7 +271,8 @@ class ModelQueue:
         batch: list[Pending] = []
         rows = 0
         while True:
-            item = self._take(size - rows, alone=not batch)
+            near = batch[0].length if batch and self._length_aware else None
+            item = self._take(size - rows, alone=not batch, near_length=near)
             if item is not None:
                 batch.append(item)
                 rows += item.rows
@@ -257,6 +325,7 @@ class ModelQueue:
         try:
             version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout, 0.001))
             self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * (loop.time() - now)
+            self._completed.append((loop.time(), sum(counts)))
         except errors.InfermeshError as exc:
             if split_on_error and len(batch) > 1 and not exc.retryable and not isinstance(exc, errors.DeadlineExceeded):
                 # One bad request must not fail its neighbours: run each alone.
@@ -291,7 +360,8 @@ class Batcher:
     """Routes requests to per-model queues and answers each exactly once."""
 
     def __init__(self, backend: Backend, max_batch_size: int, max_queue_delay_ms: float, max_queue_size: int = 2048,
-                 default_timeout_s: float = 30.0, policy: QueuePolicy | None = None):
+                 default_timeout_s: float = 30.0, policy: QueuePolicy | None = None, length_aware: bool = True):
+        self._length_aware = length_aware
         self._backend = backend
         self._max_batch_size = max_batch_size
         self._max_delay_s = max_queue_delay_ms / 1000
@@ -307,7 +377,7 @@ class Batcher:
             if self._slots is None:
                 self._slots = asyncio.Semaphore(self._backend.capacity())
             queue = ModelQueue(model, version, self._backend, self._max_batch_size, self._max_delay_s,
-                               self._policy, self._slots, self._default_timeout_s)
+                               self._policy, self._slots, self._default_timeout_s, self._length_aware)
             self._queues[key] = queue
         return queue
 
@@ -336,7 +406,9 @@ class Batcher:
         level_timeout = self._policy.levels[priority].default_timeout_s
         if level_timeout > 0:
             timeout_s = min(timeout_s, level_timeout) if timeout_s else level_timeout
-        item = Pending(inputs, outputs, priority, now + timeout_s if timeout_s else None, loop.create_future(), now)
+        length = sum(len(t.data) for t in inputs if t.datatype == "BYTES") / rows
+        item = Pending(inputs, outputs, priority, now + timeout_s if timeout_s else None, loop.create_future(), now,
+                       length=length)
         queue.put(item)
         if item.deadline is not None:
             item.timer = loop.call_at(item.deadline, queue.expire, item)

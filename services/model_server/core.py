@@ -17,6 +17,7 @@ import onnxruntime as ort
 
 from services.common import errors
 from services.common.tensors import NUMPY_DTYPES, TensorData, from_numpy, to_numpy
+from services.model_server import metrics
 from services.model_server.repository import ModelConfig, scan
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class LoadedVersion:
         encodings = self.tokenizer.encode_batch(texts)
         ids = np.array([e.ids for e in encodings], dtype=np.int64)
         mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
+        metrics.PADDING.labels(self.config.name).observe(1.0 - mask.sum() / max(mask.size, 1))
         types = np.array([e.type_ids for e in encodings], dtype=np.int64)
         return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
 
