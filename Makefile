@@ -15,6 +15,8 @@ setup: venv system-deps ghz stubs models
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.lock
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { \
+	  echo "infermesh pins its packages for Python 3.11; run: make setup PYTHON=python3.11"; exit 1; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q --upgrade pip
 	@echo "installing pinned Python packages (torch is a few GB the first time) ..."

@@ -37,16 +37,6 @@ def ghz_data(items: list[str], model: str = "minilm") -> str:
     ])
 
 
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Writes a ghz --data-file of distinct minilm requests to stdout.")
-    parser.add_argument("--count", type=int, default=5000)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    print(ghz_data(texts(args.count, args.seed)))
-
-
 def ghz_unique_template(tag: str, model: str = "minilm") -> str:
     """A ghz -d body whose text differs on every call (sprig's b64enc over ghz's
     request number and worker id). One small message that ghz renders per call:
@@ -77,3 +67,17 @@ class InProcessMinilm:
                  "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
                  "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64)}
         return self._session.run(["sentence_embedding"], feeds)[0]
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="Writes ghz call data for minilm to stdout: a -d template whose text differs on every call "
+                    "(the default, cheap for ghz), or with --count a --data-file of that many distinct requests.")
+    parser.add_argument("--count", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tag", default="load", help="part of every templated text, to tell runs apart")
+    args = parser.parse_args()
+    print(ghz_data(texts(args.count, args.seed)) if args.count else ghz_unique_template(args.tag))
+

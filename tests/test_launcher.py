@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 from inference import grpc_predict_v2_pb2 as pb
@@ -53,7 +54,10 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
         assert len(children) == 5, names  # redis, model_server, batcher, cache, router
         assert any("redis-server" in n for n in names)
 
-        assert set(json.loads(run_file.read_text())) == {"router", "batcher", "cache", "model_server", "redis"}
+        running = json.loads(run_file.read_text())
+        assert set(running) == {"router", "batcher", "cache", "model_server", "redis", "metrics"}
+        assert set(running["metrics"]) == {"router", "batcher", "cache", "model_server"}
+        assert "infermesh_batcher_queue_length" in urllib.request.urlopen(running["metrics"]["batcher"]).read().decode()
         purge = subprocess.run([sys.executable, "-m", "services.cache.admin", "purge", "minilm", "--run-file",
                                 str(run_file), "--token", "t0ken"], cwd=ROOT, capture_output=True, text=True)
         assert purge.returncode == 0 and "purged model minilm: generation 1" in purge.stdout, purge.stderr

@@ -264,11 +264,11 @@ async def run_until_signal(
     log.info("stopped")
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, service: str) -> None:
     logging.basicConfig(
         level=level.upper(),
         stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s [{service}] %(name)s: %(message)s",
     )
 
 
@@ -281,6 +281,6 @@ def main(config_cls, env_prefix: str, serve, description: str) -> int:
         config = from_arguments(config_cls, parser.parse_args())
     except ValueError as exc:
         parser.error(str(exc))
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, env_prefix.removeprefix("INFERMESH_").rstrip("_").lower())
     asyncio.run(serve(config))
     return 0

@@ -26,9 +26,13 @@ def main() -> int:
     parser.add_argument("--log-dir", default=os.environ.get("INFERMESH_LOG_DIR"), help="write each service's log here")
     args = parser.parse_args()
 
-    stopping = []
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    # While starting, a signal interrupts the start (which stops what it began);
+    # once running, it asks the loop below to drain and stop.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.append(True))
+        signal.signal(sig, interrupt)
     mesh = Mesh(models=args.models, host=args.host, router_port=args.port, metrics_port=args.metrics_port,
                 redis_url=args.redis_url, l2_path=args.l2_path, log_dir=args.log_dir)
     try:
@@ -36,12 +40,22 @@ def main() -> int:
     except MeshError as exc:
         print(f"infermesh failed to start: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("infermesh: interrupted while starting; stopped", file=sys.stderr)
+        return 130
+    stopping = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.append(True))
     print(f"infermesh ready: router gRPC {mesh.router}, metrics {mesh.router_metrics} "
           f"(Ctrl-C drains and stops)", flush=True)
     # Where every service listens, for operators' tools (services.cache.admin, ...).
     args.run_file.parent.mkdir(parents=True, exist_ok=True)
-    args.run_file.write_text(json.dumps({name: p.info.get("grpc") for name, p in mesh.processes.items()
-                                    if name != "redis"} | {"redis": mesh.redis_url}, indent=1))
+    args.run_file.write_text(json.dumps(
+        {name: p.info.get("grpc") for name, p in mesh.processes.items() if name != "redis"}
+        | {"redis": mesh.redis_url,
+           "metrics": {name: mesh.metrics_url(name) for name in mesh.processes if name not in ("redis", "router")}
+           | {"router": mesh.router_metrics}},
+        indent=1))
     try:
         while not stopping:
             dead = mesh.dead()

@@ -32,13 +32,16 @@ class MeshError(RuntimeError):
 
 
 class Process:
-    def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path | None, env: dict[str, str]):
+    def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path | None, env: dict[str, str],
+                 announces: bool = True):
         self.name = name
         self.log_path = log_dir / f"{name}.log" if log_dir else None
         stderr = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - lives with the child
+        # Our services print one ready line on stdout; other programs' output is their log.
+        stdout = subprocess.PIPE if announces else (stderr or subprocess.DEVNULL)
         # A session of its own: a terminal's Ctrl-C reaches only the launcher,
         # which then stops the services in order; and the child dies with us.
-        self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, cwd=ROOT, env=env,
+        self.popen = subprocess.Popen(argv, stdout=stdout, stderr=stderr, cwd=ROOT, env=env,
                                       start_new_session=True, preexec_fn=_die_with_parent)
         if stderr is not None:
             stderr.close()
@@ -177,7 +180,7 @@ class Mesh:
         argv = [executable, "--port", "0", "--bind", "127.0.0.1", "--unixsocket", socket_path, "--unixsocketperm", "700",
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--maxmemory", "512mb",
                 "--maxmemory-policy", "allkeys-lru", "--dir", self.redis_dir]
-        process = Process("redis", argv, self.log_dir, self.env)
+        process = Process("redis", argv, self.log_dir, self.env, announces=False)
         self.processes["redis"] = process
         self.redis_url = f"unix://{socket_path}"
         deadline = time.monotonic() + 10
