@@ -3,6 +3,7 @@
 import dataclasses
 
 from services.batcher.core import STANDARD, VIP, LevelPolicy, QueuePolicy
+from services.batcher.policy import POLICIES
 from services.common.config import require
 
 
@@ -21,6 +22,9 @@ class BatcherConfig:
     vip_default_timeout_ms: float = dataclasses.field(default=30_000, metadata={"help": "longest a VIP request waits unless its deadline is sooner (0: no limit)"})
     standard_default_timeout_ms: float = dataclasses.field(default=30_000, metadata={"help": "longest a standard request waits unless its deadline is sooner (0: no limit)"})
     standard_aging_ms: float = dataclasses.field(default=1000, metadata={"help": "once a standard request waits this long, VIP-led batches alternate with standard-led ones"})
+    batch_policy: str = dataclasses.field(default="fixed", metadata={"help": "fixed, baseline or adaptive (services/batcher/policy.py)"})
+    vip_latency_target_ms: float = dataclasses.field(default=200, metadata={"help": "adaptive policy: VIP latency target"})
+    standard_latency_target_ms: float = dataclasses.field(default=1000, metadata={"help": "adaptive policy: standard latency target"})
     length_aware: bool = dataclasses.field(default=True, metadata={"help": "batch texts of similar length together"})
     max_inflight_batches_per_replica: int = dataclasses.field(default=2)
     replica_poll_s: float = dataclasses.field(default=1.0, metadata={"help": "how often replicas are asked for their models"})
@@ -33,6 +37,9 @@ class BatcherConfig:
         require(len(self.model_servers) > 0, "model_servers must name at least one host:port")
         require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
         require(self.max_queue_delay_ms >= 0, f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms}")
+        require(self.batch_policy in POLICIES, f"batch_policy must be one of {POLICIES}, got {self.batch_policy!r}")
+        require(self.vip_latency_target_ms > 0 and self.standard_latency_target_ms > 0,
+                f"latency targets must be > 0, got {self.vip_latency_target_ms} and {self.standard_latency_target_ms}")
         for name in ("vip_max_queue_size", "standard_max_queue_size"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("vip_default_timeout_ms", "standard_default_timeout_ms", "standard_aging_ms"):
@@ -46,3 +53,6 @@ class BatcherConfig:
             VIP: LevelPolicy(self.vip_max_queue_size, self.vip_default_timeout_ms / 1000),
             STANDARD: LevelPolicy(self.standard_max_queue_size, self.standard_default_timeout_ms / 1000),
         }, aging_s=self.standard_aging_ms / 1000)
+
+    def latency_targets_s(self) -> dict[int, float]:
+        return {VIP: self.vip_latency_target_ms / 1000, STANDARD: self.standard_latency_target_ms / 1000}

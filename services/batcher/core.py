@@ -23,6 +23,7 @@ import logging
 from typing import Protocol
 
 from services.batcher import metrics
+from services.batcher.policy import FixedPolicy, Policy, QueueView, make_policy
 from services.common import errors
 from services.common.tensors import TensorData, concat_rows, split_rows
 
@@ -109,12 +110,11 @@ class ModelQueue:
 
     def __init__(self, model: str, version: str, backend: Backend, max_batch_size: int,
                  max_delay_s: float, policy: QueuePolicy, slots: asyncio.Semaphore, default_timeout_s: float,
-                 length_aware: bool = True):
+                 length_aware: bool = True, batch_policy: Policy | None = None):
         self.model = model
         self.version = version
         self._backend = backend
         self._configured_batch_size = max_batch_size
-        self._max_delay_s = max_delay_s
         self._policy = policy
         self._slots = slots
         self._default_timeout_s = default_timeout_s
@@ -122,6 +122,8 @@ class ModelQueue:
         self._completed: collections.deque[tuple[float, int]] = collections.deque()  # (time, rows) of recent batches
         self._length_aware = length_aware
         self._last_led = STANDARD  # the level of the request that led the last batch
+        self.batch_policy = batch_policy if batch_policy is not None else FixedPolicy(max_batch_size, max_delay_s)
+        self._running: dict[asyncio.Task, tuple[float, int]] = {}  # batches in flight: (start, rows)
         self._levels = {VIP: collections.deque(), STANDARD: collections.deque()}
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -148,6 +150,7 @@ class ModelQueue:
                 f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
         self._admit(item, name)
         level.append(item)
+        self.batch_policy.observe_arrival(item.enqueued, item.rows)
         metrics.QUEUE_LENGTH.labels(self.model, name).set(len(level))
         self._arrived.set()
         if self._task is None or self._task.done():
@@ -201,7 +204,12 @@ class ModelQueue:
                 continue
             task = asyncio.create_task(self._execute(batch))
             self._batches.add(task)
-            task.add_done_callback(self._batches.discard)
+            self._running[task] = (asyncio.get_running_loop().time(), sum(item.rows for item in batch))
+            task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task) -> None:
+        self._batches.discard(task)
+        self._running.pop(task, None)
 
     def _take(self, room: int, alone: bool, near_length: float | None = None) -> Pending | None:
         """The next live request that fits in `room` rows (any size when `alone`):
@@ -267,25 +275,23 @@ class ModelQueue:
 
     async def _collect(self) -> list[Pending]:
         loop = asyncio.get_running_loop()
-        size = self.batch_size
         batch: list[Pending] = []
         rows = 0
+        size, dispatch_by = self.batch_size, loop.time()
         while True:
             near = batch[0].length if batch and self._length_aware else None
             item = self._take(size - rows, alone=not batch, near_length=near)
             if item is not None:
+                if not batch:
+                    size, dispatch_by = self._plan(item)
                 batch.append(item)
                 rows += item.rows
                 if rows >= size:
                     break
                 continue
-            if not batch:
-                break
-            if len(self) > 0 or self._max_delay_s == 0 or not self._batches:
-                # The next request does not fit, or we may not wait, or the
-                # model is idle. Under load batches grow while earlier ones run.
-                break
-            remaining = batch[0].enqueued + self._max_delay_s - loop.time()
+            if not batch or len(self) > 0:
+                break  # nothing waiting, or the next request does not fit
+            remaining = dispatch_by - loop.time()
             if remaining <= 0:
                 break
             self._arrived.clear()
@@ -296,6 +302,17 @@ class ModelQueue:
         for level, queue in self._levels.items():
             metrics.QUEUE_LENGTH.labels(self.model, LEVEL_NAMES[level]).set(len(queue))
         return batch
+
+    def _plan(self, lead: Pending) -> tuple[int, float]:
+        limits = self._backend.limits(self.model)
+        view = QueueView(
+            now=asyncio.get_running_loop().time(), oldest_enqueued=lead.enqueued, level=lead.priority,
+            waiting_rows=lead.rows + sum(item.rows for queue in self._levels.values() for item in queue),
+            running=tuple(self._running.values()),
+            max_rows=limits.max_batch_size if limits else self._configured_batch_size)
+        size, dispatch_by = self.batch_policy.plan(view)
+        metrics.TARGET_ROWS.labels(self.model).set(size)
+        return max(size, 1), dispatch_by
 
     async def _execute(self, batch: list[Pending]) -> None:
         try:
@@ -325,6 +342,7 @@ class ModelQueue:
         try:
             version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout, 0.001))
             self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * (loop.time() - now)
+            self.batch_policy.observe_batch(sum(counts), loop.time() - now)
             self._completed.append((loop.time(), sum(counts)))
         except errors.InfermeshError as exc:
             if split_on_error and len(batch) > 1 and not exc.retryable and not isinstance(exc, errors.DeadlineExceeded):
@@ -360,8 +378,11 @@ class Batcher:
     """Routes requests to per-model queues and answers each exactly once."""
 
     def __init__(self, backend: Backend, max_batch_size: int, max_queue_delay_ms: float, max_queue_size: int = 2048,
-                 default_timeout_s: float = 30.0, policy: QueuePolicy | None = None, length_aware: bool = True):
+                 default_timeout_s: float = 30.0, policy: QueuePolicy | None = None, length_aware: bool = True,
+                 batch_policy: str = "fixed", latency_targets_s: dict[int, float] | None = None):
         self._length_aware = length_aware
+        self._batch_policy = batch_policy
+        self._latency_targets_s = latency_targets_s or {VIP: 0.2, STANDARD: 1.0}
         self._backend = backend
         self._max_batch_size = max_batch_size
         self._max_delay_s = max_queue_delay_ms / 1000
@@ -377,7 +398,9 @@ class Batcher:
             if self._slots is None:
                 self._slots = asyncio.Semaphore(self._backend.capacity())
             queue = ModelQueue(model, version, self._backend, self._max_batch_size, self._max_delay_s,
-                               self._policy, self._slots, self._default_timeout_s, self._length_aware)
+                               self._policy, self._slots, self._default_timeout_s, self._length_aware,
+                               make_policy(self._batch_policy, self._max_batch_size, self._max_delay_s,
+                                           self._latency_targets_s))
             self._queues[key] = queue
         return queue
 

@@ -21,3 +21,5 @@ REPLICA_READY = prometheus_client.Gauge(
 RETRIES = prometheus_client.Counter(
     "infermesh_batcher_retries_total", "Batches sent again to another replica after a retryable failure, by code.",
     ["code"])
+TARGET_ROWS = prometheus_client.Gauge(
+    "infermesh_batcher_target_batch_rows", "Rows the batch policy aimed for in the latest batch, by model.", ["model"])
