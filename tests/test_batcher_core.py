@@ -28,7 +28,10 @@ class GatedBackend:
     def capacity(self):
         return self._capacity
 
-    async def execute(self, model, version, inputs, outputs, timeout_s):
+    def replicas(self):
+        return 1
+
+    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
         values = to_numpy(inputs[0])[:, 0].tolist()
         self.batches.append(values)
         self.started.set()
@@ -225,7 +228,10 @@ async def test_each_level_has_its_own_bound_and_a_full_one_says_when_to_retry():
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
     running = submit(batcher, 0.0)
     await backend.started.wait()
-    queued = [submit(batcher, 1.0), submit(batcher, 2.0, priority=VIP), submit(batcher, 3.0, priority=VIP)]
+    vip_running = submit(batcher, 2.0, priority=VIP)
+    await settle()
+    assert backend.batches == [[0.0], [2.0]]  # sent at once, on the slot reserved for VIP work
+    queued = [vip_running, submit(batcher, 1.0), submit(batcher, 3.0, priority=VIP), submit(batcher, 4.0, priority=VIP)]
     await settle()
     with pytest.raises(errors.ResourceExhausted, match="the standard queue of model 'm' is full") as info:
         await batcher.submit("m", "1", row(4.0), [])
@@ -284,7 +290,7 @@ class TextBackend(GatedBackend):
     def limits(self, model):
         return ModelLimits(self._max_batch, ("TEXT",))
 
-    async def execute(self, model, version, inputs, outputs, timeout_s):
+    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
         self.batches.append([len(t) for t in to_numpy(inputs[0])])
         self.started.set()
         await self.gate.wait()
@@ -319,9 +325,9 @@ class TimedBackend(GatedBackend):
         self.seconds = seconds
         self.gate.set()
 
-    async def execute(self, model, version, inputs, outputs, timeout_s):
+    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
         await asyncio.sleep(self.seconds)
-        return await super().execute(model, version, inputs, outputs, timeout_s)
+        return await super().execute(model, version, inputs, outputs, timeout_s, priority)
 
 
 async def test_a_request_that_would_wait_past_its_deadline_is_refused_at_once():

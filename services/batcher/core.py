@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from services.batcher import metrics
@@ -68,6 +69,36 @@ class ModelLimits:
     inputs: tuple[str, ...]
 
 
+class SlotPool:
+    """The right to send a batch, shared by a batcher's queues: `general` slots
+    for any batch, plus `reserved` ones that only a queue with VIP requests
+    waiting may take, so that VIP work is never held back by standard batches
+    merely for the right to be sent."""
+
+    def __init__(self, general: int, reserved: int):
+        self.free = {"general": general, "reserved": reserved}
+        self._changed = asyncio.Event()
+
+    async def acquire(self, has_vip: Callable[[], bool]) -> str:
+        while True:
+            if self.free["general"] > 0:
+                self.free["general"] -= 1
+                return "general"
+            if self.free["reserved"] > 0 and has_vip():
+                self.free["reserved"] -= 1
+                return "reserved"
+            self._changed.clear()
+            await self._changed.wait()
+
+    def release(self, kind: str) -> None:
+        self.free[kind] += 1
+        self._changed.set()
+
+    def poke(self) -> None:
+        """Something waiters decide on changed (a VIP request arrived)."""
+        self._changed.set()
+
+
 class Backend(Protocol):
     """Where batches run: the model_server replicas."""
 
@@ -77,8 +108,12 @@ class Backend(Protocol):
     def capacity(self) -> int:
         """How many batches may be in flight at once across replicas."""
 
+    def replicas(self) -> int:
+        """How many replicas there are (each gets one slot reserved for VIP work)."""
+
     async def execute(
-        self, model: str, version: str, inputs: list[TensorData], outputs: list[str], timeout_s: float
+        self, model: str, version: str, inputs: list[TensorData], outputs: list[str], timeout_s: float,
+        priority: int = STANDARD,
     ) -> tuple[str, list[TensorData]]: ...
 
 
@@ -109,7 +144,7 @@ class ModelQueue:
     """The queue and batching task of one model version."""
 
     def __init__(self, model: str, version: str, backend: Backend, max_batch_size: int,
-                 max_delay_s: float, policy: QueuePolicy, slots: asyncio.Semaphore, default_timeout_s: float,
+                 max_delay_s: float, policy: QueuePolicy, slots: SlotPool, default_timeout_s: float,
                  length_aware: bool = True, batch_policy: Policy | None = None):
         self.model = model
         self.version = version
@@ -151,6 +186,8 @@ class ModelQueue:
         self._admit(item, name)
         level.append(item)
         self.batch_policy.observe_arrival(item.enqueued, item.rows)
+        if item.priority == VIP:
+            self._slots.poke()
         metrics.QUEUE_LENGTH.labels(self.model, name).set(len(level))
         self._arrived.set()
         if self._task is None or self._task.done():
@@ -193,16 +230,16 @@ class ModelQueue:
             while not len(self):
                 self._arrived.clear()
                 await self._arrived.wait()
-            await self._slots.acquire()
+            slot = await self._slots.acquire(lambda: bool(self._levels[VIP]))
             try:
                 batch = await self._collect()
             except BaseException:
-                self._slots.release()
+                self._slots.release(slot)
                 raise
             if not batch:  # everything waiting had expired or been cancelled
-                self._slots.release()
+                self._slots.release(slot)
                 continue
-            task = asyncio.create_task(self._execute(batch))
+            task = asyncio.create_task(self._execute(batch, slot))
             self._batches.add(task)
             self._running[task] = (asyncio.get_running_loop().time(), sum(item.rows for item in batch))
             task.add_done_callback(self._batch_done)
@@ -314,7 +351,7 @@ class ModelQueue:
         metrics.TARGET_ROWS.labels(self.model).set(size)
         return max(size, 1), dispatch_by
 
-    async def _execute(self, batch: list[Pending]) -> None:
+    async def _execute(self, batch: list[Pending], slot: str) -> None:
         try:
             live = [item for item in batch if not item.future.done()]
             if live:
@@ -323,7 +360,7 @@ class ModelQueue:
             log.exception("batch of model %s failed unexpectedly", self.model)
             _fail_all(batch, errors.Internal(f"batch of model '{self.model}' failed: {type(exc).__name__}"))
         finally:
-            self._slots.release()
+            self._slots.release(slot)
             _fail_all(batch, errors.Internal("request was not answered"))
 
     async def _run_batch(self, batch: list[Pending], split_on_error: bool) -> None:
@@ -340,7 +377,9 @@ class ModelQueue:
         for item in batch:
             metrics.QUEUE_WAIT.labels(self.model, LEVEL_NAMES[item.priority]).observe(now - item.enqueued)
         try:
-            version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout, 0.001))
+            lead = max(item.priority for item in batch)  # the model server runs VIP batches first
+            version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout, 0.001),
+                                                           priority=lead)
             self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * (loop.time() - now)
             self.batch_policy.observe_batch(sum(counts), loop.time() - now)
             self._completed.append((loop.time(), sum(counts)))
@@ -389,14 +428,14 @@ class Batcher:
         self._policy = policy if policy is not None else QueuePolicy.uniform(max_queue_size, default_timeout_s)
         self._default_timeout_s = default_timeout_s
         self._queues: dict[tuple[str, str], ModelQueue] = {}
-        self._slots: asyncio.Semaphore | None = None
+        self._slots: SlotPool | None = None
 
     def _queue(self, model: str, version: str) -> ModelQueue:
         key = (model, version)
         queue = self._queues.get(key)
         if queue is None:
             if self._slots is None:
-                self._slots = asyncio.Semaphore(self._backend.capacity())
+                self._slots = SlotPool(self._backend.capacity(), self._backend.replicas())
             queue = ModelQueue(model, version, self._backend, self._max_batch_size, self._max_delay_s,
                                self._policy, self._slots, self._default_timeout_s, self._length_aware,
                                make_policy(self._batch_policy, self._max_batch_size, self._max_delay_s,

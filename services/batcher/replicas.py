@@ -81,6 +81,9 @@ class ReplicaSet:
     def capacity(self) -> int:
         return len(self._replicas) * self._max_inflight
 
+    def replicas(self) -> int:
+        return len(self._replicas)
+
     def _choose(self, model: str, version: str, exclude: set[str]) -> Replica | None:
         candidates = [
             r for r in self._replicas
@@ -90,10 +93,11 @@ class ReplicaSet:
         return min(candidates, key=lambda r: r.inflight, default=None)
 
     async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                      timeout_s: float) -> tuple[str, list[TensorData]]:
+                      timeout_s: float, priority: int = 0) -> tuple[str, list[TensorData]]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        request = model_server_pb2.ExecuteRequest(model=model, version=version, inputs=tensors_to_proto(inputs), outputs=outputs)
+        request = model_server_pb2.ExecuteRequest(model=model, version=version, inputs=tensors_to_proto(inputs),
+                                                  outputs=outputs, priority=priority)
         tried: set[str] = set()
         while True:
             replica = self._choose(model, version, tried)

@@ -7,7 +7,10 @@ do not fight over the cores that its intra-op pool already uses.
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
+import heapq
+import itertools
 import logging
 import pathlib
 import time
@@ -38,6 +41,42 @@ def choose_providers(device: str) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+class PriorityGate:
+    """One batch at a time on a session; batches waiting for it go highest
+    priority first, FIFO within a priority. (The executor alone would be FIFO:
+    a VIP batch would wait behind every standard batch already sent.)"""
+
+    def __init__(self):
+        self._busy = False
+        self._waiting: list[tuple[int, int, asyncio.Future]] = []
+        self._order = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, priority: int):
+        if self._busy or self._waiting:
+            future = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (-priority, next(self._order), future))
+            try:
+                await future
+            except asyncio.CancelledError:
+                if future.done() and not future.cancelled():
+                    self._pass_on()  # it was our turn: hand it on
+                raise
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._pass_on()
+
+    def _pass_on(self) -> None:
+        while self._waiting:
+            _, _, future = heapq.heappop(self._waiting)
+            if not future.done():
+                future.set_result(None)
+                return
+        self._busy = False
+
+
 @dataclasses.dataclass
 class LoadedVersion:
     """One version of one model, ready to run batches."""
@@ -47,6 +86,7 @@ class LoadedVersion:
     session: ort.InferenceSession
     tokenizer: object | None
     executor: concurrent.futures.ThreadPoolExecutor
+    gate: PriorityGate = dataclasses.field(default_factory=PriorityGate)
 
     def run(self, inputs: dict[str, TensorData], outputs: list[str]) -> list[TensorData]:
         """Runs one batch synchronously (call it in the executor)."""
@@ -139,7 +179,8 @@ class ModelManager:
             raise errors.NotFound(f"model '{model}' has no version '{version}'; loaded versions: {sorted(versions)}")
         return versions[version]
 
-    async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str]) -> tuple[str, list[TensorData]]:
+    async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
+                      priority: int = 0) -> tuple[str, list[TensorData]]:
         """Runs one batch off the event loop; returns the version used and the outputs."""
         loaded = self.resolve(model, version)
         by_name = self._check_inputs(loaded.config, inputs)
@@ -149,7 +190,8 @@ class ModelManager:
             raise errors.InvalidArgument(f"model '{model}' has no output(s) {unknown}; outputs: {sorted(known)}")
         loop = asyncio.get_running_loop()
         try:
-            result = await loop.run_in_executor(loaded.executor, loaded.run, by_name, outputs)
+            async with loaded.gate.turn(priority):
+                result = await loop.run_in_executor(loaded.executor, loaded.run, by_name, outputs)
         except errors.InfermeshError:
             raise
         except Exception as exc:

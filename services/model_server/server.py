@@ -24,7 +24,8 @@ class ModelServerServicer(model_server_pb2_grpc.ModelServerServicer):
         inputs = tensors_from_proto(request.inputs)
         rows = inputs[0].rows if inputs else 0
         with metrics.track(request.model, rows) as record:
-            version, outputs = await self._manager.execute(request.model, request.version, inputs, list(request.outputs))
+            version, outputs = await self._manager.execute(request.model, request.version, inputs, list(request.outputs),
+                                                           priority=request.priority)
             record(version)
         return model_server_pb2.ExecuteResponse(model=request.model, version=version, outputs=tensors_to_proto(outputs))
 

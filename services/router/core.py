@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 STANDARD, VIP = 0, 1
 SINGLE_FLIGHT_LINGER_S = 0.05
 TIERS = {"standard": STANDARD, "vip": VIP}
+TIER_NAMES = {tier: name for name, tier in TIERS.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +149,9 @@ class Router:
         finally:
             # Only known model names become label values: callers cannot grow the series.
             model = request.model if self.catalog.get(request.model) else "unknown"
-            metrics.REQUESTS.labels(model, code).inc()
-            metrics.LATENCY.labels(model).observe(time.perf_counter() - started)
+            tier = TIER_NAMES[request.tier]
+            metrics.REQUESTS.labels(model, tier, code).inc()
+            metrics.LATENCY.labels(model, tier).observe(time.perf_counter() - started)
 
     async def _infer(self, request: InferRequest) -> InferResult:
         sig, version = self.signature(request.model, request.version)

@@ -1,0 +1,48 @@
+"""The model server's priority gate in plain asyncio."""
+
+import asyncio
+
+from services.model_server.core import PriorityGate
+
+
+async def test_waiting_batches_run_vip_first_then_in_order():
+    gate = PriorityGate()
+    ran: list[str] = []
+    hold = asyncio.Event()
+
+    async def batch(name: str, priority: int, wait: asyncio.Event | None = None):
+        async with gate.turn(priority):
+            ran.append(name)
+            if wait is not None:
+                await wait.wait()
+
+    first = asyncio.create_task(batch("running", 0, hold))
+    await asyncio.sleep(0)
+    waiting = [asyncio.create_task(batch(name, priority)) for name, priority in
+               (("std-1", 0), ("vip-1", 1), ("std-2", 0), ("vip-2", 1))]
+    await asyncio.sleep(0)
+    hold.set()
+    await asyncio.gather(first, *waiting)
+    assert ran == ["running", "vip-1", "vip-2", "std-1", "std-2"]
+
+
+async def test_a_cancelled_waiter_does_not_block_the_gate():
+    gate = PriorityGate()
+    hold = asyncio.Event()
+    ran: list[str] = []
+
+    async def batch(name: str, wait: asyncio.Event | None = None):
+        async with gate.turn(0):
+            ran.append(name)
+            if wait is not None:
+                await wait.wait()
+
+    first = asyncio.create_task(batch("running", hold))
+    await asyncio.sleep(0)
+    gone = asyncio.create_task(batch("gone"))
+    after = asyncio.create_task(batch("after"))
+    await asyncio.sleep(0)
+    gone.cancel()
+    hold.set()
+    await asyncio.gather(first, after)
+    assert ran == ["running", "after"]
