@@ -16,15 +16,14 @@ Writes bench/results/batching.{json,md,png}.
 import argparse
 import concurrent.futures
 import json
-import os
 import pathlib
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+from bench.report import machine, progress, write
 from bench.workload import InProcessMinilm, ghz_unique_template, texts
 from services.launcher.mesh import Mesh
 
@@ -32,9 +31,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 GHZ = ROOT / "bin" / "ghz"
 MODEL = ROOT / "build" / "models" / "minilm" / "1"
 
-
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def ghz(router: str, tag: str, total: int, concurrency: int, rps: float = 0, vip: bool = False,
@@ -109,18 +105,14 @@ def main() -> int:
                      f"standard {r['standard_overload']['statuses']}, rejections p99 "
                      f"{r['standard_overload']['rejected_p99_ms']:.1f} ms")
     report = summarise(runs)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "batching.json").write_text(json.dumps(report, indent=1))
-    (args.out / "batching.md").write_text(markdown(report))
-    plot(report, args.out / "batching.png")
-    print(markdown(report))
+    write(args.out, "batching", report, markdown(report), plot)
     return 0
 
 
 def summarise(runs: list[dict]) -> dict:
     med = statistics.median
     return {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": machine(),
         "command": "python -m bench.batching " + " ".join(sys.argv[1:]), "runs": len(runs),
         "date": time.strftime("%Y-%m-%d"),
         "summary": {

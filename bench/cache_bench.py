@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import time
 import numpy as np
 
 from bench import loadgen
+from bench.report import machine, progress, write
 from bench.workload import ghz_data, texts
 from services.launcher.mesh import Mesh
 from tests.conftest import metric
@@ -34,9 +34,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 GHZ = ROOT / "bin" / "ghz"
 DISTINCT = 10_000
 
-
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def zipf_sequence(count: int, seed: int, s: float = 1.1) -> list[str]:
@@ -133,11 +130,7 @@ def main() -> int:
                      f"{result['unique_nobypass']['rps']:.0f} req/s; hit p50 {result['hit_latency']['p50_ms']:.2f} ms "
                      f"(router memory), {result['hit_latency_l1']['p50_ms']:.2f} ms (Redis)")
     report = summarise(runs, args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cache.json").write_text(json.dumps(report, indent=1))
-    (args.out / "cache.md").write_text(markdown(report))
-    plot(report, args.out / "cache.png")
-    print(markdown(report))
+    write(args.out, "cache", report, markdown(report), plot)
     return 0
 
 
@@ -152,7 +145,7 @@ def summarise(runs: list[dict], args) -> dict:
         return z[level] / max(z["near"] + z["l1"] + z["l2"] + z["miss"], 1)
 
     return {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": machine(),
         "command": "python -m bench.cache_bench " + " ".join(sys.argv[1:]),
         "runs": len(runs), "date": time.strftime("%Y-%m-%d"), "concurrency": args.concurrency,
         "zipf_requests": args.zipf_requests, "unique_requests": args.unique_requests,

@@ -7,10 +7,9 @@ zstd) and fp16 storage of embeddings, on real minilm embeddings.
 Writes bench/results/cache_store.{json,md}.
 """
 
-import json
+import argparse
 import os
 import pathlib
-import platform
 import random
 import shutil
 import sqlite3
@@ -25,6 +24,7 @@ import numpy as np
 import rocksdict
 import zstandard
 
+from bench.report import machine, write
 from bench.workload import InProcessMinilm, texts
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -119,6 +119,7 @@ def measure_store(cls, values: list[bytes]) -> dict:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print("computing real minilm embeddings ...", flush=True)
     vectors = embeddings(COUNT)
     raw32 = [v.astype("<f4").tobytes() for v in vectors]
@@ -145,15 +146,12 @@ def main() -> int:
         stores[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(f"  {name}: {stores[name]}", flush=True)
     report = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": machine(),
         "command": "python -m bench.cache_store",
         "values": COUNT, "batch": BATCH, "runs": RUNS, "date": time.strftime("%Y-%m-%d"),
         "fp16_cosine": {"min": float(cosine.min()), "mean": float(cosine.mean())},
         "compression": compression, "stores": stores,
     }
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cache_store.json").write_text(json.dumps(report, indent=1))
     lines = [f"Machine: {report['machine']}. Command: `{report['command']}`. {COUNT} real minilm embeddings "
              f"(384 × FP32), batches of {BATCH}; store figures are medians of {RUNS} runs.", "",
              "| encoding | bytes per embedding | size vs raw FP32 | encode µs |", "|---|---|---|---|"]
@@ -163,8 +161,7 @@ def main() -> int:
               "| store (zstd-3 FP32 values) | puts/s | gets/s | disk bytes |", "|---|---|---|---|"]
     for name, s in stores.items():
         lines.append(f"| {name} | {s['put_per_s']:.0f} | {s['get_per_s']:.0f} | {s['disk_bytes']:,} |")
-    (out / "cache_store.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write(ROOT / "bench" / "results", "cache_store", report, "\n".join(lines) + "\n")
     return 0
 
 

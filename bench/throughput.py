@@ -11,9 +11,7 @@ automatic bypass soon stops paying for lookups that never hit.
 
 import argparse
 import json
-import os
 import pathlib
-import platform
 import statistics
 import subprocess
 import sys
@@ -21,6 +19,7 @@ import tempfile
 import time
 
 
+from bench.report import machine, progress, write
 from bench.workload import InProcessMinilm, ghz_unique_template, texts
 from services.launcher.mesh import Mesh
 
@@ -28,9 +27,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MODEL = ROOT / "build" / "models" / "minilm" / "1"
 
-
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def in_process_throughput(batch_sizes: list[int], seconds: float, seed: int) -> dict[int, float]:
@@ -73,7 +69,6 @@ def main() -> int:
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     ghz = ROOT / "bin" / "ghz"
-    args.out.mkdir(parents=True, exist_ok=True)
 
     runs = []
     with Mesh(models=ROOT / "build" / "models", log_dir=tempfile.mkdtemp(prefix="infermesh-bench-")) as mesh:
@@ -96,17 +91,14 @@ def main() -> int:
 
     summary = summarise(runs, levels)
     report = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_implementation()} {platform.python_version()}",
+        "machine": machine(),
         "command": "python -m bench.throughput " + " ".join(sys.argv[1:]),
         "runs": args.runs,
         "date": time.strftime("%Y-%m-%d"),
         "summary": summary,
         "raw": runs,
     }
-    (args.out / "throughput.json").write_text(json.dumps(report, indent=1))
-    (args.out / "throughput.md").write_text(markdown(report, levels))
-    plot(report, levels, args.out / "throughput.png")
-    print(markdown(report, levels))
+    write(args.out, "throughput", report, markdown(report, levels), lambda r, path: plot(r, levels, path))
     return 0
 
 

@@ -9,25 +9,20 @@ Writes bench/results/tidal.{json,md,png}.
 """
 
 import argparse
-import json
-import os
 import pathlib
-import platform
 import statistics
 import sys
 import tempfile
 import time
 
 from bench.batching import ghz
+from bench.report import machine, progress, write
 from services.launcher.mesh import Mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 POLICIES = ("fixed", "baseline", "adaptive")
 PHASES = (("low", 1), ("high", 6), ("low again", 1))
 
-
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def main() -> int:
@@ -62,7 +57,7 @@ def main() -> int:
         for mesh in meshes.values():
             mesh.stop()
     report = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": machine(),
         "command": "python -m bench.tidal " + " ".join(sys.argv[1:]), "runs": args.runs,
         "date": time.strftime("%Y-%m-%d"), "saturation_rps": saturation, "low_rps": low,
         "summary": {p: {ph: {k: statistics.median(r[p][ph][k] for r in runs) for k in ("rps", "p50_ms", "p99_ms")}
@@ -70,11 +65,7 @@ def main() -> int:
                         for ph, _ in PHASES} for p in POLICIES},
         "raw": runs,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tidal.json").write_text(json.dumps(report, indent=1))
-    (args.out / "tidal.md").write_text(markdown(report))
-    plot(report, args.out / "tidal.png")
-    print(markdown(report))
+    write(args.out, "tidal", report, markdown(report), plot)
     return 0
 
 

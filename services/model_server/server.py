@@ -2,7 +2,6 @@
 
 import logging
 
-import grpc
 from infermesh.common.v1 import tensor_pb2
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 

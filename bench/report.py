@@ -1,0 +1,28 @@
+"""What every benchmark shares: progress lines, the machine's description, and
+writing a report as JSON, Markdown and a plot side by side."""
+
+import json
+import os
+import pathlib
+import platform
+import time
+from collections.abc import Callable
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def write(out: pathlib.Path, name: str, report: dict, markdown: str,
+          plot: Callable[[dict, pathlib.Path], None] | None = None) -> None:
+    """out/name.json, out/name.md and (given a plot) out/name.png; prints the Markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
+    (out / f"{name}.md").write_text(markdown)
+    if plot is not None:
+        plot(report, out / f"{name}.png")
+    print(markdown)
