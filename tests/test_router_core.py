@@ -72,3 +72,33 @@ async def test_the_shared_computation_stops_only_when_every_caller_left():
     first.cancel()
     assert (await second).outputs[0].shape == (1, 64)
     assert len(batcher.calls) == 1
+
+
+class FullBatcher:
+    """Answers standard requests RESOURCE_EXHAUSTED with a retry hint, as a full queue does."""
+
+    def __init__(self):
+        self.calls: list[int] = []
+
+    async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+        self.calls.append(tier)
+        if tier == 0:
+            raise errors.ResourceExhausted("the standard queue of model 'mlp' is full", retry_after_ms=300)
+        return version, [from_numpy("OUTPUT0", np.ones((1, 64), np.float32))]
+
+
+def distinct_request(i: int, tier: int = 0) -> InferRequest:
+    return InferRequest("mlp", "", "", [from_numpy("INPUT0", np.full((1, 64), i, np.float32))], [], tier, 5.0)
+
+
+async def test_after_a_full_queue_the_router_refuses_that_tier_itself_for_the_hinted_time():
+    batcher = FullBatcher()
+    router = make_router(batcher)
+    with pytest.raises(errors.ResourceExhausted, match="is full"):
+        await router.infer(distinct_request(1))
+    with pytest.raises(errors.ResourceExhausted, match="refusing standard requests for about") as info:
+        await router.infer(distinct_request(2))
+    assert 10 <= info.value.retry_after_ms <= 300
+    assert batcher.calls == [0]  # the second never reached the batcher
+    assert (await router.infer(distinct_request(3, tier=1))).outputs  # VIP is not held back
+    assert batcher.calls == [0, 1]

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 STANDARD, VIP = 0, 1
 SINGLE_FLIGHT_LINGER_S = 0.05
+MAX_SHED_MS = 1000  # the longest a batcher's "retry after" makes the router refuse a level by itself
 TIERS = {"standard": STANDARD, "vip": VIP}
 TIER_NAMES = {tier: name for name, tier in TIERS.items()}
 
@@ -114,6 +115,8 @@ class Router:
         # Single-flight: the one computation running per (digest, tier), and how
         # many callers wait on it.
         self._running: dict[tuple[bytes, int], asyncio.Task] = {}
+        # (model, tier) -> loop time until which the batcher asked us to hold off.
+        self._shedding: dict[tuple[str, int], float] = {}
         self._waiting: dict[tuple[bytes, int], int] = {}
 
     def signature(self, model: str, version: str = "") -> tuple[ModelSignature, str]:
@@ -238,10 +241,25 @@ class Router:
 
     async def _submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str], tier: int,
                       deadline: float) -> tuple[str, list[TensorData]]:
-        remaining = deadline - asyncio.get_running_loop().time()
+        now = asyncio.get_running_loop().time()
+        remaining = deadline - now
         if remaining <= 0:
             raise errors.DeadlineExceeded(f"request for model '{model}' reached its deadline before it could be queued")
-        return await self._batcher.submit(model, version, inputs, outputs, tier, remaining)
+        shed_until = self._shedding.get((model, tier), 0.0)
+        if now < shed_until:
+            # The batcher said this level is full until then: refuse here, before
+            # the request costs the batcher anything.
+            metrics.SHED.labels(TIER_NAMES[tier]).inc()
+            retry_ms = max(10, int(1000 * (shed_until - now)))
+            raise errors.ResourceExhausted(
+                f"model '{model}' is refusing {TIER_NAMES[tier]} requests for about {retry_ms} ms more: its queue is "
+                f"full; retry after about {retry_ms} ms", retry_after_ms=retry_ms)
+        try:
+            return await self._batcher.submit(model, version, inputs, outputs, tier, remaining)
+        except errors.ResourceExhausted as exc:
+            if exc.retry_after_ms:
+                self._shedding[(model, tier)] = now + min(exc.retry_after_ms, MAX_SHED_MS) / 1000
+            raise
 
 
 @dataclasses.dataclass(frozen=True)

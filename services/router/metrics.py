@@ -19,3 +19,6 @@ CACHE_BYPASS = prometheus_client.Gauge(
 CACHE_ERRORS = prometheus_client.Counter(
     "infermesh_router_cache_errors_total", "Cache calls that failed or timed out; the request went on uncached.",
     ["operation"])
+SHED = prometheus_client.Counter(
+    "infermesh_router_shed_total",
+    "Requests the router refused by itself while the batcher's queue for their tier was full, by tier.", ["tier"])
