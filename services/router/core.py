@@ -115,9 +115,9 @@ class Router:
         # Single-flight: the one computation running per (digest, tier), and how
         # many callers wait on it.
         self._running: dict[tuple[bytes, int], asyncio.Task] = {}
+        self._waiting: dict[tuple[bytes, int], int] = {}
         # (model, tier) -> loop time until which the batcher asked us to hold off.
         self._shedding: dict[tuple[str, int], float] = {}
-        self._waiting: dict[tuple[bytes, int], int] = {}
 
     def signature(self, model: str, version: str = "") -> tuple[ModelSignature, str]:
         """The model's signature and the concrete version a request would use."""
