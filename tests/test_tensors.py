@@ -5,7 +5,8 @@ import pytest
 
 from services.common import errors
 from services.common.tensors import (
-    TensorData, concat_rows, from_numpy, pack_bytes_elements, split_bytes_elements, split_rows, to_numpy,
+    TensorData, concat_rows, count_bytes_elements, from_numpy, pack_bytes_elements, split_bytes_elements, split_rows,
+    to_numpy,
 )
 
 
@@ -49,3 +50,9 @@ def test_bytes_rows_concatenate_and_split_back():
 def test_split_rejects_counts_that_do_not_add_up():
     with pytest.raises(ValueError, match="has 2 rows"):
         split_rows(TensorData("X", "FP32", (2, 1), b"\0" * 8), [1, 2])
+
+
+def test_counting_bytes_elements_checks_the_same_framing():
+    assert count_bytes_elements(pack_bytes_elements([b"", b"ab", b"c"]), "t") == 3
+    with pytest.raises(errors.InvalidArgument, match="element 1 declares length 9"):
+        count_bytes_elements(pack_bytes_elements([b"a"]) + b"\x09\x00\x00\x00ab", "t")

@@ -138,7 +138,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         elif isinstance(exc, asyncio.CancelledError):
             self._record(method, "CANCELLED", started)
             raise exc
-        elif _is_abort(exc):
+        elif isinstance(exc, grpc.aio.AbortError):  # raised by context.abort(): it must pass through
             self._record(method, _code_name(context), started)
             raise exc
         else:
@@ -146,11 +146,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             code, message = grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log"
         self._record(method, code.name, started)
         await context.abort(code, message)
-
-
-def _is_abort(exc: Exception) -> bool:
-    # grpc.aio raises AbortError out of context.abort(); it must pass through.
-    return type(exc).__name__ == "AbortError"
 
 
 def _code_name(context) -> str:

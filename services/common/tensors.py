@@ -49,11 +49,10 @@ def element_count(shape: tuple[int, ...] | list[int]) -> int:
     return math.prod(shape)
 
 
-def split_bytes_elements(data: bytes, what: str) -> list[bytes]:
-    """Parses length-prefixed BYTES elements; `what` names the tensor in errors."""
-    items = []
-    view = memoryview(data)
-    offset = 0
+def _bytes_spans(view: memoryview, what: str):
+    """(offset, length) of each length-prefixed BYTES element; raises
+    InvalidArgument naming `what` where the framing is broken."""
+    offset = index = 0
     while offset < len(view):
         if offset + 4 > len(view):
             raise InvalidArgument(
@@ -64,12 +63,23 @@ def split_bytes_elements(data: bytes, what: str) -> list[bytes]:
         offset += 4
         if offset + length > len(view):
             raise InvalidArgument(
-                f"{what}: malformed BYTES contents: element {len(items)} declares length {length} "
+                f"{what}: malformed BYTES contents: element {index} declares length {length} "
                 f"at offset {offset - 4} but only {len(view) - offset} byte(s) remain"
             )
-        items.append(bytes(view[offset : offset + length]))
+        yield offset, length
         offset += length
-    return items
+        index += 1
+
+
+def split_bytes_elements(data: bytes, what: str) -> list[bytes]:
+    """Parses length-prefixed BYTES elements; `what` names the tensor in errors."""
+    view = memoryview(data)
+    return [bytes(view[offset : offset + length]) for offset, length in _bytes_spans(view, what)]
+
+
+def count_bytes_elements(data: bytes, what: str) -> int:
+    """Checks the framing of BYTES contents and counts the elements, copying nothing."""
+    return sum(1 for _ in _bytes_spans(memoryview(data), what))
 
 
 def pack_bytes_elements(items: list[bytes]) -> bytes:

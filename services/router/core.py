@@ -12,7 +12,7 @@ import time
 from typing import Protocol
 
 from services.common import errors
-from services.common.tensors import NUMPY_DTYPES, TensorData, element_count, split_bytes_elements
+from services.common.tensors import NUMPY_DTYPES, TensorData, count_bytes_elements, element_count
 from services.router import metrics
 from services.router.bypass import AdaptiveBypass
 from services.router.nearcache import NearCache
@@ -317,9 +317,9 @@ def validate(sig: ModelSignature, request: InferRequest) -> list[TensorData]:
         rows = shape[0]
         count = element_count(shape)
         if spec.datatype == "BYTES":
-            items = split_bytes_elements(tensor.data, where)
-            if len(items) != count:
-                raise errors.InvalidArgument(f"{where} holds {len(items)} BYTES element(s) but shape {shape} needs {count}")
+            found = count_bytes_elements(tensor.data, where)
+            if found != count:
+                raise errors.InvalidArgument(f"{where} holds {found} BYTES element(s) but shape {shape} needs {count}")
         else:
             need = count * NUMPY_DTYPES[spec.datatype].itemsize
             if len(tensor.data) != need:
