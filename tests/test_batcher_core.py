@@ -342,3 +342,24 @@ async def test_a_request_that_would_wait_past_its_deadline_is_refused_at_once():
     vip = await batcher.submit("m", "1", row(7.0), [], priority=VIP, timeout_s=0.2)  # nothing ahead at VIP
     assert float(to_numpy(vip[1][0])[0, 0]) == 14.0
     await asyncio.gather(*backlog)
+
+
+async def test_queued_row_counts_follow_every_way_out_of_the_queue():
+    backend = TextBackend(max_batch=4)
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    running = [asyncio.create_task(batcher.submit("m", "1", text(5), []))]
+    await backend.started.wait()
+    running.append(asyncio.create_task(batcher.submit("m", "1", text(6), [], priority=VIP)))
+    await settle()
+    assert backend.batches == [[5], [6]]  # both slots, general and reserved, are busy from here on
+    waiting = [asyncio.create_task(batcher.submit("m", "1", text(n), [], priority=p, timeout_s=t))
+               for n, p, t in ((10, STANDARD, None), (200, STANDARD, None), (12, VIP, None), (30, STANDARD, 0.001))]
+    await settle()
+    queue = batcher._queues[("m", "1")]
+    assert queue._queued_rows == {VIP: 1, STANDARD: 3}
+    waiting[1].cancel()
+    await asyncio.sleep(0.01)  # the short deadline passes
+    backend.gate.set()
+    results = await asyncio.gather(*running, *waiting, return_exceptions=True)
+    assert isinstance(results[3], asyncio.CancelledError) and isinstance(results[5], errors.DeadlineExceeded)
+    assert queue._queued_rows == {VIP: 0, STANDARD: 0} and len(queue) == 0

@@ -160,6 +160,7 @@ class ModelQueue:
         self.batch_policy = batch_policy if batch_policy is not None else FixedPolicy(max_batch_size, max_delay_s)
         self._running: dict[asyncio.Task, tuple[float, int]] = {}  # batches in flight: (start, rows)
         self._levels = {VIP: collections.deque(), STANDARD: collections.deque()}
+        self._queued_rows = {VIP: 0, STANDARD: 0}  # kept with the levels: admission and planning read them per request
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._batches: set[asyncio.Task] = set()
@@ -185,6 +186,7 @@ class ModelQueue:
                 f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
         self._admit(item, name)
         level.append(item)
+        self._queued_rows[item.priority] += item.rows
         self.batch_policy.observe_arrival(item.enqueued, item.rows)
         if item.priority == VIP:
             self._slots.poke()
@@ -209,7 +211,7 @@ class ModelQueue:
         later having held a place. Only with a real backlog and a measured rate."""
         if item.deadline is None:
             return
-        ahead = sum(q.rows for level, queue in self._levels.items() if level >= item.priority for q in queue)
+        ahead = sum(rows for level, rows in self._queued_rows.items() if level >= item.priority)
         if ahead <= self.batch_size:
             return
         rate = self.rows_per_second(item.enqueued)
@@ -272,6 +274,7 @@ class ModelQueue:
                     self.expire(item)
                 if item.future.done():  # expired, or its caller went away
                     queue.popleft()
+                    self._queued_rows[level] -= item.rows
                     if item.future.cancelled():
                         metrics.REJECTIONS.labels(self.model, LEVEL_NAMES[level], "cancelled").inc()
                     continue
@@ -282,6 +285,7 @@ class ModelQueue:
                 else:
                     item = self._closest(queue, room, near_length, now)
                     queue.remove(item)
+                self._queued_rows[level] -= item.rows
                 if alone:
                     self._last_led = level
                 item.taken()
@@ -344,7 +348,7 @@ class ModelQueue:
         limits = self._backend.limits(self.model)
         view = QueueView(
             now=asyncio.get_running_loop().time(), oldest_enqueued=lead.enqueued, level=lead.priority,
-            waiting_rows=lead.rows + sum(item.rows for queue in self._levels.values() for item in queue),
+            waiting_rows=lead.rows + sum(self._queued_rows.values()),
             running=tuple(self._running.values()),
             max_rows=limits.max_batch_size if limits else self._configured_batch_size)
         size, dispatch_by = self.batch_policy.plan(view)
@@ -403,6 +407,7 @@ class ModelQueue:
         for queue in self._levels.values():
             _fail_all(list(queue), errors.Unavailable(f"batcher is shutting down; model '{self.model}' request not run"))
             queue.clear()
+        self._queued_rows = {level: 0 for level in self._queued_rows}
         if self._batches:
             await asyncio.gather(*self._batches, return_exceptions=True)
 
