@@ -2,7 +2,7 @@
 
 import asyncio
 
-from services.model_server.core import PriorityGate
+from services.model_server.execution import PriorityGate
 
 
 async def test_waiting_batches_run_vip_first_then_in_order():

@@ -64,12 +64,23 @@ class ReplicaSet:
         metrics.REPLICA_READY.labels(replica.address).set(1 if replica.ready else 0)
 
     def models(self) -> list:
-        """Every model some ready replica serves, merged over replicas."""
+        """Every model some ready replica serves, merged over replicas: the
+        versions are the union (replicas of two colours may serve different
+        versions during a rollout), newest first."""
         merged = {}
         for replica in self._replicas:
-            if replica.ready:
-                for name, info in replica.models.items():
-                    merged.setdefault(name, info)
+            if not replica.ready:
+                continue
+            for name, info in replica.models.items():
+                if name not in merged:
+                    merged[name] = type(info)()
+                    merged[name].CopyFrom(info)
+                    continue
+                for field in ("versions", "ready_versions"):
+                    union = sorted(set(getattr(merged[name], field)) | set(getattr(info, field)), key=_version_order,
+                                   reverse=True)
+                    del getattr(merged[name], field)[:]
+                    getattr(merged[name], field).extend(union)
         return [merged[name] for name in sorted(merged)]
 
     def limits(self, model: str) -> ModelLimits | None:
@@ -85,12 +96,15 @@ class ReplicaSet:
         return len(self._replicas)
 
     def _choose(self, model: str, version: str, exclude: set[str]) -> Replica | None:
-        candidates = [
-            r for r in self._replicas
-            if r.ready and r.address not in exclude and model in r.models
-            and (not version or version in r.models[model].ready_versions)
-        ]
-        return min(candidates, key=lambda r: r.inflight, default=None)
+        """The least-loaded replica where the version is ready; failing that,
+        one that still holds it loaded (a standby right after a swap), so a
+        request routed on a slightly older catalog still gets its answer."""
+        usable = [r for r in self._replicas if r.ready and r.address not in exclude and model in r.models]
+        for field in ("ready_versions", "versions"):
+            candidates = [r for r in usable if not version or version in getattr(r.models[model], field)]
+            if candidates:
+                return min(candidates, key=lambda r: r.inflight)
+        return None
 
     async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
                       timeout_s: float, priority: int = 0) -> tuple[str, list[TensorData]]:
@@ -134,3 +148,6 @@ class ReplicaSet:
             self._poller.cancel()
         await asyncio.gather(*(r.channel.close() for r in self._replicas))
 
+
+def _version_order(version: str) -> tuple[int, str]:
+    return (int(version), "") if version.isdigit() else (-1, version)

@@ -51,6 +51,14 @@ class ResourceExhausted(InfermeshError):
         self.retry_after_ms = retry_after_ms
 
 
+class FailedPrecondition(InfermeshError):
+    """FAILED_PRECONDITION: the operation cannot run in the current state, e.g.
+    a model version that fails verification, or model control that is off."""
+
+    code = 9
+    code_name = "FAILED_PRECONDITION"
+
+
 class Internal(InfermeshError):
     """INTERNAL: a bug or an unexpected failure; details are in the log."""
 
@@ -90,7 +98,7 @@ class Cancelled(InfermeshError):
 BY_CODE: dict[int, type[InfermeshError]] = {
     cls.code: cls
     for cls in (InvalidArgument, DeadlineExceeded, NotFound, ResourceExhausted, Internal, Unavailable, Cancelled,
-                PermissionDenied, Unauthenticated)
+                PermissionDenied, Unauthenticated, FailedPrecondition)
 }
 
 

@@ -1,23 +1,39 @@
 """Runs the model server: python -m services.model_server --model-repository build/models."""
 
 import asyncio
+import contextlib
 import sys
 
 from services.common import serving
 from services.common.metrics import start_metrics_server
+from services.model_server import gpu
 from services.model_server.config import ModelServerConfig
-from services.model_server.core import ModelManager
-from services.model_server.server import build_server
+from services.model_server.core import ControlMode, ModelManager
+from services.model_server.execution import has_nvidia_gpu
+from services.model_server.server import Readiness, build_server
 
 
 async def serve(config: ModelServerConfig) -> None:
-    manager = ModelManager(config.model_repository, config.device, config.threads)
-    await asyncio.get_running_loop().run_in_executor(None, manager.load_all)
+    readiness = Readiness()
+    manager = ModelManager(
+        config.model_repository, config.device, config.threads,
+        control_mode=ControlMode(config.model_control_mode), startup_models=config.startup_models,
+        rollback_grace_s=config.rollback_grace_s, probe_interval_s=config.probe_interval_s,
+        poll_interval_s=config.repository_poll_s, on_readiness=readiness,
+    )
+    await manager.start()
+    sampler = asyncio.create_task(gpu.sample_forever(config.gpu_sample_s)) if has_nvidia_gpu() else None
     metrics_port = start_metrics_server(config.host, config.metrics_port)
-    server, port, health = await build_server(config, manager)
+    server, port, health = await build_server(config, manager, readiness=readiness)
     serving.announce("model_server", grpc=f"{config.host}:{port}", metrics=f"{config.host}:{metrics_port}",
                      providers=manager.providers)
-    await serving.run_until_signal(server, health, config.drain_grace_s, manager.close)
+    try:
+        await serving.run_until_signal(server, health, config.drain_grace_s, manager.close)
+    finally:
+        if sampler is not None:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ import os
 
 from services.common.config import require
 
+CONTROL_MODES = ("none", "explicit", "poll")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelServerConfig:
@@ -14,6 +16,16 @@ class ModelServerConfig:
     metrics_port: int = dataclasses.field(default=0, metadata={"help": "Prometheus port, 0 picks a free one"})
     device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu or cuda"})
     intra_op_threads: int = dataclasses.field(default=0, metadata={"help": "ORT intra-op threads, 0 = one per core"})
+    model_control_mode: str = dataclasses.field(default="explicit", metadata={
+        "help": "none: models fixed at startup; explicit: load/unload by RPC; poll: follow the repository on disk"})
+    load_models: str = dataclasses.field(default="*", metadata={
+        "help": "comma-separated models to load at startup in explicit mode; * for all"})
+    repository_poll_s: float = dataclasses.field(default=5.0, metadata={"help": "poll mode: seconds between scans"})
+    rollback_grace_s: float = dataclasses.field(default=600.0, metadata={
+        "help": "how long a replaced version stays loaded for instant rollback"})
+    probe_interval_s: float = dataclasses.field(default=30.0, metadata={
+        "help": "seconds between golden-probe correctness checks of serving versions; 0 turns them off"})
+    gpu_sample_s: float = dataclasses.field(default=5.0, metadata={"help": "seconds between NVML samples when a GPU is present"})
     max_message_bytes: int = dataclasses.field(default=64 * 1024 * 1024)
     max_concurrent_rpcs: int = dataclasses.field(default=256)
     drain_grace_s: float = dataclasses.field(default=10.0)
@@ -21,10 +33,21 @@ class ModelServerConfig:
 
     def __post_init__(self):
         require(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
+        require(self.model_control_mode in CONTROL_MODES,
+                f"model_control_mode must be one of {CONTROL_MODES}, got {self.model_control_mode!r}")
         require(0 <= self.port < 65536, f"port must be 0..65535, got {self.port}")
         require(self.intra_op_threads >= 0, f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
         require(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        require(self.repository_poll_s > 0, f"repository_poll_s must be > 0, got {self.repository_poll_s}")
+        require(self.rollback_grace_s >= 0, f"rollback_grace_s must be >= 0, got {self.rollback_grace_s}")
+        require(self.probe_interval_s >= 0, f"probe_interval_s must be >= 0, got {self.probe_interval_s}")
+        require(self.gpu_sample_s > 0, f"gpu_sample_s must be > 0, got {self.gpu_sample_s}")
+        require(bool(self.startup_models), "load_models must name at least one model or '*'")
 
     @property
     def threads(self) -> int:
         return self.intra_op_threads or os.cpu_count() or 1
+
+    @property
+    def startup_models(self) -> tuple[str, ...]:
+        return tuple(name.strip() for name in self.load_models.split(",") if name.strip())

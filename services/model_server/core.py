@@ -1,197 +1,453 @@
-"""Model execution: ONNX Runtime sessions for each loaded model version.
+"""The model repository at run time: which versions serve, hot swaps, health.
 
-ONNX Runtime releases the GIL while it runs, so each version runs in its own
-single-thread executor: the event loop stays free and batches for one session
-do not fight over the cores that its intra-op pool already uses.
+A load (at startup, by RPC, or when poll mode sees the repository change)
+reads the model's config, loads each version its policy selects beside the
+ones serving, warms it up and checks it against the golden probe, and only
+then swaps the serving set in one assignment. Batches already running finish
+on the version they started on. Versions that stop serving stay loaded as a
+standby for `rollback_grace_s`, so loading them again is instant. A periodic
+probe withdraws readiness from a version whose outputs drift.
 """
 
+from __future__ import annotations
+
 import asyncio
-import concurrent.futures
-import contextlib
 import dataclasses
-import heapq
-import itertools
+import enum
+import hashlib
+import json
 import logging
 import pathlib
 import time
-
-import numpy as np
-import onnxruntime as ort
+from collections.abc import Callable
 
 from services.common import errors
-from services.common.tensors import NUMPY_DTYPES, TensorData, from_numpy, to_numpy
+from services.common.tensors import TensorData
 from services.model_server import metrics
-from services.model_server.repository import ModelConfig, scan
+from services.model_server.execution import (LoadedVersion, LoadFailed, compare, cuda_usable, golden_feeds,
+                                             load_version)
+from services.model_server.repository import (ConfigError, Golden, ModelConfig, load_config, load_golden, model_dirs,
+                                              version_fingerprint)
 
 log = logging.getLogger(__name__)
 
-
-def has_nvidia_gpu() -> bool:
-    return pathlib.Path("/proc/driver/nvidia/version").exists()
+PROBE_PRIORITY = -1  # below standard traffic: probes never delay a caller's batch
 
 
-def choose_providers(device: str) -> list[str]:
-    """CUDA when asked for or when a GPU is present and ORT can use it; CPU always as fallback."""
-    available = ort.get_available_providers()
-    wants_cuda = device == "cuda" or (device == "auto" and has_nvidia_gpu())
-    if wants_cuda and "CUDAExecutionProvider" in available:
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    if device == "cuda":
-        raise RuntimeError(f"device=cuda but ONNX Runtime offers only {available}")
-    return ["CPUExecutionProvider"]
-
-
-class PriorityGate:
-    """One batch at a time on a session; batches waiting for it go highest
-    priority first, FIFO within a priority. (The executor alone would be FIFO:
-    a VIP batch would wait behind every standard batch already sent.)"""
-
-    def __init__(self):
-        self._busy = False
-        self._waiting: list[tuple[int, int, asyncio.Future]] = []
-        self._order = itertools.count()
-
-    @contextlib.asynccontextmanager
-    async def turn(self, priority: int):
-        if self._busy or self._waiting:
-            future = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._waiting, (-priority, next(self._order), future))
-            try:
-                await future
-            except asyncio.CancelledError:
-                if future.done() and not future.cancelled():
-                    self._pass_on()  # it was our turn: hand it on
-                raise
-        self._busy = True
-        try:
-            yield
-        finally:
-            self._pass_on()
-
-    def _pass_on(self) -> None:
-        while self._waiting:
-            _, _, future = heapq.heappop(self._waiting)
-            if not future.done():
-                future.set_result(None)
-                return
-        self._busy = False
+class ControlMode(enum.Enum):
+    NONE = "none"  # load everything at startup; no changes afterwards
+    EXPLICIT = "explicit"  # changes by RPC only
+    POLL = "poll"  # changes follow the repository on disk
 
 
 @dataclasses.dataclass
-class LoadedVersion:
-    """One version of one model, ready to run batches."""
+class Model:
+    """One model's run-time state. `serving` is replaced, never mutated, so a
+    reader always sees one whole serving set."""
 
-    config: ModelConfig
+    name: str
+    config: ModelConfig | None = None
+    golden: Golden | None = None
+    serving: dict[str, LoadedVersion] = dataclasses.field(default_factory=dict)  # newest first
+    standby: dict[str, tuple[LoadedVersion, float]] = dataclasses.field(default_factory=dict)  # until
+    drifted: dict[str, str] = dataclasses.field(default_factory=dict)  # version -> why it is not ready
+    last_error: str = ""
+    wanted: bool = False  # loaded on purpose and not unloaded since: it should be ready
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+    def ready_versions(self) -> list[str]:
+        return [v for v in self.serving if v not in self.drifted]
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexEntry:
+    name: str
     version: str
-    session: ort.InferenceSession
-    tokenizer: object | None
-    executor: concurrent.futures.ThreadPoolExecutor
-    gate: PriorityGate = dataclasses.field(default_factory=PriorityGate)
-
-    def run(self, inputs: dict[str, TensorData], outputs: list[str]) -> list[TensorData]:
-        """Runs one batch synchronously (call it in the executor)."""
-        feeds = self._feeds(inputs)
-        wanted = outputs or [spec.name for spec in self.config.outputs]
-        graph_names = [self.config.graph_outputs.get(name, name) for name in wanted]
-        results = self.session.run(graph_names, feeds)
-        specs = {spec.name: spec for spec in self.config.outputs}
-        return [from_numpy(name, np.asarray(value), specs[name].datatype) for name, value in zip(wanted, results)]
-
-    def _feeds(self, inputs: dict[str, TensorData]) -> dict[str, np.ndarray]:
-        if self.tokenizer is None:
-            return {name: to_numpy(tensor) for name, tensor in inputs.items()}
-        (text,) = inputs.values()
-        texts = []
-        for i, item in enumerate(to_numpy(text).reshape(-1)):
-            try:
-                texts.append(item.decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                raise errors.InvalidArgument(
-                    f"input '{text.name}' element {i} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
-        encodings = self.tokenizer.encode_batch(texts)
-        ids = np.array([e.ids for e in encodings], dtype=np.int64)
-        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
-        metrics.PADDING.labels(self.config.name).observe(1.0 - mask.sum() / max(mask.size, 1))
-        types = np.array([e.type_ids for e in encodings], dtype=np.int64)
-        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+    state: str  # Triton's: READY, UNAVAILABLE, UNLOADING ...
+    reason: str
 
 
 class ModelManager:
-    """Loads every model of a repository and executes batches on it."""
+    """Loads, swaps, probes and runs the models of one repository."""
 
-    def __init__(self, repository: str, device: str, threads: int):
+    def __init__(self, repository: str, device: str = "auto", threads: int = 1, *,
+                 control_mode: ControlMode = ControlMode.EXPLICIT, startup_models: tuple[str, ...] = ("*",),
+                 rollback_grace_s: float = 600.0, probe_interval_s: float = 30.0, poll_interval_s: float = 5.0,
+                 on_readiness: Callable[[str, bool], None] | None = None):
         self._repository = pathlib.Path(repository)
-        self._providers = choose_providers(device)
+        self._use_cuda = cuda_usable(device)
         self._threads = threads
-        self._models: dict[str, dict[str, LoadedVersion]] = {}
-        self._configs: dict[str, ModelConfig] = {}
+        self._mode = control_mode
+        self._startup_models = startup_models
+        self._grace_s = rollback_grace_s
+        self._probe_interval_s = probe_interval_s
+        self._poll_interval_s = poll_interval_s
+        self._on_readiness = on_readiness or (lambda model, ready: None)
+        self._models: dict[str, Model] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._retiring: set[asyncio.Task] = set()
+        self._seen: dict[str, str] = {}  # poll mode: model -> signature of its folder
 
     @property
     def providers(self) -> list[str]:
-        return self._providers
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"] if self._use_cuda else ["CPUExecutionProvider"]
 
-    def load_all(self) -> None:
-        """Loads the newest version of every model and warms it up."""
-        for config in scan(self._repository):
-            versions = config.versions()
-            if not versions:
-                log.warning("model %s has no version folder with a model.onnx; skipped", config.name)
-                continue
-            self._configs[config.name] = config
-            self._models[config.name] = {versions[0]: self._load(config, versions[0])}
+    @property
+    def control_mode(self) -> ControlMode:
+        return self._mode
 
-    def _load(self, config: ModelConfig, version: str) -> LoadedVersion:
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Loads the startup models (a model that fails is logged and left
+        unloaded), then starts the probe and, in poll mode, the watcher."""
+        names = [d.name for d in model_dirs(self._repository)]
+        wanted = names if "*" in self._startup_models or self._mode is not ControlMode.EXPLICIT else [
+            n for n in self._startup_models if n in names]
+        missing = set(self._startup_models) - set(names) - {"*"}
+        if missing:
+            raise ConfigError(f"{self._repository}: no model folder for startup model(s) {sorted(missing)}")
+        for name in wanted:
+            try:
+                await self.load(name)
+            except errors.InfermeshError as exc:
+                log.error("model %s not loaded at startup: %s", name, exc.message)
+        if self._mode is ControlMode.POLL:
+            self._seen = {name: self._signature(name) for name in names}
+            self._spawn(self._poll_forever())
+        if self._probe_interval_s > 0:
+            self._spawn(self._probe_forever())
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._retiring, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        for model in self._models.values():
+            for loaded in [*model.serving.values(), *(lv for lv, _ in model.standby.values())]:
+                await loop.run_in_executor(None, loaded.close)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------ load and unload
+
+    async def load(self, name: str, overrides: dict | None = None) -> list[str]:
+        """Loads or reloads a model per its version policy and swaps the
+        verified versions in; returns the versions now serving. On any failure
+        nothing changes for callers and the error says what failed."""
         started = time.perf_counter()
-        folder = config.path / version
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = self._threads
-        options.inter_op_num_threads = 1
-        # Other services share these cores; spinning threads would steal them.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=self._providers)
-        tokenizer = None
-        if config.preprocess is not None:
-            from tokenizers import Tokenizer
+        folder = self._repository / name
+        if not name or "/" in name or name.startswith(".") or not folder.is_dir():
+            raise errors.NotFound(f"model repository {self._repository} has no model folder '{name}'")
+        model = self._models.setdefault(name, Model(name))
+        async with model.lock:
+            model.wanted = True
+            loop = asyncio.get_running_loop()
+            try:
+                config, golden = await loop.run_in_executor(None, self._read_config, folder, overrides)
+            except ConfigError as exc:
+                return self._failed(model, "config", errors.InvalidArgument(f"failed to load model '{name}': {exc}"))
+            wanted = config.versions()
+            if not wanted:
+                return self._failed(model, "config", errors.InvalidArgument(
+                    f"failed to load model '{name}': version policy '{config.version_policy.describe()}' selects none "
+                    f"of the version folders {config.available_versions()} in {folder}"))
+            fresh: dict[str, LoadedVersion] = {}
+            loaded_now: list[LoadedVersion] = []
+            try:
+                for version in wanted:
+                    reusable = self._reusable(model, config, version)
+                    if reusable is not None and await self._still_right(reusable, golden, config):
+                        fresh[version] = reusable
+                        continue
+                    loaded = await loop.run_in_executor(
+                        None, load_version, config, version, self._use_cuda, self._threads, golden)
+                    loaded_now.append(loaded)
+                    fresh[version] = loaded
+            except LoadFailed as exc:
+                for loaded in loaded_now:
+                    self._retire(loaded)
+                return self._failed(model, exc.reason, errors.FailedPrecondition(
+                    f"failed to load model '{name}': {exc.message}; the versions serving before "
+                    f"({list(model.serving) or 'none'}) keep serving"))
+            self._swap(model, config, golden, fresh)
+        metrics.LOADS.labels(name, "ok").inc()
+        metrics.SWAP_SECONDS.labels(name).observe(time.perf_counter() - started)
+        log.info("model %s now serves version(s) %s (%.2fs from the load request)", name, list(fresh),
+                 time.perf_counter() - started)
+        return list(fresh)
 
-            tokenizer = Tokenizer.from_file(str(folder / config.preprocess.tokenizer_file))
-            tokenizer.enable_truncation(max_length=config.preprocess.max_length)
-            tokenizer.enable_padding()  # to the longest text of the batch
-        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ort-{config.name}")
-        loaded = LoadedVersion(config, version, session, tokenizer, executor)
-        loaded.run(_warmup_inputs(config), [])
-        log.info(
-            "loaded %s version %s on %s in %.2fs",
-            config.name, version, session.get_providers()[0], time.perf_counter() - started,
-        )
-        return loaded
+    def _read_config(self, folder: pathlib.Path, overrides: dict | None) -> tuple[ModelConfig, Golden | None]:
+        config = load_config(folder, overrides)
+        if config.fallback and not (self._repository / config.fallback / "config.json").is_file():
+            raise ConfigError(f"{folder / 'config.json'}: field 'fallback' names {config.fallback!r}, "
+                              f"which has no folder with a config.json in {self._repository}")
+        return config, (load_golden(config) if config.golden_probe is not None else None)
 
-    def models(self) -> list[tuple[ModelConfig, list[str]]]:
-        return [(self._configs[name], list(versions)) for name, versions in sorted(self._models.items())]
+    def _failed(self, model: Model, reason: str, error: errors.InfermeshError):
+        model.last_error = error.message
+        metrics.LOADS.labels(model.name, reason).inc()
+        log.error("%s", error.message)
+        raise error
 
-    def resolve(self, model: str, version: str) -> LoadedVersion:
-        versions = self._models.get(model)
-        if versions is None:
-            raise errors.NotFound(f"model '{model}' is not loaded; loaded models: {sorted(self._models)}")
+    def _reusable(self, model: Model, config: ModelConfig, version: str) -> LoadedVersion | None:
+        """A version already loaded from the same files with the same settings."""
+        current = model.serving.get(version) or model.standby.get(version, (None, 0.0))[0]
+        if current is None or current.fingerprint != version_fingerprint(config.path / version):
+            return None
+        ignore_policy = {"version_policy": config.version_policy, "golden_probe": config.golden_probe,
+                         "fallback": config.fallback, "warmup_batch_sizes": config.warmup_batch_sizes}
+        return current if dataclasses.replace(current.config, **ignore_policy) == config else None
+
+    async def _still_right(self, loaded: LoadedVersion, golden: Golden | None, config: ModelConfig) -> bool:
+        """A standby or serving version is checked again before it (re)takes traffic."""
+        if golden is None:
+            return True
+        passed, detail = await self._probe(loaded, golden, config)
+        if not passed:
+            log.warning("%s version %s no longer passes its golden probe (%s); reloading it", config.name,
+                        loaded.version, detail)
+        return passed
+
+    def _swap(self, model: Model, config: ModelConfig, golden: Golden | None, fresh: dict[str, LoadedVersion]) -> None:
+        old = model.serving
+        model.config, model.golden, model.last_error = config, golden, ""
+        model.serving = dict(fresh)  # the one assignment that moves traffic
+        model.drifted = {}
+        until = time.time() + self._grace_s
+        for version, loaded in old.items():
+            if fresh.get(version) is loaded:
+                continue
+            if version in fresh:  # replaced in place: no rollback to identical numbering
+                self._retire(loaded)
+            else:
+                model.standby[version] = (loaded, until)
+                self._spawn(self._expire(model, version, loaded))
+        for version, loaded in fresh.items():
+            standing = model.standby.get(version)
+            if standing is not None and standing[0] is loaded:
+                del model.standby[version]
+            elif standing is not None:  # an older copy of a version now reloaded
+                del model.standby[version]
+                self._retire(standing[0])
+        self._publish(model)
+
+    async def unload(self, name: str) -> None:
+        """Takes the model out of service at once; batches already running finish, then it is freed."""
+        model = self._models.get(name)
+        if model is None or not (model.serving or model.standby):
+            raise errors.NotFound(f"model '{name}' is not loaded")
+        async with model.lock:
+            leaving = [*model.serving.values(), *(lv for lv, _ in model.standby.values())]
+            model.serving, model.standby, model.drifted = {}, {}, {}
+            model.last_error, model.wanted = "unloaded", False
+            for loaded in leaving:
+                self._retire(loaded)
+            self._publish(model)
+        log.info("model %s unloaded; %d running batch(es) finish first", name, sum(lv.in_flight for lv in leaving))
+
+    async def _expire(self, model: Model, version: str, loaded: LoadedVersion) -> None:
+        await asyncio.sleep(self._grace_s)
+        async with model.lock:
+            standing = model.standby.get(version)
+            if standing is None or standing[0] is not loaded:
+                return
+            del model.standby[version]
+            self._retire(loaded)
+            self._publish(model)
+        log.info("model %s version %s: rollback grace over, unloaded", model.name, version)
+
+    def _retire(self, loaded: LoadedVersion) -> None:
+        async def close_when_idle():
+            await loaded.wait_idle()
+            await asyncio.get_running_loop().run_in_executor(None, loaded.close)
+
+        task = asyncio.create_task(close_when_idle())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    def _publish(self, model: Model) -> None:
+        """Metrics and health follow the model's state."""
+        for labels in list(metrics.VERSIONS._metrics):  # noqa: SLF001 (drop versions gone from this model)
+            if labels[0] == model.name:
+                metrics.VERSIONS.remove(*labels)
+        for labels in list(metrics.MEMORY._metrics):  # noqa: SLF001
+            if labels[0] == model.name:
+                metrics.MEMORY.remove(*labels)
+        for version, loaded in model.serving.items():
+            metrics.VERSIONS.labels(model.name, version, "unready" if version in model.drifted else "serving").set(1)
+            metrics.MEMORY.labels(model.name, version).set(loaded.memory_bytes)
+        for version, (loaded, _) in model.standby.items():
+            metrics.VERSIONS.labels(model.name, version, "standby").set(1)
+            metrics.MEMORY.labels(model.name, version).set(loaded.memory_bytes)
+        self._on_readiness(model.name, bool(model.ready_versions()))
+
+    # ------------------------------------------------------------ probes and polling
+
+    async def _probe(self, loaded: LoadedVersion, golden: Golden, config: ModelConfig) -> tuple[bool, str]:
+        try:
+            results = await loaded.execute(golden_feeds(config, golden), [], PROBE_PRIORITY)
+        except Exception as exc:  # a probe that cannot even run is a failed probe
+            return False, f"the probe batch failed: {type(exc).__name__}: {exc}"
+        return compare(results, golden, config)
+
+    async def probe_all(self) -> None:
+        """Runs every serving version's golden probe once; drift withdraws that
+        version's readiness until a later probe passes. The golden file is
+        re-read, so an operator's new expectations apply without a reload."""
+        for model in list(self._models.values()):
+            if model.config is None or model.config.golden_probe is None or not model.serving:
+                continue
+            try:
+                golden = await asyncio.get_running_loop().run_in_executor(None, load_golden, model.config)
+            except ConfigError as exc:
+                log.error("model %s: cannot read its golden probe, readiness unchanged: %s", model.name, exc)
+                continue
+            changed = False
+            for version, loaded in list(model.serving.items()):
+                passed, detail = await self._probe(loaded, golden, model.config)
+                metrics.PROBES.labels(model.name, version, "pass" if passed else "fail").inc()
+                if model.serving.get(version) is not loaded:
+                    continue  # swapped out while probing
+                if not passed and version not in model.drifted:
+                    log.error("model %s version %s failed its correctness probe, readiness withdrawn: %s",
+                              model.name, version, detail)
+                    model.drifted[version] = f"correctness probe failed: {detail}"
+                    changed = True
+                elif passed and version in model.drifted:
+                    log.info("model %s version %s passes its correctness probe again: ready", model.name, version)
+                    del model.drifted[version]
+                    changed = True
+            if changed:
+                self._publish(model)
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._probe_interval_s)
+            try:
+                await self.probe_all()
+            except Exception:
+                log.exception("correctness probe round failed")
+
+    def _signature(self, name: str) -> str:
+        """What poll mode compares: the config, the golden file and every version's files."""
+        folder = self._repository / name
+        digest = hashlib.blake2b(digest_size=16)
+        if folder.is_dir():
+            for path in sorted(folder.iterdir()):
+                if path.is_file():
+                    digest.update(path.name.encode() + b"\0" + path.read_bytes())
+                elif path.is_dir():
+                    digest.update(f"{path.name}:{version_fingerprint(path)};".encode())
+        return digest.hexdigest()
+
+    async def poll_once(self) -> None:
+        """Poll mode: loads models that appeared or changed, unloads those removed."""
+        loop = asyncio.get_running_loop()
+        names = {d.name for d in await loop.run_in_executor(None, model_dirs, self._repository)}
+        for name in sorted(names | set(self._seen)):
+            signature = await loop.run_in_executor(None, self._signature, name) if name in names else ""
+            if signature == self._seen.get(name):
+                continue
+            self._seen[name] = signature
+            try:
+                if name not in names:
+                    if name in self._models and self._models[name].serving:
+                        await self.unload(name)
+                else:
+                    await self.load(name)
+            except errors.InfermeshError as exc:
+                log.error("poll: model %s: %s", name, exc.message)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_interval_s)
+            try:
+                await self.poll_once()
+            except Exception:
+                log.exception("repository poll failed")
+
+    # ------------------------------------------------------------ queries
+
+    def models(self) -> list[tuple[ModelConfig, list[str], list[str]]]:
+        """(config, loaded versions newest first, ready versions) per model with a version loaded."""
+        listed = []
+        for name, model in sorted(self._models.items()):
+            loaded = sorted([*model.serving, *model.standby], key=int, reverse=True)
+            if loaded and model.config is not None:
+                listed.append((model.config, loaded, model.ready_versions()))
+        return listed
+
+    def is_ready(self, name: str, version: str = "") -> bool:
+        model = self._models.get(name)
+        if model is None:
+            return False
+        return version in model.ready_versions() if version else bool(model.ready_versions())
+
+    def all_ready(self) -> bool:
+        """Triton's strict readiness: every model that should serve has a ready version."""
+        return all(model.ready_versions() for model in self._models.values() if model.wanted)
+
+    def index(self, ready_only: bool = False) -> list[IndexEntry]:
+        entries = []
+        for folder in model_dirs(self._repository):
+            model = self._models.get(folder.name)
+            if model is None or not (model.serving or model.standby):
+                reason = model.last_error if model is not None else ""
+                entries.append(IndexEntry(folder.name, "", "UNAVAILABLE" if reason else "", reason))
+                continue
+            for version in model.serving:
+                drift = model.drifted.get(version)
+                entries.append(IndexEntry(folder.name, version, "UNAVAILABLE" if drift else "READY", drift or ""))
+            for version, (_, until) in model.standby.items():
+                entries.append(IndexEntry(folder.name, version, "UNAVAILABLE",
+                                          f"standby for rollback until {time.strftime('%H:%M:%S', time.localtime(until))}"))
+            if model.last_error:
+                entries.append(IndexEntry(folder.name, "", "UNAVAILABLE", f"last load failed: {model.last_error}"))
+        return [e for e in entries if e.state == "READY"] if ready_only else entries
+
+    def config_of(self, name: str) -> ModelConfig:
+        model = self._models.get(name)
+        if model is None or model.config is None or not model.serving:
+            raise errors.NotFound(f"model '{name}' is not loaded; loaded models: {self.loaded_names()}")
+        return model.config
+
+    def loaded_names(self) -> list[str]:
+        return sorted(name for name, model in self._models.items() if model.serving)
+
+    # ------------------------------------------------------------ execution
+
+    def resolve(self, name: str, version: str) -> LoadedVersion:
+        """The newest ready version, or the one asked for: serving, or standby
+        (so a request already routed when a swap happened still runs)."""
+        model = self._models.get(name)
+        if model is None or not (model.serving or model.standby):
+            raise errors.NotFound(f"model '{name}' is not loaded; loaded models: {self.loaded_names()}")
         if not version:
-            return next(iter(versions.values()))
-        if version not in versions:
-            raise errors.NotFound(f"model '{model}' has no version '{version}'; loaded versions: {sorted(versions)}")
-        return versions[version]
+            ready = model.ready_versions()
+            if not ready:
+                raise errors.Unavailable(f"model '{name}' has no ready version: {model.drifted}")
+            return model.serving[ready[0]]
+        loaded = model.serving.get(version) or model.standby.get(version, (None, 0.0))[0]
+        if loaded is None:
+            raise errors.NotFound(f"model '{name}' has no version '{version}' loaded; loaded versions: "
+                                  f"{sorted([*model.serving, *model.standby], key=int, reverse=True)}")
+        return loaded
 
     async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
                       priority: int = 0) -> tuple[str, list[TensorData]]:
         """Runs one batch off the event loop; returns the version used and the outputs."""
         loaded = self.resolve(model, version)
-        by_name = self._check_inputs(loaded.config, inputs)
+        by_name = _check_inputs(loaded.config, inputs)
         known = {spec.name for spec in loaded.config.outputs}
         unknown = [name for name in outputs if name not in known]
         if unknown:
             raise errors.InvalidArgument(f"model '{model}' has no output(s) {unknown}; outputs: {sorted(known)}")
-        loop = asyncio.get_running_loop()
         try:
-            async with loaded.gate.turn(priority):
-                result = await loop.run_in_executor(loaded.executor, loaded.run, by_name, outputs)
+            result = await loaded.execute(by_name, outputs, priority)
         except errors.InfermeshError:
             raise
         except Exception as exc:
@@ -199,38 +455,33 @@ class ModelManager:
             raise errors.Internal(f"model '{model}' version {loaded.version} failed: {type(exc).__name__}") from exc
         return loaded.version, result
 
-    @staticmethod
-    def _check_inputs(config: ModelConfig, inputs: list[TensorData]) -> dict[str, TensorData]:
-        # The router validated these already; the model server checks again
-        # because it is also reachable on its own.
-        by_name = {t.name: t for t in inputs}
-        expected = {spec.name: spec for spec in config.inputs}
-        if set(by_name) != set(expected) or len(by_name) != len(inputs):
+
+def _check_inputs(config: ModelConfig, inputs: list[TensorData]) -> dict[str, TensorData]:
+    # The router validated these already; the model server checks again
+    # because it is also reachable on its own.
+    by_name = {t.name: t for t in inputs}
+    expected = {spec.name: spec for spec in config.inputs}
+    if set(by_name) != set(expected) or len(by_name) != len(inputs):
+        raise errors.InvalidArgument(
+            f"model '{config.name}' takes inputs {sorted(expected)}, got {[t.name for t in inputs]}"
+        )
+    for name, tensor in by_name.items():
+        spec = expected[name]
+        if tensor.datatype != spec.datatype:
+            raise errors.InvalidArgument(f"input '{name}' has datatype {tensor.datatype}; expected {spec.datatype}")
+        if tensor.rows > config.max_batch_size:
             raise errors.InvalidArgument(
-                f"model '{config.name}' takes inputs {sorted(expected)}, got {[t.name for t in inputs]}"
+                f"batch of {tensor.rows} rows exceeds max_batch_size {config.max_batch_size} of model '{config.name}'"
             )
-        for name, tensor in by_name.items():
-            spec = expected[name]
-            if tensor.datatype != spec.datatype:
-                raise errors.InvalidArgument(f"input '{name}' has datatype {tensor.datatype}; expected {spec.datatype}")
-            if tensor.rows > config.max_batch_size:
-                raise errors.InvalidArgument(
-                    f"batch of {tensor.rows} rows exceeds max_batch_size {config.max_batch_size} of model '{config.name}'"
-                )
-        return by_name
-
-    def close(self) -> None:
-        for versions in self._models.values():
-            for loaded in versions.values():
-                loaded.executor.shutdown(wait=True, cancel_futures=False)
+    return by_name
 
 
-def _warmup_inputs(config: ModelConfig) -> dict[str, TensorData]:
-    if config.preprocess is not None:
-        text = np.array([b"warm up the model", b"a second, somewhat longer sentence to warm up padding"], dtype=object)
-        return {config.inputs[0].name: from_numpy(config.inputs[0].name, text, "BYTES")}
-    feeds = {}
-    for spec in config.inputs:
-        shape = [2 if i == 0 else (d if d > 0 else 1) for i, d in enumerate(spec.shape)]
-        feeds[spec.name] = from_numpy(spec.name, np.zeros(shape, dtype=NUMPY_DTYPES[spec.datatype]), spec.datatype)
-    return feeds
+def parse_overrides(text: str) -> dict:
+    """A load's "config" parameter: a JSON object of config fields."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise errors.InvalidArgument(f"parameter 'config' is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise errors.InvalidArgument(f"parameter 'config' must be a JSON object of config fields, got {text[:80]!r}")
+    return doc

@@ -7,8 +7,8 @@ import prometheus_client
 
 INFERENCE_LATENCY = prometheus_client.Histogram(
     "infermesh_model_inference_duration_seconds",
-    "Time to run one batch on the model, by model and version.",
-    ["model", "version"],
+    "Time to run one batch on the model, by model, version and batch size (rounded up to a power of two).",
+    ["model", "version", "batch"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
 BATCH_ROWS = prometheus_client.Histogram(
@@ -24,6 +24,40 @@ PADDING = prometheus_client.Histogram(
 BATCHES = prometheus_client.Counter(
     "infermesh_model_batches_total", "Batches executed, by model and outcome.", ["model", "outcome"]
 )
+VERSIONS = prometheus_client.Gauge(
+    "infermesh_model_versions",
+    "Loaded model versions: 1 per version in its state (serving, unready, standby).",
+    ["model", "version", "state"],
+)
+MEMORY = prometheus_client.Gauge(
+    "infermesh_model_memory_bytes",
+    "Resident memory the process grew by while loading and warming up a version (approximate).",
+    ["model", "version"],
+)
+LOADS = prometheus_client.Counter(
+    "infermesh_model_loads_total",
+    "Model loads (RPC, poll or startup), by model and outcome: ok, config, file, session, warmup, verification.",
+    ["model", "outcome"],
+)
+SWAP_SECONDS = prometheus_client.Histogram(
+    "infermesh_model_swap_duration_seconds",
+    "From a load request to traffic on the model's new versions, by model.",
+    ["model"], buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
+PROBES = prometheus_client.Counter(
+    "infermesh_model_probes_total",
+    "Periodic correctness probes, by model, version and outcome (pass, fail).",
+    ["model", "version", "outcome"],
+)
+GPU_UTILIZATION = prometheus_client.Gauge(
+    "infermesh_gpu_utilization_ratio", "GPU busy share over NVML's last sample period, by device.", ["device"])
+GPU_MEMORY = prometheus_client.Gauge(
+    "infermesh_gpu_memory_used_bytes", "GPU memory in use, by device (NVML).", ["device"])
+
+
+def batch_label(rows: int) -> str:
+    """The batch size rounded up to a power of two, so the label has few values."""
+    return str(1 << max(rows - 1, 0).bit_length())
 
 
 @contextlib.contextmanager
@@ -38,4 +72,4 @@ def track(model: str, rows: int):
         raise
     BATCHES.labels(model, "ok").inc()
     BATCH_ROWS.labels(model).observe(rows)
-    INFERENCE_LATENCY.labels(model, version["v"]).observe(time.perf_counter() - started)
+    INFERENCE_LATENCY.labels(model, version["v"], batch_label(rows)).observe(time.perf_counter() - started)

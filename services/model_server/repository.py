@@ -1,13 +1,26 @@
 """Reads a model repository: `<repo>/<model>/config.json` and `<repo>/<model>/<version>/`.
 
-Every malformed config is reported with the file and the field at fault.
+Every malformed config is reported with the file and the field at fault. The
+config may carry, besides the signature: a version policy (Triton's latest /
+all / specific), instances, execution-provider preference, tensor-parallel
+degree, warm-up batch sizes, a golden probe and a fallback model.
 """
 
 import dataclasses
+import hashlib
 import json
 import pathlib
 
-from services.common.tensors import DATATYPES
+import numpy as np
+
+from services.common.tensors import DATATYPES, NUMPY_DTYPES
+
+KNOWN_FIELDS = {
+    "name", "platform", "max_batch_size", "inputs", "outputs", "preprocess", "graph_outputs",
+    "version_policy", "instances", "execution", "tp_degree", "warmup", "golden_probe", "fallback",
+}
+PROVIDERS = ("cuda", "cpu")
+GRAPH_OPTIMIZATION = ("disable", "basic", "extended", "all")
 
 
 class ConfigError(ValueError):
@@ -29,6 +42,58 @@ class Preprocess:
 
 
 @dataclasses.dataclass(frozen=True)
+class VersionPolicy:
+    """Which version folders to serve: the newest `latest`, `all`, or `specific` ones."""
+
+    kind: str = "latest"
+    num_versions: int = 1
+    versions: tuple[str, ...] = ()
+
+    def select(self, available: list[str]) -> list[str]:
+        """The versions to serve out of the folders present, newest first."""
+        ordered = sorted(available, key=int, reverse=True)
+        if self.kind == "all":
+            return ordered
+        if self.kind == "latest":
+            return ordered[: self.num_versions]
+        return [v for v in ordered if v in self.versions]
+
+    def describe(self) -> str:
+        if self.kind == "latest":
+            return f"latest {self.num_versions}"
+        if self.kind == "all":
+            return "all"
+        return f"specific {list(self.versions)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Instances:
+    """Sessions per version; on GPUs, instance i runs on gpus[i % len(gpus)]."""
+
+    count: int = 1
+    gpus: tuple[int, ...] = (0,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    providers: tuple[str, ...] = PROVIDERS  # in order of preference
+    intra_op_threads: int = 0  # 0: the machine's cores shared among instances
+    inter_op_threads: int = 1
+    graph_optimization: str = "all"
+
+
+@dataclasses.dataclass(frozen=True)
+class GoldenProbe:
+    """Known inputs and expected outputs; a version passes when every output row
+    is within the tolerances given (cosine to the expected row, largest
+    absolute difference)."""
+
+    file: str
+    min_cosine: float | None
+    max_abs: float | None
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     name: str
     platform: str
@@ -38,20 +103,52 @@ class ModelConfig:
     preprocess: Preprocess | None
     graph_outputs: dict[str, str]
     path: pathlib.Path
+    version_policy: VersionPolicy = VersionPolicy()
+    instances: Instances = Instances()
+    execution: Execution = Execution()
+    tp_degree: int = 1
+    warmup_batch_sizes: tuple[int, ...] = (1, 8)
+    golden_probe: GoldenProbe | None = None
+    fallback: str = ""
+
+    def available_versions(self) -> list[str]:
+        """Every numeric version folder, newest first (whether or not it is complete)."""
+        found = [p.name for p in self.path.iterdir() if p.is_dir() and p.name.isdigit()]
+        return sorted(found, key=int, reverse=True)
 
     def versions(self) -> list[str]:
-        """Version folders holding a model.onnx, newest (highest number) first."""
-        found = [p.name for p in self.path.iterdir() if p.is_dir() and p.name.isdigit() and (p / "model.onnx").exists()]
-        return sorted(found, key=int, reverse=True)
+        """The versions its policy selects, newest first."""
+        return self.version_policy.select(self.available_versions())
+
+
+def version_fingerprint(folder: pathlib.Path) -> str:
+    """Names, sizes and modification times of a version's files: changes when
+    a version is replaced in place."""
+    digest = hashlib.blake2b(digest_size=16)
+    if folder.is_dir():
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                stat = path.stat()
+                digest.update(f"{path.relative_to(folder)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return digest.hexdigest()
 
 
 def _field(doc: dict, key: str, kind, where: str):
     if key not in doc:
         raise ConfigError(f"{where}: missing field '{key}'")
-    value = doc[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"{where}: field '{key}' must be {kind.__name__}, got {value!r}")
+    return _typed(doc[key], key, kind, where)
+
+
+def _typed(value, key: str, kind, where: str):
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (int in kinds and float not in kinds and isinstance(value, bool)):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise ConfigError(f"{where}: field '{key}' must be {names}, got {value!r}")
     return value
+
+
+def _optional(doc: dict, key: str, kind, where: str, default):
+    return _typed(doc[key], key, kind, where) if key in doc else default
 
 
 def _tensor_specs(doc: dict, key: str, where: str) -> tuple[TensorSpec, ...]:
@@ -73,20 +170,93 @@ def _tensor_specs(doc: dict, key: str, where: str) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def load_config(model_dir: pathlib.Path) -> ModelConfig:
-    path = model_dir / "config.json"
-    where = str(path)
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: missing") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}: not valid JSON: {exc}") from None
+def _version_policy(doc: dict, where: str) -> VersionPolicy:
+    if "version_policy" not in doc:
+        return VersionPolicy()
+    policy = _field(doc, "version_policy", dict, where)
+    at = f"{where}: version_policy"
+    if len(policy) != 1 or next(iter(policy)) not in ("latest", "all", "specific"):
+        raise ConfigError(f"{at} is {policy!r}; expected one of {{'latest': {{'num_versions': N}}}}, "
+                          "{'all': {}}, {'specific': {'versions': [...]}}")
+    (kind, body), = policy.items()
+    body = _typed(body, kind, dict, at)
+    if kind == "latest":
+        count = _field(body, "num_versions", int, f"{at}.latest")
+        if count < 1:
+            raise ConfigError(f"{at}.latest: field 'num_versions' must be >= 1, got {count}")
+        return VersionPolicy("latest", num_versions=count)
+    if kind == "all":
+        return VersionPolicy("all")
+    versions = _field(body, "versions", list, f"{at}.specific")
+    if not versions or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in versions):
+        raise ConfigError(f"{at}.specific: field 'versions' is {versions!r}; expected a non-empty list of version numbers >= 1")
+    return VersionPolicy("specific", versions=tuple(str(v) for v in versions))
+
+
+def _instances(doc: dict, where: str) -> Instances:
+    body = _optional(doc, "instances", dict, where, {})
+    at = f"{where}: instances"
+    count = _optional(body, "count", int, at, 1)
+    if not 1 <= count <= 64:
+        raise ConfigError(f"{at}: field 'count' must be 1..64, got {count}")
+    gpus = _optional(body, "gpus", list, at, [0])
+    if not gpus or any(not isinstance(g, int) or isinstance(g, bool) or g < 0 for g in gpus):
+        raise ConfigError(f"{at}: field 'gpus' is {gpus!r}; expected a non-empty list of device ids >= 0")
+    unknown = set(body) - {"count", "gpus"}
+    if unknown:
+        raise ConfigError(f"{at}: unknown field(s) {sorted(unknown)}; known: ['count', 'gpus']")
+    return Instances(count, tuple(gpus))
+
+
+def _execution(doc: dict, where: str) -> Execution:
+    body = _optional(doc, "execution", dict, where, {})
+    at = f"{where}: execution"
+    providers = _optional(body, "providers", list, at, list(PROVIDERS))
+    if not providers or any(p not in PROVIDERS for p in providers) or len(set(providers)) != len(providers):
+        raise ConfigError(f"{at}: field 'providers' is {providers!r}; expected a preference order of {list(PROVIDERS)}")
+    intra = _optional(body, "intra_op_threads", int, at, 0)
+    inter = _optional(body, "inter_op_threads", int, at, 1)
+    if intra < 0 or inter < 1:
+        raise ConfigError(f"{at}: intra_op_threads must be >= 0 and inter_op_threads >= 1, got {intra} and {inter}")
+    level = _optional(body, "graph_optimization", str, at, "all")
+    if level not in GRAPH_OPTIMIZATION:
+        raise ConfigError(f"{at}: field 'graph_optimization' is {level!r}; expected one of {list(GRAPH_OPTIMIZATION)}")
+    unknown = set(body) - {"providers", "intra_op_threads", "inter_op_threads", "graph_optimization"}
+    if unknown:
+        raise ConfigError(f"{at}: unknown field(s) {sorted(unknown)}")
+    return Execution(tuple(providers), intra, inter, level)
+
+
+def _golden_probe(doc: dict, where: str) -> GoldenProbe | None:
+    if "golden_probe" not in doc:
+        return None
+    body = _field(doc, "golden_probe", dict, where)
+    at = f"{where}: golden_probe"
+    file = _field(body, "file", str, at)
+    min_cosine = _optional(body, "min_cosine", (int, float), at, None)
+    max_abs = _optional(body, "max_abs", (int, float), at, None)
+    if min_cosine is None and max_abs is None:
+        raise ConfigError(f"{at}: give a tolerance, 'min_cosine' and/or 'max_abs'")
+    if min_cosine is not None and not -1.0 <= min_cosine <= 1.0:
+        raise ConfigError(f"{at}: field 'min_cosine' must be in [-1, 1], got {min_cosine}")
+    if max_abs is not None and not max_abs > 0:
+        raise ConfigError(f"{at}: field 'max_abs' must be > 0, got {max_abs}")
+    return GoldenProbe(file, None if min_cosine is None else float(min_cosine), None if max_abs is None else float(max_abs))
+
+
+def parse_config(doc, model_dir: pathlib.Path, where: str) -> ModelConfig:
+    """Checks a config document (config.json, possibly with a load's overrides) field by field."""
     if not isinstance(doc, dict):
         raise ConfigError(f"{where}: must hold a JSON object")
+    unknown = set(doc) - KNOWN_FIELDS
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known fields: {sorted(KNOWN_FIELDS)}")
     name = _field(doc, "name", str, where)
     if name != model_dir.name:
         raise ConfigError(f"{where}: field 'name' is {name!r} but the folder is {model_dir.name!r}")
+    platform = _field(doc, "platform", str, where)
+    if platform != "onnxruntime_onnx":
+        raise ConfigError(f"{where}: field 'platform' is {platform!r}; the only platform is 'onnxruntime_onnx'")
     max_batch_size = _field(doc, "max_batch_size", int, where)
     if max_batch_size < 1:
         raise ConfigError(f"{where}: field 'max_batch_size' must be >= 1, got {max_batch_size}")
@@ -104,23 +274,135 @@ def load_config(model_dir: pathlib.Path) -> ModelConfig:
     inputs = _tensor_specs(doc, "inputs", where)
     if preprocess is not None and (len(inputs) != 1 or inputs[0].datatype != "BYTES"):
         raise ConfigError(f"{where}: a text_tokenizer model takes exactly one BYTES input, got {inputs}")
-    graph_outputs = doc.get("graph_outputs", {})
-    if not isinstance(graph_outputs, dict) or not all(isinstance(v, str) for v in graph_outputs.values()):
+    graph_outputs = _optional(doc, "graph_outputs", dict, where, {})
+    if not all(isinstance(v, str) for v in graph_outputs.values()):
         raise ConfigError(f"{where}: field 'graph_outputs' must map output names to graph output names")
+    tp_degree = _optional(doc, "tp_degree", int, where, 1)
+    if tp_degree < 1:
+        raise ConfigError(f"{where}: field 'tp_degree' must be >= 1, got {tp_degree}")
+    warmup = _optional(doc, "warmup", dict, where, {})
+    sizes = _optional(warmup, "batch_sizes", list, f"{where}: warmup", [1, min(8, max_batch_size)])
+    if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or not 1 <= s <= max_batch_size for s in sizes):
+        raise ConfigError(f"{where}: warmup: field 'batch_sizes' is {sizes!r}; expected sizes in 1..max_batch_size ({max_batch_size})")
+    fallback = _optional(doc, "fallback", str, where, "")
+    if fallback == name:
+        raise ConfigError(f"{where}: field 'fallback' names the model itself")
     return ModelConfig(
         name=name,
-        platform=_field(doc, "platform", str, where),
+        platform=platform,
         max_batch_size=max_batch_size,
         inputs=inputs,
         outputs=_tensor_specs(doc, "outputs", where),
         preprocess=preprocess,
         graph_outputs=graph_outputs,
         path=model_dir,
+        version_policy=_version_policy(doc, where),
+        instances=_instances(doc, where),
+        execution=_execution(doc, where),
+        tp_degree=tp_degree,
+        warmup_batch_sizes=tuple(sizes),
+        golden_probe=_golden_probe(doc, where),
+        fallback=fallback,
     )
+
+
+def read_config_document(model_dir: pathlib.Path) -> dict:
+    path = model_dir / "config.json"
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: must hold a JSON object")
+    return doc
+
+
+def load_config(model_dir: pathlib.Path, overrides: dict | None = None) -> ModelConfig:
+    """The model's config.json, with the top-level fields of overrides (a load
+    request's "config" parameter) replacing the file's."""
+    doc = read_config_document(model_dir)
+    where = str(model_dir / "config.json")
+    if overrides:
+        doc = {**doc, **overrides}
+        where += f" with the load's overrides {sorted(overrides)}"
+    return parse_config(doc, model_dir, where)
+
+
+def model_dirs(repository: pathlib.Path) -> list[pathlib.Path]:
+    if not repository.is_dir():
+        raise ConfigError(f"{repository}: model repository folder not found (run 'make setup')")
+    return [d for d in sorted(repository.iterdir()) if d.is_dir() and not d.name.startswith(".")]
 
 
 def scan(repository: pathlib.Path) -> list[ModelConfig]:
     """Every model folder of the repository, in name order."""
-    if not repository.is_dir():
-        raise ConfigError(f"{repository}: model repository folder not found (run 'make setup')")
-    return [load_config(d) for d in sorted(repository.iterdir()) if d.is_dir() and not d.name.startswith(".")]
+    return [load_config(d) for d in model_dirs(repository)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Golden:
+    """A golden probe's known inputs and expected outputs as numpy arrays."""
+
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+
+
+def load_golden(config: ModelConfig) -> Golden:
+    """Reads and checks the golden probe file against the model's signature."""
+    probe = config.golden_probe
+    assert probe is not None
+    path = config.path / probe.file
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: golden probe file missing (named by golden_probe.file)") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: must hold a JSON object with 'inputs' and 'outputs'")
+    inputs = _golden_tensors(doc, "inputs", config.inputs, str(path))
+    outputs = _golden_tensors(doc, "outputs", config.outputs, str(path))
+    rows = {len(a) for a in (*inputs.values(), *outputs.values())}
+    if len(rows) != 1:
+        raise ConfigError(f"{path}: inputs and outputs disagree on the number of rows: {sorted(rows)}")
+    if rows.pop() > config.max_batch_size:
+        raise ConfigError(f"{path}: more rows than max_batch_size {config.max_batch_size}")
+    return Golden(inputs, outputs)
+
+
+def _golden_tensors(doc: dict, key: str, specs: tuple[TensorSpec, ...], where: str) -> dict[str, np.ndarray]:
+    items = _field(doc, key, list, where)
+    by_spec = {s.name: s for s in specs}
+    found = {}
+    for i, item in enumerate(items):
+        at = f"{where}: {key}[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(f"{at} must be an object")
+        name = _field(item, "name", str, at)
+        spec = by_spec.get(name)
+        if spec is None:
+            raise ConfigError(f"{at}: the model has no {key[:-1]} named {name!r}; it has {sorted(by_spec)}")
+        datatype = _field(item, "datatype", str, at)
+        if datatype != spec.datatype:
+            raise ConfigError(f"{at}: field 'datatype' is {datatype!r}; the model's {name} is {spec.datatype}")
+        shape = _field(item, "shape", list, at)
+        data = _field(item, "data", list, at)
+        if any(not isinstance(d, int) or d < 0 for d in shape) or len(shape) != len(spec.shape):
+            raise ConfigError(f"{at}: field 'shape' is {shape!r}; the model's {name} has shape {list(spec.shape)}")
+        try:
+            if datatype == "BYTES":
+                array = np.array([s.encode("utf-8") for s in data], dtype=object)
+            else:
+                array = np.array(data, dtype=NUMPY_DTYPES[datatype])
+            array = array.reshape(shape)
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{at}: field 'data' does not hold {shape} {datatype} values: {exc}") from None
+        found[name] = array
+    missing = set(by_spec) - set(found)
+    if key == "inputs" and missing:
+        raise ConfigError(f"{where}: {key} lacks {sorted(missing)}")
+    if not found:
+        raise ConfigError(f"{where}: field '{key}' is empty")
+    return found

@@ -1,18 +1,25 @@
-"""The model server's gRPC face: Execute one batch, list models."""
+"""The model server's gRPC faces: Execute one batch and list models (internal),
+and the Open Inference Protocol's health and model-repository RPCs, which
+tritonclient can call directly (is_model_ready, load_model, unload_model,
+get_model_repository_index)."""
 
+import asyncio
 import logging
 
+from inference import grpc_predict_v2_pb2 as oip_pb2
+from inference import grpc_predict_v2_pb2_grpc as oip_grpc
 from infermesh.common.v1 import tensor_pb2
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
-from services.common import serving
+from services.common import errors, serving
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.model_server import metrics
 from services.model_server.config import ModelServerConfig
-from services.model_server.core import ModelManager
+from services.model_server.core import ControlMode, ModelManager, parse_overrides
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = model_server_pb2.DESCRIPTOR.services_by_name["ModelServer"].full_name
+OIP_SERVICE_NAME = oip_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
 
 class ModelServerServicer(model_server_pb2_grpc.ModelServerServicer):
@@ -29,17 +36,75 @@ class ModelServerServicer(model_server_pb2_grpc.ModelServerServicer):
         return model_server_pb2.ExecuteResponse(model=request.model, version=version, outputs=tensors_to_proto(outputs))
 
     async def ListModels(self, request, context):
-        return model_server_pb2.ListModelsResponse(models=[_model_info(c, v) for c, v in self._manager.models()])
+        return model_server_pb2.ListModelsResponse(models=[_model_info(*entry) for entry in self._manager.models()])
 
 
-def _model_info(config, versions) -> tensor_pb2.ModelInfo:
+class RepositoryServicer(oip_grpc.GRPCInferenceServiceServicer):
+    """Health and model control in the Open Inference Protocol (Triton's
+    repository extension); inference itself goes through the router."""
+
+    def __init__(self, manager: ModelManager):
+        self._manager = manager
+
+    async def ServerLive(self, request, context):
+        return oip_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return oip_pb2.ServerReadyResponse(ready=self._manager.all_ready())
+
+    async def ModelReady(self, request, context):
+        return oip_pb2.ModelReadyResponse(ready=self._manager.is_ready(request.name, request.version))
+
+    async def ModelMetadata(self, request, context):
+        config = self._manager.config_of(request.name)
+        versions = [v for c, loaded, _ in self._manager.models() if c.name == request.name for v in loaded]
+
+        def specs(items):
+            return [oip_pb2.ModelMetadataResponse.TensorMetadata(name=s.name, datatype=s.datatype, shape=s.shape)
+                    for s in items]
+
+        return oip_pb2.ModelMetadataResponse(name=config.name, versions=versions, platform=config.platform,
+                                             inputs=specs(config.inputs), outputs=specs(config.outputs))
+
+    async def RepositoryIndex(self, request, context):
+        entries = self._manager.index(ready_only=request.ready)
+        return oip_pb2.RepositoryIndexResponse(models=[
+            oip_pb2.RepositoryIndexResponse.ModelIndex(name=e.name, version=e.version, state=e.state, reason=e.reason)
+            for e in entries])
+
+    async def RepositoryModelLoad(self, request, context):
+        self._check_control("load")
+        overrides = None
+        for key, value in request.parameters.items():
+            if key != "config" or value.WhichOneof("parameter_choice") != "string_param":
+                raise errors.InvalidArgument(f"load parameter '{key}' is not supported; the only one is 'config', "
+                                             "a JSON string of config fields")
+            overrides = parse_overrides(value.string_param)
+        await self._manager.load(request.model_name, overrides)
+        return oip_pb2.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):
+        self._check_control("unload")
+        await self._manager.unload(request.model_name)
+        return oip_pb2.RepositoryModelUnloadResponse()
+
+    def _check_control(self, action: str) -> None:
+        mode = self._manager.control_mode
+        if mode is not ControlMode.EXPLICIT:
+            raise errors.FailedPrecondition(
+                f"cannot {action} models by request: model control mode is '{mode.value}' "
+                f"({'the repository on disk decides' if mode is ControlMode.POLL else 'models are fixed at startup'}); "
+                "start the model server with --model-control-mode explicit")
+
+
+def _model_info(config, versions, ready_versions) -> tensor_pb2.ModelInfo:
     def specs(items):
         return [tensor_pb2.TensorSpec(name=s.name, datatype=s.datatype, shape=s.shape) for s in items]
 
     return tensor_pb2.ModelInfo(
         name=config.name,
         versions=versions,
-        ready_versions=versions,
+        ready_versions=ready_versions,
         platform=config.platform,
         inputs=specs(config.inputs),
         outputs=specs(config.outputs),
@@ -47,12 +112,44 @@ def _model_info(config, versions) -> tensor_pb2.ModelInfo:
     )
 
 
-async def build_server(config: ModelServerConfig, manager: ModelManager, port: int | None = None):
-    """Returns (server, bound_port, health servicer); the server is started."""
+class Readiness:
+    """Per-model grpc.health.v1 status (the service name is the model's name)
+    and the overall one, following the manager's state."""
+
+    def __init__(self):
+        self.health = None
+        self._manager: ModelManager | None = None
+        self._pending: set[asyncio.Task] = set()
+
+    def attach(self, health, manager: ModelManager) -> None:
+        self.health, self._manager = health, manager
+
+    def __call__(self, model: str, ready: bool) -> None:
+        if self.health is None:
+            return  # startup: published once the server is up
+        task = asyncio.get_running_loop().create_task(self.publish(model, ready))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def publish(self, model: str, ready: bool) -> None:
+        await serving.set_serving(self.health, [model], ready)
+        await serving.set_serving(self.health, [], self._manager.all_ready())
+
+
+async def build_server(config: ModelServerConfig, manager: ModelManager, port: int | None = None,
+                       readiness: Readiness | None = None):
+    """Returns (server, bound_port, health servicer); the server is started and
+    health follows the models' readiness."""
     server = serving.new_server("model_server", config.max_message_bytes, config.max_concurrent_rpcs)
     model_server_pb2_grpc.add_ModelServerServicer_to_server(ModelServerServicer(manager), server)
-    health = serving.add_health_and_reflection(server, [SERVICE_NAME])
+    oip_grpc.add_GRPCInferenceServiceServicer_to_server(RepositoryServicer(manager), server)
+    health = serving.add_health_and_reflection(server, [SERVICE_NAME, OIP_SERVICE_NAME])
     bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
     await server.start()
-    await serving.set_serving(health, [SERVICE_NAME], True)
+    await serving.set_serving(health, [SERVICE_NAME, OIP_SERVICE_NAME], True)
+    if readiness is not None:
+        readiness.attach(health, manager)
+        for model_config, _, ready in manager.models():
+            await serving.set_serving(health, [model_config.name], bool(ready))
+        await serving.set_serving(health, [], manager.all_ready())
     return server, bound, health

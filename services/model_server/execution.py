@@ -1,0 +1,371 @@
+"""Running batches: ONNX Runtime sessions for one model version, their
+executors, the VIP-first gate in front of them, warm-up and verification.
+
+ONNX Runtime releases the GIL while it runs, so each session instance runs in
+its own single-thread executor: the event loop stays free, and batches for
+one session do not fight over the cores its intra-op pool already uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import heapq
+import itertools
+import logging
+import os
+import pathlib
+import time
+
+import numpy as np
+import onnxruntime as ort
+
+from services.common import errors
+from services.common.tensors import NUMPY_DTYPES, TensorData, from_numpy, to_numpy
+from services.model_server import metrics
+from services.model_server.repository import Golden, ModelConfig, version_fingerprint
+
+log = logging.getLogger(__name__)
+
+TEXT_FEEDS = ("input_ids", "attention_mask", "token_type_ids")
+OPTIMIZATION = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+class LoadFailed(Exception):
+    """A version that cannot take traffic; `reason` is one of file, session,
+    warmup, verification (the metric's label) and the message says why."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def has_nvidia_gpu() -> bool:
+    return pathlib.Path("/proc/driver/nvidia/version").exists()
+
+
+def cuda_usable(device: str) -> bool:
+    """Whether sessions may use CUDA: asked for, or a GPU is present, and ORT offers it."""
+    available = ort.get_available_providers()
+    wants_cuda = device == "cuda" or (device == "auto" and has_nvidia_gpu())
+    if device == "cuda" and "CUDAExecutionProvider" not in available:
+        raise RuntimeError(f"device=cuda but ONNX Runtime offers only {available}")
+    return wants_cuda and "CUDAExecutionProvider" in available
+
+
+class PriorityGate:
+    """Hands out `capacity` session instances; batches waiting for one go
+    highest priority first, FIFO within a priority. (The executors alone would
+    be FIFO: a VIP batch would wait behind every standard batch already sent.)"""
+
+    def __init__(self, capacity: int = 1):
+        self._free = list(range(capacity))
+        self._waiting: list[tuple[int, int, asyncio.Future]] = []
+        self._order = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, priority: int):
+        """Yields the index of the instance the batch may use."""
+        if self._free and not self._waiting:
+            instance = self._free.pop()
+        else:
+            future = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (-priority, next(self._order), future))
+            try:
+                instance = await future
+            except asyncio.CancelledError:
+                if future.done() and not future.cancelled():
+                    self._release(future.result())  # it was our turn: hand it on
+                raise
+        try:
+            yield instance
+        finally:
+            self._release(instance)
+
+    def _release(self, instance: int) -> None:
+        while self._waiting:
+            _, _, future = heapq.heappop(self._waiting)
+            if not future.done():
+                future.set_result(instance)
+                return
+        self._free.append(instance)
+
+
+@dataclasses.dataclass
+class Instance:
+    """One ONNX Runtime session and the thread that runs it."""
+
+    session: ort.InferenceSession
+    executor: concurrent.futures.ThreadPoolExecutor
+    device_id: int | None  # a CUDA device, or None on the CPU
+    feed_names: frozenset[str]
+
+    def run(self, graph_outputs: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if self.device_id is None:
+            return self.session.run(graph_outputs, feeds)
+        # On a GPU, IOBinding copies each input to the device once and lets ORT
+        # write outputs into device buffers it allocates, instead of staging
+        # both through extra host copies inside run().
+        binding = self.session.io_binding()
+        for name, array in feeds.items():
+            binding.bind_ortvalue_input(
+                name, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), "cuda", self.device_id))
+        for name in graph_outputs:
+            binding.bind_output(name, "cuda", self.device_id)
+        self.session.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()
+
+
+class LoadedVersion:
+    """One version of one model, loaded, warmed up and verified; runs batches."""
+
+    def __init__(self, config: ModelConfig, version: str, instances: list[Instance], tokenizer,
+                 fingerprint: str, memory_bytes: int):
+        self.config = config
+        self.version = version
+        self.instances = instances
+        self.tokenizer = tokenizer
+        self.fingerprint = fingerprint
+        self.memory_bytes = memory_bytes
+        self.loaded_at = time.time()
+        self.gate = PriorityGate(len(instances))
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def provider(self) -> str:
+        return self.instances[0].session.get_providers()[0]
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def execute(self, inputs: dict[str, TensorData], outputs: list[str], priority: int) -> list[TensorData]:
+        """Runs one batch on a free instance, VIP batches first; counts as in flight from the call on."""
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            async with self.gate.turn(priority) as index:
+                instance = self.instances[index]
+                return await asyncio.get_running_loop().run_in_executor(
+                    instance.executor, self.run, instance, inputs, outputs)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    def run(self, instance: Instance, inputs: dict[str, TensorData], outputs: list[str]) -> list[TensorData]:
+        """Runs one batch synchronously on one instance (call it in that instance's executor)."""
+        feeds = self._feeds(instance, inputs)
+        wanted = outputs or [spec.name for spec in self.config.outputs]
+        graph_names = [self.config.graph_outputs.get(name, name) for name in wanted]
+        results = instance.run(graph_names, feeds)
+        specs = {spec.name: spec for spec in self.config.outputs}
+        return [from_numpy(name, np.asarray(value), specs[name].datatype) for name, value in zip(wanted, results)]
+
+    def _feeds(self, instance: Instance, inputs: dict[str, TensorData]) -> dict[str, np.ndarray]:
+        if self.tokenizer is None:
+            return {name: to_numpy(tensor) for name, tensor in inputs.items()}
+        (text,) = inputs.values()
+        texts = []
+        for i, item in enumerate(to_numpy(text).reshape(-1)):
+            try:
+                texts.append(item.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise errors.InvalidArgument(
+                    f"input '{text.name}' element {i} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+        encodings = self.tokenizer.encode_batch(texts)
+        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
+        metrics.PADDING.labels(self.config.name).observe(1.0 - mask.sum() / max(mask.size, 1))
+        feeds = {"attention_mask": mask}
+        if "input_ids" in instance.feed_names:
+            feeds["input_ids"] = np.array([e.ids for e in encodings], dtype=np.int64)
+        if "token_type_ids" in instance.feed_names:
+            feeds["token_type_ids"] = np.array([e.type_ids for e in encodings], dtype=np.int64)
+        return {name: value for name, value in feeds.items() if name in instance.feed_names}
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def close(self) -> None:
+        for instance in self.instances:
+            instance.executor.shutdown(wait=True, cancel_futures=False)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int,
+                 golden: Golden | None) -> LoadedVersion:
+    """Loads one version beside whatever serves now, warms it up with
+    representative batches and checks it against the golden probe. Blocking:
+    call it off the event loop. Raises LoadFailed; nothing is left running then."""
+    folder = config.path / version
+    model_file = folder / "model.onnx"
+    if not model_file.is_file():
+        raise LoadFailed("file", f"{folder}: missing model.onnx")
+    tokenizer = None
+    if config.preprocess is not None:
+        tokenizer = _tokenizer(folder / config.preprocess.tokenizer_file, config.preprocess.max_length)
+    if config.tp_degree != 1:
+        raise LoadFailed("file", f"{config.path / 'config.json'}: tp_degree {config.tp_degree} needs a tensor-parallel "
+                                 f"shard set in {folder}, which this server cannot load")
+    fingerprint = version_fingerprint(folder)
+    started, rss_before = time.perf_counter(), _rss_bytes()
+    count = config.instances.count
+    intra = config.execution.intra_op_threads or max(1, threads // count)
+    instances: list[Instance] = []
+    try:
+        for i in range(count):
+            device_id = None
+            providers = ["CPUExecutionProvider"]
+            if use_cuda and config.execution.providers[0] == "cuda":
+                device_id = config.instances.gpus[i % len(config.instances.gpus)]
+                providers = [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = intra
+            options.inter_op_num_threads = config.execution.inter_op_threads
+            options.graph_optimization_level = OPTIMIZATION[config.execution.graph_optimization]
+            # Other services share these cores; spinning threads would steal them.
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            options.log_severity_level = 3
+            try:
+                session = ort.InferenceSession(str(model_file), options, providers=providers)
+            except Exception as exc:  # ORT raises its own exception types for bad files
+                raise LoadFailed("session", f"{model_file}: ONNX Runtime cannot load it: {_first_line(exc)}") from None
+            if device_id is not None and session.get_providers()[0] != "CUDAExecutionProvider":
+                device_id = None  # ORT fell back to the CPU
+            executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ort-{config.name}-{version}")
+            instances.append(Instance(session, executor, device_id, frozenset(i.name for i in session.get_inputs())))
+        loaded = LoadedVersion(config, version, instances, tokenizer, fingerprint, 0)
+        _check_signature(loaded, model_file)
+        for instance in instances:
+            for size in config.warmup_batch_sizes:
+                try:
+                    loaded.run(instance, warmup_inputs(config, golden, size), [])
+                except Exception as exc:
+                    raise LoadFailed("warmup", f"{config.name} version {version} failed warm-up at batch {size}: "
+                                               f"{_first_line(exc)}") from None
+        if golden is not None:
+            passed, detail = compare(loaded.run(instances[0], golden_feeds(config, golden), []), golden, config)
+            if not passed:
+                raise LoadFailed("verification", f"{config.name} version {version} fails its golden probe: {detail}")
+        loaded.memory_bytes = max(0, _rss_bytes() - rss_before)
+    except BaseException:
+        for instance in instances:
+            instance.executor.shutdown(wait=False)
+        raise
+    log.info("loaded %s version %s on %s (%d instance(s), %d threads each) in %.2fs, +%.0f MB resident",
+             config.name, version, loaded.provider, count, intra, time.perf_counter() - started,
+             loaded.memory_bytes / 1e6)
+    return loaded
+
+
+def _tokenizer(path: pathlib.Path, max_length: int):
+    from tokenizers import Tokenizer
+
+    if not path.is_file():
+        raise LoadFailed("file", f"{path}: missing (named by preprocess.tokenizer_file)")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise LoadFailed("file", f"{path}: not a tokenizers file: {_first_line(exc)}") from None
+    tokenizer.enable_truncation(max_length=max_length)
+    tokenizer.enable_padding()  # to the longest text of the batch
+    return tokenizer
+
+
+def _check_signature(loaded: LoadedVersion, model_file: pathlib.Path) -> None:
+    config = loaded.config
+    session = loaded.instances[0].session
+    graph_inputs = {i.name for i in session.get_inputs()}
+    graph_outputs = {o.name for o in session.get_outputs()}
+    if config.preprocess is not None:
+        if "attention_mask" not in graph_inputs or graph_inputs - set(TEXT_FEEDS):
+            raise LoadFailed("file", f"{model_file}: a text model's graph takes a subset of {list(TEXT_FEEDS)} "
+                                     f"including attention_mask, this one takes {sorted(graph_inputs)}")
+    elif graph_inputs != {s.name for s in config.inputs}:
+        raise LoadFailed("file", f"{model_file}: the graph's inputs {sorted(graph_inputs)} are not the config's "
+                                 f"{sorted(s.name for s in config.inputs)}")
+    missing = [config.graph_outputs.get(s.name, s.name) for s in config.outputs
+               if config.graph_outputs.get(s.name, s.name) not in graph_outputs]
+    if missing:
+        raise LoadFailed("file", f"{model_file}: the graph has no output(s) {missing}; it has {sorted(graph_outputs)}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
+
+
+# ---------------------------------------------------------------- warm-up and verification
+
+
+def golden_feeds(config: ModelConfig, golden: Golden) -> dict[str, TensorData]:
+    return {spec.name: from_numpy(spec.name, golden.inputs[spec.name], spec.datatype) for spec in config.inputs}
+
+
+def warmup_inputs(config: ModelConfig, golden: Golden | None, rows: int) -> dict[str, TensorData]:
+    """A batch of `rows` rows: the golden probe's inputs repeated (representative
+    texts and lengths), else zeros of the right shape."""
+    feeds = {}
+    for spec in config.inputs:
+        if golden is not None:
+            source = golden.inputs[spec.name]
+            array = source[np.arange(rows) % len(source)]
+        elif spec.datatype == "BYTES":
+            array = np.array([b"warm up the model", b"a second, longer sentence to warm up padding"] * rows,
+                             dtype=object)[:rows].reshape([rows] + [1] * (len(spec.shape) - 1))
+        else:
+            shape = [rows] + [d if d > 0 else 1 for d in spec.shape[1:]]
+            array = np.zeros(shape, dtype=NUMPY_DTYPES[spec.datatype])
+        feeds[spec.name] = from_numpy(spec.name, array, spec.datatype)
+    return feeds
+
+
+def compare(results: list[TensorData], golden: Golden, config: ModelConfig) -> tuple[bool, str]:
+    """Whether outputs match the golden probe within the config's tolerance, and
+    a line with the worst row's figures."""
+    probe = config.golden_probe
+    assert probe is not None
+    by_name = {t.name: to_numpy(t) for t in results}
+    worst_cos, worst_abs, failures = 1.0, 0.0, []
+    for name, expected in golden.outputs.items():
+        got = by_name.get(name)
+        if got is None or got.shape != expected.shape:
+            return False, f"output {name} has shape {None if got is None else list(got.shape)}, expected {list(expected.shape)}"
+        got64 = got.reshape(len(got), -1).astype(np.float64)
+        want64 = expected.reshape(len(expected), -1).astype(np.float64)
+        if not np.isfinite(got64).all():
+            return False, f"output {name} holds NaN or infinity"
+        abs_diff = np.abs(got64 - want64).max(axis=1)
+        norms = np.linalg.norm(got64, axis=1) * np.linalg.norm(want64, axis=1)
+        cosine = np.where(norms > 0, (got64 * want64).sum(axis=1) / np.maximum(norms, 1e-30),
+                          np.where(abs_diff == 0, 1.0, 0.0))
+        worst_cos, worst_abs = min(worst_cos, float(cosine.min())), max(worst_abs, float(abs_diff.max()))
+        if probe.min_cosine is not None and (cosine < probe.min_cosine).any():
+            row = int(cosine.argmin())
+            failures.append(f"output {name} row {row} has cosine {cosine[row]:.6f} < min_cosine {probe.min_cosine}")
+        if probe.max_abs is not None and (abs_diff > probe.max_abs).any():
+            row = int(abs_diff.argmax())
+            failures.append(f"output {name} row {row} differs by {abs_diff[row]:.3g} > max_abs {probe.max_abs}")
+    figures = f"worst cosine {worst_cos:.6f}, largest difference {worst_abs:.3g}"
+    return (False, "; ".join(failures) + f" ({figures})") if failures else (True, figures)
+
