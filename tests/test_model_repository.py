@@ -1,0 +1,384 @@
+"""The model repository at run time, against a real model server on a loopback
+port: loads, verified hot swaps under load, rollback, unload in use, poll mode,
+the correctness probe, and every failure a load can meet."""
+
+import asyncio
+import contextlib
+import json
+import pathlib
+import shutil
+import sys
+
+import grpc
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from inference import grpc_predict_v2_pb2 as oip
+from inference import grpc_predict_v2_pb2_grpc as oip_grpc
+from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
+
+from services.common.protoconv import tensors_from_proto, tensors_to_proto
+from services.common.tensors import from_numpy, to_numpy
+from services.model_server import metrics
+from services.model_server.config import ModelServerConfig
+from services.model_server.core import ControlMode, ModelManager
+from services.model_server.repository import ConfigError, load_config
+from services.model_server.server import Readiness, build_server
+
+from tests.conftest import MODELS
+
+ROWS = np.random.default_rng(7).standard_normal((4, 64), dtype=np.float32)
+
+
+def _mlp_outputs(model_file: pathlib.Path, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(str(model_file), providers=["CPUExecutionProvider"])
+    return session.run(["OUTPUT0"], {"INPUT0": x})[0]
+
+
+def _write_golden(model_dir: pathlib.Path, expected: np.ndarray) -> None:
+    (model_dir / "golden.json").write_text(json.dumps({
+        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": list(ROWS.shape), "data": ROWS.ravel().tolist()}],
+        "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": list(expected.shape),
+                     "data": expected.ravel().tolist()}],
+    }))
+
+
+def _config(model_dir: pathlib.Path, **fields) -> None:
+    doc = json.loads((MODELS / "mlp" / "config.json").read_text())
+    doc.update({"version_policy": {"latest": {"num_versions": 1}},
+                "golden_probe": {"file": "golden.json", "max_abs": 1e-4}}, **fields)
+    (model_dir / "config.json").write_text(json.dumps(doc))
+
+
+def _add_version(model_dir: pathlib.Path, version: int, scale: float = 1.0) -> None:
+    """A copy of mlp version 1; scale != 1 multiplies its first weight matrix (a wrong model)."""
+    folder = model_dir / str(version)
+    folder.mkdir()
+    source = MODELS / "mlp" / "1" / "model.onnx"
+    if scale == 1.0:
+        shutil.copy(source, folder / "model.onnx")
+        return
+    model = onnx.load(str(source))
+    weights = max(model.graph.initializer, key=lambda t: len(t.raw_data) or len(t.float_data))
+    array = onnx.numpy_helper.to_array(weights) * np.float32(scale)
+    weights.CopyFrom(onnx.numpy_helper.from_array(array, weights.name))
+    onnx.save(model, str(folder / "model.onnx"))
+
+
+@pytest.fixture
+def repo(tmp_path, model_repository) -> pathlib.Path:
+    """A repository holding mlp version 1 with a golden probe made from it."""
+    model_dir = tmp_path / "repo" / "mlp"
+    model_dir.mkdir(parents=True)
+    _config(model_dir)
+    _add_version(model_dir, 1)
+    _write_golden(model_dir, _mlp_outputs(model_dir / "1" / "model.onnx", ROWS))
+    return tmp_path / "repo"
+
+
+class Running:
+    def __init__(self, manager, channel, address: str):
+        self.manager = manager
+        self.address = address
+        self.models = model_server_pb2_grpc.ModelServerStub(channel)
+        self.oip = oip_grpc.GRPCInferenceServiceStub(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
+
+    async def execute(self, version: str = "", rows: np.ndarray = ROWS) -> tuple[str, np.ndarray]:
+        request = model_server_pb2.ExecuteRequest(model="mlp", version=version,
+                                                  inputs=tensors_to_proto([from_numpy("INPUT0", rows, "FP32")]))
+        response = await self.models.Execute(request, timeout=30)
+        return response.version, to_numpy(tensors_from_proto(response.outputs)[0])
+
+    async def load(self, model: str = "mlp", config: dict | None = None):
+        parameters = {} if config is None else {"config": oip.ModelRepositoryParameter(string_param=json.dumps(config))}
+        return await self.oip.RepositoryModelLoad(
+            oip.RepositoryModelLoadRequest(model_name=model, parameters=parameters), timeout=120)
+
+    async def index(self) -> list[tuple[str, str, str, str]]:
+        response = await self.oip.RepositoryIndex(oip.RepositoryIndexRequest(), timeout=10)
+        return [(m.name, m.version, m.state, m.reason) for m in response.models]
+
+    async def ready(self, model: str = "mlp", version: str = "") -> bool:
+        return (await self.oip.ModelReady(oip.ModelReadyRequest(name=model, version=version))).ready
+
+    async def health_of(self, service: str) -> int:
+        return (await self.health.Check(health_pb2.HealthCheckRequest(service=service))).status
+
+
+@contextlib.asynccontextmanager
+async def model_server(repository: pathlib.Path, **options):
+    readiness = Readiness()
+    options.setdefault("probe_interval_s", 0)
+    manager = ModelManager(str(repository), "cpu", 1, on_readiness=readiness, **options)
+    await manager.start()
+    server, port, _ = await build_server(ModelServerConfig(model_repository=str(repository)), manager, port=0,
+                                         readiness=readiness)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Running(manager, channel, f"127.0.0.1:{port}")
+    finally:
+        await channel.close()
+        await server.stop(0)
+        await manager.close()
+
+
+def _loads(outcome: str) -> float:
+    return metrics.LOADS.labels("mlp", outcome)._value.get()  # noqa: SLF001
+
+
+# ---------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("fields, complaint", [
+    ({"versoin_policy": {}}, "unknown field(s) ['versoin_policy']"),
+    ({"version_policy": {"newest": {}}}, "version_policy is {'newest': {}}"),
+    ({"version_policy": {"latest": {"num_versions": 0}}}, "'num_versions' must be >= 1, got 0"),
+    ({"version_policy": {"specific": {"versions": ["2"]}}}, "field 'versions' is ['2']"),
+    ({"golden_probe": {"file": "golden.json"}}, "give a tolerance"),
+    ({"golden_probe": {"file": "golden.json", "min_cosine": 2}}, "'min_cosine' must be in [-1, 1], got 2"),
+    ({"instances": {"count": 0}}, "instances: field 'count' must be 1..64, got 0"),
+    ({"execution": {"providers": ["tpu"]}}, "field 'providers' is ['tpu']"),
+    ({"tp_degree": 0}, "field 'tp_degree' must be >= 1, got 0"),
+    ({"warmup": {"batch_sizes": [512]}}, "field 'batch_sizes' is [512]"),
+    ({"max_batch_size": "8"}, "field 'max_batch_size' must be int, got '8'"),
+    ({"fallback": "mlp"}, "field 'fallback' names the model itself"),
+])
+def test_every_malformed_config_field_is_named(repo, fields, complaint):
+    _config(repo / "mlp", **fields)
+    with pytest.raises(ConfigError) as raised:
+        load_config(repo / "mlp")
+    assert str(repo / "mlp" / "config.json") in str(raised.value)
+    assert complaint in str(raised.value)
+
+
+def test_version_policies_pick_versions(repo):
+    for version in (2, 3):
+        _add_version(repo / "mlp", version)
+    for policy, expected in (({"latest": {"num_versions": 2}}, ["3", "2"]), ({"all": {}}, ["3", "2", "1"]),
+                             ({"specific": {"versions": [1, 3]}}, ["3", "1"])):
+        _config(repo / "mlp", version_policy=policy)
+        assert load_config(repo / "mlp").versions() == expected
+
+
+# ---------------------------------------------------------------- loads and swaps
+
+
+async def test_a_new_version_swaps_in_under_load_without_a_failed_request(repo):
+    async with model_server(repo) as ms:
+        assert await ms.ready() and await ms.health_of("mlp") == health_pb2.HealthCheckResponse.SERVING
+        _add_version(repo / "mlp", 2)
+        want = _mlp_outputs(repo / "mlp" / "1" / "model.onnx", ROWS)
+        seen, stop, swapped = [], asyncio.Event(), asyncio.Event()
+
+        async def caller():
+            while not stop.is_set():
+                after_swap = swapped.is_set()
+                version, out = await ms.execute()
+                assert np.allclose(out, want, atol=1e-5)
+                seen.append((after_swap, version))
+
+        callers = [asyncio.create_task(caller()) for _ in range(8)]
+        await asyncio.sleep(0.2)
+        await ms.load()
+        swapped.set()
+        await asyncio.sleep(0.2)
+        stop.set()
+        await asyncio.gather(*callers)  # any failed request raises here
+        assert seen[0] == (False, "1")
+        assert {version for after, version in seen if after} == {"2"}  # once swapped, never back
+        index = await ms.index()
+        assert ("mlp", "2", "READY", "") in index
+        assert any(entry[:3] == ("mlp", "1", "UNAVAILABLE") and "standby" in entry[3] for entry in index)
+        # A request routed to version 1 before the swap still gets its answer.
+        assert (await ms.execute(version="1"))[0] == "1"
+        assert not await ms.ready(version="1")
+
+
+async def test_rollback_to_the_standby_version_is_instant_and_grace_ends_it(repo):
+    async with model_server(repo, rollback_grace_s=3.0) as ms:
+        _add_version(repo / "mlp", 2)
+        await ms.load()
+        assert (await ms.execute())[0] == "2"
+        loaded_before = _loads("ok")
+        await ms.load(config={"version_policy": {"specific": {"versions": [1]}}})
+        assert (await ms.execute())[0] == "1"
+        assert _loads("ok") == loaded_before + 1
+        assert ms.manager.models()[0][1] == ["2", "1"]  # version 2 is the standby now
+        for _ in range(100):
+            if ms.manager.models()[0][1] == ["1"]:
+                break
+            await asyncio.sleep(0.1)
+        assert ms.manager.models()[0][1] == ["1"], "the standby outlived its grace period"
+
+
+async def test_a_version_that_fails_verification_never_gets_traffic(repo):
+    async with model_server(repo) as ms:
+        _add_version(repo / "mlp", 2, scale=1.5)
+        failed_before = _loads("verification")
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await ms.load()
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "version 2 fails its golden probe" in raised.value.details()
+        assert "max_abs 0.0001" in raised.value.details() and "before (['1']) keep serving" in raised.value.details()
+        assert _loads("verification") == failed_before + 1
+        assert (await ms.execute())[0] == "1" and await ms.ready()
+        assert any(e[2] == "UNAVAILABLE" and "fails its golden probe" in e[3] for e in await ms.index())
+
+
+@pytest.mark.parametrize("damage, code, complaint", [
+    ("corrupt", grpc.StatusCode.FAILED_PRECONDITION, "ONNX Runtime cannot load it"),
+    ("missing", grpc.StatusCode.FAILED_PRECONDITION, "missing model.onnx"),
+    ("bad-config", grpc.StatusCode.INVALID_ARGUMENT, "field 'max_batch_size' must be >= 1, got 0"),
+    ("bad-override", grpc.StatusCode.INVALID_ARGUMENT, "parameter 'config' is not valid JSON"),
+    ("no-version", grpc.StatusCode.INVALID_ARGUMENT, "selects none of the version folders"),
+    ("bad-golden", grpc.StatusCode.INVALID_ARGUMENT, "golden.json: inputs[0]: the model has no input named 'X'"),
+])
+async def test_a_failed_load_is_reported_and_the_old_version_keeps_serving(repo, damage, code, complaint):
+    async with model_server(repo) as ms:
+        model_dir = repo / "mlp"
+        config = None
+        if damage == "corrupt":
+            (model_dir / "2").mkdir()
+            (model_dir / "2" / "model.onnx").write_bytes(b"\x08\x07 this is not a protobuf" * 100)
+        elif damage == "missing":
+            (model_dir / "2").mkdir()
+        elif damage == "bad-config":
+            _config(model_dir, max_batch_size=0)
+        elif damage == "no-version":
+            config = {"version_policy": {"specific": {"versions": [9]}}}
+        elif damage == "bad-golden":
+            golden = json.loads((model_dir / "golden.json").read_text())
+            golden["inputs"][0]["name"] = "X"
+            (model_dir / "golden.json").write_text(json.dumps(golden))
+        try:
+            if damage == "bad-override":
+                await ms.oip.RepositoryModelLoad(oip.RepositoryModelLoadRequest(
+                    model_name="mlp", parameters={"config": oip.ModelRepositoryParameter(string_param="{nope")}))
+            else:
+                await ms.load(config=config)
+            pytest.fail("the load should have failed")
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == code, exc.details()
+            assert complaint in exc.details()
+        assert (await ms.execute())[0] == "1" and await ms.ready()
+
+
+async def test_unknown_models_and_parameters_are_refused(repo):
+    async with model_server(repo) as ms:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await ms.load(model="nope")
+        assert raised.value.code() == grpc.StatusCode.NOT_FOUND and "no model folder 'nope'" in raised.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await ms.oip.RepositoryModelLoad(oip.RepositoryModelLoadRequest(
+                model_name="mlp", parameters={"file:1/model.onnx": oip.ModelRepositoryParameter(bytes_param=b"x")}))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'file:1/model.onnx' is not supported" in raised.value.details()
+
+
+async def test_unloading_a_version_in_use_lets_running_batches_finish(repo):
+    async with model_server(repo) as ms:
+        loaded = ms.manager.resolve("mlp", "")
+        big = np.ones((256, 64), dtype=np.float32)
+        running = [asyncio.create_task(ms.execute(rows=big)) for _ in range(12)]
+        while loaded.in_flight == 0:
+            await asyncio.sleep(0.001)
+        await ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="mlp"))
+        results = await asyncio.gather(*running, return_exceptions=True)
+        finished = [r for r in results if not isinstance(r, Exception)]
+        refused = [r for r in results if isinstance(r, Exception)]
+        assert finished, "no batch was in flight when the model was unloaded"
+        assert all(version == "1" and out.shape == (256, 64) for version, out in finished)
+        assert all(r.code() == grpc.StatusCode.NOT_FOUND for r in refused)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await ms.execute()
+        assert raised.value.code() == grpc.StatusCode.NOT_FOUND and "not loaded" in raised.value.details()
+        assert not await ms.ready()
+        assert await ms.health_of("mlp") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert ("mlp", "", "UNAVAILABLE", "unloaded") in await ms.index()
+        await loaded.wait_idle()
+        await ms.load()
+        assert (await ms.execute())[0] == "1"
+
+
+async def test_the_correctness_probe_withdraws_readiness_on_drift(repo):
+    async with model_server(repo) as ms:
+        golden_file = repo / "mlp" / "golden.json"
+        truth = golden_file.read_text()
+        drifted = json.loads(truth)
+        drifted["outputs"][0]["data"][0] += 0.5  # the model no longer gives what is expected of it
+        golden_file.write_text(json.dumps(drifted))
+        await ms.manager.probe_all()
+        assert not await ms.ready()
+        assert await ms.health_of("mlp") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert not (await ms.oip.ServerReady(oip.ServerReadyRequest())).ready
+        assert any(e[:3] == ("mlp", "1", "UNAVAILABLE") and "correctness probe failed" in e[3] for e in await ms.index())
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await ms.execute()
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        golden_file.write_text(truth)
+        await ms.manager.probe_all()
+        assert await ms.ready() and await ms.health_of("mlp") == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_poll_mode_follows_the_repository_and_refuses_rpc_control(repo):
+    async with model_server(repo, control_mode=ControlMode.POLL) as ms:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await ms.load()
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "model control mode is 'poll'" in raised.value.details()
+        _add_version(repo / "mlp", 2)
+        await ms.manager.poll_once()
+        assert (await ms.execute())[0] == "2"
+        _add_version(repo / "mlp", 3, scale=2.0)  # fails verification: 2 keeps serving
+        await ms.manager.poll_once()
+        assert (await ms.execute())[0] == "2"
+        shutil.rmtree(repo / "mlp" / "3")
+        shutil.move(repo / "mlp", repo.parent / "mlp-away")
+        await ms.manager.poll_once()
+        assert not await ms.ready()
+        shutil.move(repo.parent / "mlp-away", repo / "mlp")
+        await ms.manager.poll_once()
+        assert (await ms.execute())[0] == "2"
+
+
+async def test_control_mode_none_refuses_changes(repo):
+    async with model_server(repo, control_mode=ControlMode.NONE) as ms:
+        for call in (ms.load(), ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="mlp"))):
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await call
+            assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "model control mode is 'none'" in raised.value.details()
+
+
+async def test_several_instances_share_the_work(repo):
+    _config(repo / "mlp", instances={"count": 2})
+    async with model_server(repo) as ms:
+        loaded = ms.manager.resolve("mlp", "")
+        assert len(loaded.instances) == 2
+        results = await asyncio.gather(*(ms.execute() for _ in range(20)))
+        want = _mlp_outputs(repo / "mlp" / "1" / "model.onnx", ROWS)
+        assert all(np.allclose(out, want, atol=1e-5) for _, out in results)
+
+
+async def test_tritonclient_drives_the_repository_rpcs(repo):
+    _add_version(repo / "mlp", 2)
+    _config(repo / "mlp", version_policy={"specific": {"versions": [1]}})
+    async with model_server(repo) as ms:
+        address = ms.address
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(pathlib.Path(__file__).parent / "triton_repository_run.py"), address,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(process.communicate(), timeout=120)
+        assert process.returncode == 0, err.decode()
+        seen = json.loads(out)
+    assert seen["live"] and seen["ready"]
+    assert {"name": "mlp", "version": "1", "state": "READY"} in seen["index"]
+    assert seen["ready_v2"]
+    states = {(m["version"], m["state"]) for m in seen["index_after_load"]}
+    assert ("2", "READY") in states and ("1", "UNAVAILABLE") in states
+    assert seen["bad_load"]["status"] == "StatusCode.INVALID_ARGUMENT"
+    assert "field 'max_batch_size' must be >= 1, got -3" in seen["bad_load"]["message"]
+    assert seen["ready_after_unload"] is False

@@ -1,0 +1,58 @@
+"""A hot swap through the whole mesh: callers keep sending through the router
+while the model server loads a new version; no request fails, and traffic
+moves to the new version and stays there."""
+
+import asyncio
+import json
+import shutil
+
+import grpc
+import numpy as np
+from inference import grpc_predict_v2_pb2 as pb
+from inference import grpc_predict_v2_pb2_grpc as pb_grpc
+
+from services.launcher.mesh import Mesh
+from tests.conftest import MODELS
+from tests.oip import output_array, tensor_request
+from tests.test_model_repository import ROWS, _add_version, _config, _mlp_outputs, _write_golden
+
+
+async def test_a_swap_under_load_through_the_mesh_fails_no_request(tmp_path, model_repository):
+    repo = tmp_path / "repo"
+    (repo / "mlp").mkdir(parents=True)
+    _config(repo / "mlp", version_policy={"specific": {"versions": [1]}})
+    _add_version(repo / "mlp", 1)
+    _add_version(repo / "mlp", 2)
+    want = _mlp_outputs(MODELS / "mlp" / "1" / "model.onnx", ROWS)
+    _write_golden(repo / "mlp", want)
+    with Mesh(models=repo, cache=False, log_dir=tmp_path,
+              batcher_args=("--replica-poll-s", "0.2"), router_args=("--catalog-poll-s", "0.2")) as mesh:
+        async with grpc.aio.insecure_channel(mesh.router) as router, \
+                grpc.aio.insecure_channel(mesh.processes["model_server"].info["grpc"]) as model_server:
+            stub = pb_grpc.GRPCInferenceServiceStub(router)
+            control = pb_grpc.GRPCInferenceServiceStub(model_server)
+            seen, stop, swapped = [], asyncio.Event(), asyncio.Event()
+
+            async def caller(i: int):
+                while not stop.is_set():
+                    after = swapped.is_set()
+                    rows = ROWS[i % len(ROWS):i % len(ROWS) + 1]
+                    response = await stub.ModelInfer(tensor_request(rows), timeout=30)
+                    assert np.allclose(output_array(response, "OUTPUT0"), want[i % len(ROWS)], atol=1e-5)
+                    seen.append((after, response.model_version))
+
+            callers = [asyncio.create_task(caller(i)) for i in range(16)]
+            await asyncio.sleep(1.0)
+            override = json.dumps({"version_policy": {"specific": {"versions": [2]}}})
+            await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(
+                model_name="mlp", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}), timeout=60)
+            swapped.set()
+            await asyncio.sleep(1.5)  # the router's and batcher's catalogs catch up within a poll or two
+            stop.set()
+            await asyncio.gather(*callers)  # a failed request raises here
+        assert not mesh.dead()
+    before = [v for after, v in seen if not after]
+    after = [v for after, v in seen if after]
+    assert set(before) == {"1"} and len(before) > 50
+    assert after[-50:] == ["2"] * 50, "traffic did not settle on version 2"
+    shutil.rmtree(repo)
