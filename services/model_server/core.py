@@ -318,6 +318,7 @@ class ModelManager:
                     model.drifted[version] = f"correctness probe failed: {detail}"
                     changed = True
                 elif passed and version in model.drifted:
+                    loaded.broken = ""
                     log.info("model %s version %s passes its correctness probe again: ready", model.name, version)
                     del model.drifted[version]
                     changed = True
@@ -437,6 +438,14 @@ class ModelManager:
                                   f"{sorted([*model.serving, *model.standby], key=int, reverse=True)}")
         return loaded
 
+    def _withdraw(self, name: str, loaded: LoadedVersion) -> None:
+        """A version whose shard failed is not ready until a probe passes again."""
+        model = self._models.get(name)
+        if model is not None and model.serving.get(loaded.version) is loaded and loaded.version not in model.drifted:
+            log.error("model %s version %s withdrawn from readiness: %s", name, loaded.version, loaded.broken)
+            model.drifted[loaded.version] = loaded.broken
+            self._publish(model)
+
     async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
                       priority: int = 0) -> tuple[str, list[TensorData]]:
         """Runs one batch off the event loop; returns the version used and the outputs."""
@@ -449,6 +458,8 @@ class ModelManager:
         try:
             result = await loaded.execute(by_name, outputs, priority)
         except errors.InfermeshError:
+            if loaded.broken:
+                self._withdraw(model, loaded)
             raise
         except Exception as exc:
             log.exception("model %s version %s failed on a batch", model, loaded.version)

@@ -26,6 +26,7 @@ from services.common import errors
 from services.common.tensors import NUMPY_DTYPES, TensorData, from_numpy, to_numpy
 from services.model_server import metrics
 from services.model_server.repository import Golden, ModelConfig, version_fingerprint
+from services.model_server.shards import ShardedSession, ShardError, ShardFailed
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ class LoadedVersion:
         self.memory_bytes = memory_bytes
         self.loaded_at = time.time()
         self.gate = PriorityGate(len(instances))
+        self.broken = ""  # why a shard failed; such a version is not ready
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -158,6 +160,10 @@ class LoadedVersion:
                 instance = self.instances[index]
                 return await asyncio.get_running_loop().run_in_executor(
                     instance.executor, self.run, instance, inputs, outputs)
+        except ShardFailed as exc:
+            self.broken = str(exc)
+            raise errors.Unavailable(f"model '{self.config.name}' version {self.version} lost a tensor-parallel "
+                                     f"shard ({exc}); retry on another replica") from None
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
@@ -199,6 +205,8 @@ class LoadedVersion:
     def close(self) -> None:
         for instance in self.instances:
             instance.executor.shutdown(wait=True, cancel_futures=False)
+            if isinstance(instance.session, ShardedSession):
+                instance.session.close()
 
 
 # ---------------------------------------------------------------- loading
@@ -219,14 +227,13 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
     call it off the event loop. Raises LoadFailed; nothing is left running then."""
     folder = config.path / version
     model_file = folder / "model.onnx"
+    if config.tp_degree > 1:
+        model_file = folder / f"tp{config.tp_degree}" / "manifest.json"  # a sharded model needs no whole graph
     if not model_file.is_file():
-        raise LoadFailed("file", f"{folder}: missing model.onnx")
+        raise LoadFailed("file", f"{folder}: missing {model_file.relative_to(folder)}")
     tokenizer = None
     if config.preprocess is not None:
         tokenizer = _tokenizer(folder / config.preprocess.tokenizer_file, config.preprocess.max_length)
-    if config.tp_degree != 1:
-        raise LoadFailed("file", f"{config.path / 'config.json'}: tp_degree {config.tp_degree} needs a tensor-parallel "
-                                 f"shard set in {folder}, which this server cannot load")
     fingerprint = version_fingerprint(folder)
     started, rss_before = time.perf_counter(), _rss_bytes()
     count = config.instances.count
@@ -235,23 +242,15 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
     try:
         for i in range(count):
             device_id = None
-            providers = ["CPUExecutionProvider"]
             if use_cuda and config.execution.providers[0] == "cuda":
                 device_id = config.instances.gpus[i % len(config.instances.gpus)]
-                providers = [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
-            options = ort.SessionOptions()
-            options.intra_op_num_threads = intra
-            options.inter_op_num_threads = config.execution.inter_op_threads
-            options.graph_optimization_level = OPTIMIZATION[config.execution.graph_optimization]
-            # Other services share these cores; spinning threads would steal them.
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            options.log_severity_level = 3
-            try:
-                session = ort.InferenceSession(str(model_file), options, providers=providers)
-            except Exception as exc:  # ORT raises its own exception types for bad files
-                raise LoadFailed("session", f"{model_file}: ONNX Runtime cannot load it: {_first_line(exc)}") from None
-            if device_id is not None and session.get_providers()[0] != "CUDAExecutionProvider":
-                device_id = None  # ORT fell back to the CPU
+            if config.tp_degree > 1:
+                session = _sharded_session(config, folder, device_id, intra)
+                device_id = None  # each shard binds its own device
+            else:
+                session = _session(model_file, config, device_id, intra)
+                if device_id is not None and session.get_providers()[0] != "CUDAExecutionProvider":
+                    device_id = None  # ORT fell back to the CPU
             executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ort-{config.name}-{version}")
             instances.append(Instance(session, executor, device_id, frozenset(i.name for i in session.get_inputs())))
         loaded = LoadedVersion(config, version, instances, tokenizer, fingerprint, 0)
@@ -276,6 +275,37 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
              config.name, version, loaded.provider, count, intra, time.perf_counter() - started,
              loaded.memory_bytes / 1e6)
     return loaded
+
+
+def _session(path: pathlib.Path, config: ModelConfig, device_id: int | None, threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = config.execution.inter_op_threads
+    options.graph_optimization_level = OPTIMIZATION[config.execution.graph_optimization]
+    # Other services share these cores; spinning threads would steal them.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.log_severity_level = 3
+    providers = ["CPUExecutionProvider"]
+    if device_id is not None:
+        providers = [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
+    try:
+        return ort.InferenceSession(str(path), options, providers=providers)
+    except Exception as exc:  # ORT raises its own exception types for bad files
+        raise LoadFailed("session", f"{path}: ONNX Runtime cannot load it: {_first_line(exc)}") from None
+
+
+def _sharded_session(config: ModelConfig, folder: pathlib.Path, first_device: int | None, threads: int) -> ShardedSession:
+    """The version's shard set for tp_degree: shard i on GPU gpus[i] (CPU here), one thread pool each."""
+    degree = config.tp_degree
+    devices: list[int | None] = [None] * degree
+    if first_device is not None:
+        devices = [config.instances.gpus[i % len(config.instances.gpus)] for i in range(degree)]
+    per_shard = max(1, threads // degree)
+    try:
+        return ShardedSession(folder / f"tp{degree}", degree,
+                              lambda path, device: _session(path, config, device, per_shard), devices)
+    except ShardError as exc:
+        raise LoadFailed("file", f"{config.name} tp_degree {degree}: {exc}") from None
 
 
 def _tokenizer(path: pathlib.Path, max_length: int):
