@@ -168,10 +168,11 @@ class Router:
         deadline = asyncio.get_running_loop().time() + timeout - max(0.005, 0.1 * timeout)
         if request.cache_bypass:
             metrics.CACHE.labels("bypassed").inc()
-            used, outputs = await self._submit(sig.name, version, inputs, request.outputs, request.tier, deadline)
+            used, outputs = await self._submit(sig.name, request.version, inputs, request.outputs, request.tier,
+                                               deadline)
             return InferResult(sig.name, used, request.id, outputs, cached=False)
         digest = request_digest(sig.name, version, inputs, request.outputs)
-        flight = Flight(digest, sig.name, version, inputs, request.outputs, request.tier, deadline)
+        flight = Flight(digest, sig.name, version, inputs, request.outputs, request.tier, deadline, request.version)
         used, outputs, cached = await self._single_flight(flight)
         return InferResult(sig.name, used, request.id, outputs, cached=cached)
 
@@ -232,9 +233,9 @@ class Router:
                 return flight.version, cached, True
         elif self._cache is not None:
             metrics.CACHE.labels("bypassed").inc()
-        used, outputs = await self._submit(flight.model, flight.version, flight.inputs, flight.outputs, flight.tier,
+        used, outputs = await self._submit(flight.model, flight.requested, flight.inputs, flight.outputs, flight.tier,
                                            flight.deadline)
-        if use_cache and used == flight.version:
+        if use_cache and used == flight.version:  # an answer from another version is not this key's
             self._cache.store(flight.model, flight.digest, outputs)
             self._near.put(flight.digest, outputs)
         return used, outputs, False
@@ -268,11 +269,15 @@ class Flight:
 
     digest: bytes
     model: str
-    version: str
+    version: str  # the version the digest names: the one asked for, or the newest ready one
     inputs: list[TensorData]
     outputs: list[str]
     tier: int
     deadline: float  # loop time, the batcher's (a little before the caller's)
+    # What goes downstream: the caller's own choice, so a request that named no
+    # version is answered by whichever version serves when it runs (during a
+    # swap, the catalog here may be a moment behind the model servers).
+    requested: str = ""
 
 
 def validate(sig: ModelSignature, request: InferRequest) -> list[TensorData]:
