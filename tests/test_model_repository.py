@@ -266,6 +266,19 @@ async def test_a_failed_load_is_reported_and_the_old_version_keeps_serving(repo,
         assert (await ms.execute())[0] == "1" and await ms.ready()
 
 
+async def test_a_version_replaced_in_place_gets_a_new_revision(repo):
+    async with model_server(repo) as ms:
+        listed = await ms.models.ListModels(model_server_pb2.ListModelsRequest())
+        before = dict(listed.models[0].revisions)
+        assert set(before) == {"1"} and before["1"]
+        shutil.rmtree(repo / "mlp" / "1")
+        _add_version(repo / "mlp", 1, scale=1.0 + 1e-7)  # new files, same version number, still within the probe
+        await ms.load()
+        listed = await ms.models.ListModels(model_server_pb2.ListModelsRequest())
+        assert dict(listed.models[0].revisions)["1"] not in ("", before["1"])
+        assert (await ms.execute())[0] == "1"
+
+
 async def test_unknown_models_and_parameters_are_refused(repo):
     async with model_server(repo) as ms:
         with pytest.raises(grpc.aio.AioRpcError) as raised:

@@ -145,7 +145,8 @@ def test_digest_depends_on_every_input_byte_version_and_outputs():
     assert len(base) == 16
     assert base == request_digest("m", "1", list(a), [])
     assert len({base, request_digest("m", "1", b, []), request_digest("m", "2", a, []),
-                request_digest("m", "1", a, ["Y"]), request_digest("n", "1", a, [])}) == 5
+                request_digest("m", "1", a, ["Y"]), request_digest("n", "1", a, []),
+                request_digest("m", "1", a, [], revision="5e1f")}) == 6  # a version replaced in place
 
 
 def test_typed_contents_out_of_range_for_the_datatype():

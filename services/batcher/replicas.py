@@ -76,6 +76,11 @@ class ReplicaSet:
                     merged[name] = type(info)()
                     merged[name].CopyFrom(info)
                     continue
+                for version, revision in info.revisions.items():
+                    known = merged[name].revisions.get(version)
+                    if known is not None and known != revision:  # replicas hold different files as one version
+                        revision = "+".join(sorted(set(known.split("+")) | {revision}))
+                    merged[name].revisions[version] = revision
                 for field in ("versions", "ready_versions"):
                     union = sorted(set(getattr(merged[name], field)) | set(getattr(info, field)), key=_version_order,
                                    reverse=True)

@@ -373,13 +373,16 @@ class ModelManager:
 
     # ------------------------------------------------------------ queries
 
-    def models(self) -> list[tuple[ModelConfig, list[str], list[str]]]:
-        """(config, loaded versions newest first, ready versions) per model with a version loaded."""
+    def models(self) -> list[tuple[ModelConfig, list[str], list[str], dict[str, str]]]:
+        """(config, loaded versions newest first, ready versions, version -> hash
+        of its files) per model with a version loaded."""
         listed = []
         for name, model in sorted(self._models.items()):
             loaded = sorted([*model.serving, *model.standby], key=int, reverse=True)
             if loaded and model.config is not None:
-                listed.append((model.config, loaded, model.ready_versions()))
+                revisions = {v: lv.revision for v, lv in model.serving.items()}
+                revisions.update({v: lv.revision for v, (lv, _) in model.standby.items()})
+                listed.append((model.config, loaded, model.ready_versions(), revisions))
         return listed
 
     def is_ready(self, name: str, version: str = "") -> bool:

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import heapq
 import itertools
 import logging
@@ -129,12 +130,13 @@ class LoadedVersion:
     """One version of one model, loaded, warmed up and verified; runs batches."""
 
     def __init__(self, config: ModelConfig, version: str, instances: list[Instance], tokenizer,
-                 fingerprint: str, memory_bytes: int):
+                 fingerprint: str, memory_bytes: int, revision: str = ""):
         self.config = config
         self.version = version
         self.instances = instances
         self.tokenizer = tokenizer
-        self.fingerprint = fingerprint
+        self.fingerprint = fingerprint  # names, sizes and times of the files: cheap to compare
+        self.revision = revision  # a hash of the contents that decide the outputs
         self.memory_bytes = memory_bytes
         self.loaded_at = time.time()
         self.gate = PriorityGate(len(instances))
@@ -253,7 +255,9 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
                     device_id = None  # ORT fell back to the CPU
             executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ort-{config.name}-{version}")
             instances.append(Instance(session, executor, device_id, frozenset(i.name for i in session.get_inputs())))
-        loaded = LoadedVersion(config, version, instances, tokenizer, fingerprint, 0)
+        loaded = LoadedVersion(config, version, instances, tokenizer, fingerprint, 0,
+                               _revision(model_file, folder / config.preprocess.tokenizer_file
+                                         if config.preprocess is not None else None))
         _check_signature(loaded, model_file)
         for instance in instances:
             for size in config.warmup_batch_sizes:
@@ -275,6 +279,19 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
              config.name, version, loaded.provider, count, intra, time.perf_counter() - started,
              loaded.memory_bytes / 1e6)
     return loaded
+
+
+def _revision(*files: pathlib.Path | None) -> str:
+    """A hash of what decides the outputs (the graph or the shard manifest, which
+    lists every shard's sha256, and the tokenizer): the same on every replica
+    holding the same files, wherever and whenever they were copied."""
+    digest = hashlib.blake2b(digest_size=12)
+    for file in files:
+        if file is not None:
+            with open(file, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _session(path: pathlib.Path, config: ModelConfig, device_id: int | None, threads: int) -> ort.InferenceSession:

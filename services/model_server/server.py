@@ -57,7 +57,7 @@ class RepositoryServicer(oip_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request, context):
         config = self._manager.config_of(request.name)
-        versions = [v for c, loaded, _ in self._manager.models() if c.name == request.name for v in loaded]
+        versions = [v for c, loaded, _, _ in self._manager.models() if c.name == request.name for v in loaded]
 
         def specs(items):
             return [oip_pb2.ModelMetadataResponse.TensorMetadata(name=s.name, datatype=s.datatype, shape=s.shape)
@@ -97,7 +97,7 @@ class RepositoryServicer(oip_grpc.GRPCInferenceServiceServicer):
                 "start the model server with --model-control-mode explicit")
 
 
-def _model_info(config, versions, ready_versions) -> tensor_pb2.ModelInfo:
+def _model_info(config, versions, ready_versions, revisions) -> tensor_pb2.ModelInfo:
     def specs(items):
         return [tensor_pb2.TensorSpec(name=s.name, datatype=s.datatype, shape=s.shape) for s in items]
 
@@ -109,6 +109,7 @@ def _model_info(config, versions, ready_versions) -> tensor_pb2.ModelInfo:
         inputs=specs(config.inputs),
         outputs=specs(config.outputs),
         max_batch_size=config.max_batch_size,
+        revisions=revisions,
     )
 
 
@@ -149,7 +150,7 @@ async def build_server(config: ModelServerConfig, manager: ModelManager, port: i
     await serving.set_serving(health, [SERVICE_NAME, OIP_SERVICE_NAME], True)
     if readiness is not None:
         readiness.attach(health, manager)
-        for model_config, _, ready in manager.models():
+        for model_config, _, ready, _ in manager.models():
             await serving.set_serving(health, [model_config.name], bool(ready))
         await serving.set_serving(health, [], manager.all_ready())
     return server, bound, health

@@ -79,7 +79,8 @@ def _signature(info) -> ModelSignature:
         return tuple(Spec(s.name, s.datatype, tuple(s.shape)) for s in items)
 
     return ModelSignature(info.name, tuple(info.versions), tuple(info.ready_versions), info.platform,
-                          specs(info.inputs), specs(info.outputs), info.max_batch_size)
+                          specs(info.inputs), specs(info.outputs), info.max_batch_size,
+                          tuple(sorted(info.revisions.items())))
 
 
 class CacheClient:

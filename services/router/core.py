@@ -44,6 +44,10 @@ class ModelSignature:
     inputs: tuple[Spec, ...]
     outputs: tuple[Spec, ...]
     max_batch_size: int
+    revisions: tuple[tuple[str, str], ...] = ()  # (version, fingerprint of its files)
+
+    def revision(self, version: str) -> str:
+        return dict(self.revisions).get(version, "")
 
 
 @dataclasses.dataclass
@@ -171,7 +175,7 @@ class Router:
             used, outputs = await self._submit(sig.name, request.version, inputs, request.outputs, request.tier,
                                                deadline)
             return InferResult(sig.name, used, request.id, outputs, cached=False)
-        digest = request_digest(sig.name, version, inputs, request.outputs)
+        digest = request_digest(sig.name, version, inputs, request.outputs, sig.revision(version))
         flight = Flight(digest, sig.name, version, inputs, request.outputs, request.tier, deadline, request.version)
         used, outputs, cached = await self._single_flight(flight)
         return InferResult(sig.name, used, request.id, outputs, cached=cached)
@@ -340,11 +344,12 @@ def validate(sig: ModelSignature, request: InferRequest) -> list[TensorData]:
     return ordered
 
 
-def request_digest(model: str, version: str, inputs: list[TensorData], outputs: list[str]) -> bytes:
-    """128-bit BLAKE2b of everything that decides the answer: model, version,
-    each input's name, datatype, shape and bytes, and the outputs asked for."""
+def request_digest(model: str, version: str, inputs: list[TensorData], outputs: list[str], revision: str = "") -> bytes:
+    """128-bit BLAKE2b of everything that decides the answer: model, version
+    and the revision of its files, each input's name, datatype, shape and
+    bytes, and the outputs asked for."""
     h = hashlib.blake2b(digest_size=16, person=b"infermesh-v1")
-    for part in (model, version, ",".join(outputs)):
+    for part in (model, version, ",".join(outputs), revision):
         h.update(len(part).to_bytes(4, "little") + part.encode())
     for tensor in inputs:
         head = f"{tensor.name}|{tensor.datatype}|{','.join(map(str, tensor.shape))}".encode()
