@@ -284,6 +284,19 @@ async def test_a_standard_backlog_does_not_push_vip_back():
     assert backend.batches[1] == [10.0]  # the last batch was standard-led: VIP goes next
 
 
+async def test_a_vip_led_batch_carries_vip_requests_only():
+    backend = GatedBackend(max_batch=4)
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    running = submit(batcher, 0.0)
+    await backend.started.wait()
+    waiting = [submit(batcher, 1.0), submit(batcher, 2.0, priority=VIP), submit(batcher, 3.0)]
+    await settle()
+    backend.gate.set()
+    await asyncio.gather(running, *waiting)
+    # Not [2, 1, 3]: filled up with standard rows, the VIP batch would run as long as theirs.
+    assert backend.batches == [[0.0], [2.0], [1.0, 3.0]]
+
+
 class TextBackend(GatedBackend):
     """Records the texts of each batch (their lengths are what matters here)."""
 

@@ -154,6 +154,7 @@ class ModelQueue:
         self._slots = slots
         self._default_timeout_s = default_timeout_s
         self._batch_seconds = 0.05  # running estimate of one batch's time, for retry hints
+        self._inflight_rows = 0  # rows of batches sent and not yet answered
         self._completed: collections.deque[tuple[float, int]] = collections.deque()  # (time, rows) of recent batches
         self._length_aware = length_aware
         self._last_led = STANDARD  # the level of the request that led the last batch
@@ -212,6 +213,9 @@ class ModelQueue:
         if item.deadline is None:
             return
         ahead = sum(rows for level, rows in self._queued_rows.items() if level >= item.priority)
+        # A standard request also waits for the batches already at the model
+        # servers (execution is not preemptive); a VIP one has its own lane there.
+        ahead += item.rows + (self._inflight_rows if item.priority < VIP else 0)
         if ahead <= self.batch_size:
             return
         rate = self.rows_per_second(item.enqueued)
@@ -223,7 +227,8 @@ class ModelQueue:
             metrics.REJECTIONS.labels(self.model, level_name, "would_miss_deadline").inc()
             retry_ms = max(10, int(1000 * (wait_s - left_s)))
             raise errors.ResourceExhausted(
-                f"model '{self.model}' has {ahead} rows queued ahead at {level_name} priority or above, about "
+                f"model '{self.model}' has {ahead} rows to finish up to this request at {level_name} priority or "
+                f"above (queued, running, its own), about "
                 f"{1000 * wait_s:.0f} ms of work, past this request's deadline in {1000 * left_s:.0f} ms; "
                 f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
 
@@ -250,7 +255,7 @@ class ModelQueue:
         self._batches.discard(task)
         self._running.pop(task, None)
 
-    def _take(self, room: int, alone: bool, near_length: float | None = None) -> Pending | None:
+    def _take(self, room: int, alone: bool, near_length: float | None = None, vip_only: bool = False) -> Pending | None:
         """The next live request that fits in `room` rows (any size when `alone`):
         strict priority, FIFO within a level; expired and cancelled requests are
         answered and dropped on the way. Given `near_length` (length-aware
@@ -266,6 +271,8 @@ class ModelQueue:
             # that merely waits behind its own backlog is not promoted, so a
             # standard overload never pushes VIP requests back.
             order = (STANDARD, VIP)
+        if vip_only:
+            order = (VIP,)
         for level in order:
             queue = self._levels[level]
             while queue:
@@ -321,7 +328,11 @@ class ModelQueue:
         size, dispatch_by = self.batch_size, loop.time()
         while True:
             near = batch[0].length if batch and self._length_aware else None
-            item = self._take(size - rows, alone=not batch, near_length=near)
+            # A VIP-led batch carries VIP requests only: filled up with standard
+            # ones it would run as long as any standard batch, and VIP latency
+            # under a standard overload would be a full batch's time.
+            vip_led = bool(batch) and batch[0].priority == VIP
+            item = self._take(size - rows, alone=not batch, near_length=near, vip_only=vip_led)
             if item is not None:
                 if not batch:
                     size, dispatch_by = self._plan(item)
@@ -330,7 +341,7 @@ class ModelQueue:
                 if rows >= size:
                     break
                 continue
-            if not batch or len(self) > 0:
+            if not batch or (len(self._levels[VIP]) if vip_led else len(self)) > 0:
                 break  # nothing waiting, or the next request does not fit
             remaining = dispatch_by - loop.time()
             if remaining <= 0:
@@ -380,6 +391,7 @@ class ModelQueue:
         metrics.BATCH_ROWS.labels(self.model).observe(sum(counts))
         for item in batch:
             metrics.QUEUE_WAIT.labels(self.model, LEVEL_NAMES[item.priority]).observe(now - item.enqueued)
+        self._inflight_rows += sum(counts)
         try:
             lead = max(item.priority for item in batch)  # the model server runs VIP batches first
             version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout, 0.001),
@@ -395,6 +407,8 @@ class ModelQueue:
                 return
             _fail_all(batch, exc)
             return
+        finally:
+            self._inflight_rows -= sum(counts)
         parts = {out.name: split_rows(out, counts) for out in outputs}
         for i, item in enumerate(batch):
             if not item.future.done():
