@@ -1,0 +1,434 @@
+"""Istio's traffic policy applied by our own services to their own hops, with
+Envoy's semantics, so the YAML that drives the mesh in Kubernetes drives a
+mesh on one machine the same way.
+
+From a VirtualService: HTTP routes in order, first match wins (header exact /
+prefix / regex); a route's destinations picked by weight, weights relative,
+one pick per call; retries (attempts, perTryTimeout, retryOn) with Envoy's
+fully jittered exponential backoff. From a DestinationRule: subsets by label
+and Envoy's outlier detection.
+
+How gRPC statuses count for outlier detection (Envoy maps them to HTTP):
+UNKNOWN, INTERNAL, DATA_LOSS -> 500, UNIMPLEMENTED -> 501, UNAVAILABLE -> 503,
+DEADLINE_EXCEEDED -> 504 are 5xx; of those, 503 and 504 (and 502) are also
+gateway errors. RESOURCE_EXHAUSTED -> 429 and every 4xx-like status count as
+successes for the detector: a busy or a caller's mistake is not an outlier.
+A connection that fails counts as a 503.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import random
+import re
+
+HTTP_STATUS_OF_GRPC = {
+    "OK": 200, "CANCELLED": 499, "UNKNOWN": 500, "INVALID_ARGUMENT": 400, "DEADLINE_EXCEEDED": 504,
+    "NOT_FOUND": 404, "ALREADY_EXISTS": 409, "PERMISSION_DENIED": 403, "RESOURCE_EXHAUSTED": 429,
+    "FAILED_PRECONDITION": 400, "ABORTED": 409, "OUT_OF_RANGE": 400, "UNIMPLEMENTED": 501, "INTERNAL": 500,
+    "UNAVAILABLE": 503, "DATA_LOSS": 500, "UNAUTHENTICATED": 401,
+}
+GATEWAY_ERRORS = frozenset({502, 503, 504})
+# Envoy's retry_on tokens that Istio accepts for gRPC and HTTP routes.
+GRPC_RETRY_ON = {"cancelled": "CANCELLED", "deadline-exceeded": "DEADLINE_EXCEEDED", "internal": "INTERNAL",
+                 "resource-exhausted": "RESOURCE_EXHAUSTED", "unavailable": "UNAVAILABLE"}
+HTTP_RETRY_ON = {"5xx", "gateway-error", "reset", "connect-failure", "refused-stream", "retriable-4xx",
+                 "retriable-status-codes", "retriable-headers", "envoy-ratelimited", "http3-post-connect-failure"}
+MAX_EJECTION_TIME_S = 300.0  # Envoy's max_ejection_time default
+BACKOFF_BASE_S = 0.025  # Envoy's default retry back-off base interval; the cap is 10x
+
+
+class PolicyError(ValueError):
+    """A VirtualService or DestinationRule that cannot be applied; names file and field."""
+
+
+def parse_duration(value, where: str) -> float:
+    """Istio durations: '10s', '250ms', '1.5s', '1m', '1h' -> seconds."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", str(value).strip())
+    if not match:
+        raise PolicyError(f"{where}: {value!r} is not a duration such as '250ms', '10s' or '1m'")
+    number, unit = float(match.group(1)), match.group(2)
+    return number * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
+
+
+# ---------------------------------------------------------------- VirtualService
+
+
+@dataclasses.dataclass(frozen=True)
+class HeaderMatch:
+    name: str
+    kind: str  # exact, prefix, regex
+    value: str
+
+    def matches(self, headers: dict[str, str]) -> bool:
+        got = headers.get(self.name)
+        if got is None:
+            return False
+        if self.kind == "exact":
+            return got == self.value
+        if self.kind == "prefix":
+            return got.startswith(self.value)
+        return re.fullmatch(self.value, got) is not None  # Envoy's regex matches the whole value
+
+
+@dataclasses.dataclass(frozen=True)
+class Destination:
+    host: str
+    subset: str
+    weight: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 0
+    per_try_timeout_s: float | None = None
+    retry_on: frozenset[str] = frozenset()
+
+    def retries(self, grpc_code: str) -> bool:
+        """Whether a failure with this gRPC status is retried under retryOn."""
+        status = HTTP_STATUS_OF_GRPC.get(grpc_code, 500)
+        for token in self.retry_on:
+            if GRPC_RETRY_ON.get(token) == grpc_code:
+                return True
+            if token == "5xx" and status >= 500:
+                return True
+            if token == "gateway-error" and status in GATEWAY_ERRORS:
+                return True
+            if token in ("connect-failure", "reset", "refused-stream") and grpc_code == "UNAVAILABLE":
+                return True  # how a failed connection reaches a gRPC client
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    name: str
+    matches: tuple[tuple[HeaderMatch, ...], ...]  # any one block of all-matching headers; empty: every call
+    destinations: tuple[Destination, ...]
+    retries: RetryPolicy
+    timeout_s: float | None
+
+    def applies(self, headers: dict[str, str]) -> bool:
+        return not self.matches or any(all(h.matches(headers) for h in block) for block in self.matches)
+
+    def pick(self, rng: random.Random) -> Destination:
+        """One weighted pick; weights are relative, a weight of 0 is never picked."""
+        total = sum(d.weight for d in self.destinations)
+        point = rng.uniform(0, total)
+        for destination in self.destinations:
+            point -= destination.weight
+            if point < 0 and destination.weight > 0:
+                return destination
+        return next(d for d in reversed(self.destinations) if d.weight > 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class VirtualService:
+    name: str
+    hosts: tuple[str, ...]
+    routes: tuple[Route, ...]
+
+    def route(self, headers: dict[str, str]) -> Route | None:
+        """Routes in order; the first that matches wins."""
+        return next((r for r in self.routes if r.applies(headers)), None)
+
+
+def _require(doc, key: str, kind, where: str):
+    if not isinstance(doc, dict) or key not in doc:
+        raise PolicyError(f"{where}: missing field '{key}'")
+    value = doc[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise PolicyError(f"{where}: field '{key}' must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def parse_virtual_service(doc: dict, where: str) -> VirtualService:
+    if doc.get("kind") != "VirtualService":
+        raise PolicyError(f"{where}: kind is {doc.get('kind')!r}, expected VirtualService")
+    name = _require(_require(doc, "metadata", dict, where), "name", str, f"{where}: metadata")
+    spec = _require(doc, "spec", dict, where)
+    hosts = tuple(_require(spec, "hosts", list, f"{where}: spec"))
+    routes = []
+    for i, http in enumerate(_require(spec, "http", list, f"{where}: spec")):
+        at = f"{where}: spec.http[{i}]"
+        blocks = []
+        for j, match in enumerate(http.get("match", []) or []):
+            headers = []
+            for header, rule in (match.get("headers") or {}).items():
+                if not isinstance(rule, dict) or len(rule) != 1 or next(iter(rule)) not in ("exact", "prefix", "regex"):
+                    raise PolicyError(f"{at}.match[{j}].headers.{header}: expected one of exact, prefix, regex; got {rule!r}")
+                (kind, value), = rule.items()
+                if kind == "regex":
+                    try:
+                        re.compile(value)
+                    except re.error as exc:
+                        raise PolicyError(f"{at}.match[{j}].headers.{header}.regex {value!r}: {exc}") from None
+                headers.append(HeaderMatch(header.lower(), kind, str(value)))
+            unknown = set(match) - {"headers", "name"}
+            if unknown:
+                raise PolicyError(f"{at}.match[{j}]: we apply header matches only; unsupported {sorted(unknown)}")
+            blocks.append(tuple(headers))
+        destinations = []
+        for j, item in enumerate(_require(http, "route", list, at)):
+            dest = _require(item, "destination", dict, f"{at}.route[{j}]")
+            weight = item.get("weight", 100 if len(http["route"]) == 1 else None)
+            if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
+                raise PolicyError(f"{at}.route[{j}]: field 'weight' must be an integer >= 0 (required when a route "
+                                  f"has several destinations), got {weight!r}")
+            destinations.append(Destination(_require(dest, "host", str, f"{at}.route[{j}].destination"),
+                                            dest.get("subset", ""), weight))
+        if not any(d.weight for d in destinations):
+            raise PolicyError(f"{at}: every destination has weight 0")
+        routes.append(Route(http.get("name", f"http[{i}]"), tuple(blocks), tuple(destinations),
+                            _retries(http.get("retries"), f"{at}.retries"),
+                            parse_duration(http["timeout"], f"{at}.timeout") if "timeout" in http else None))
+    return VirtualService(name, hosts, tuple(routes))
+
+
+# What Istio programs when a route says nothing about retries.
+ISTIO_DEFAULT_RETRIES = RetryPolicy(2, None, frozenset(
+    {"connect-failure", "refused-stream", "unavailable", "cancelled", "retriable-status-codes"}))
+
+
+def _retries(doc, where: str) -> RetryPolicy:
+    if doc is None:
+        return ISTIO_DEFAULT_RETRIES
+    attempts = _require(doc, "attempts", int, where)
+    if attempts < 0:
+        raise PolicyError(f"{where}: field 'attempts' must be >= 0, got {attempts}")
+    tokens = frozenset(t.strip() for t in str(doc.get("retryOn", "")).split(",") if t.strip())
+    unknown = sorted(t for t in tokens if t not in GRPC_RETRY_ON and t not in HTTP_RETRY_ON and not t.isdigit())
+    if unknown:
+        raise PolicyError(f"{where}: retryOn has unknown condition(s) {unknown}; gRPC ones are {sorted(GRPC_RETRY_ON)}")
+    per_try = parse_duration(doc["perTryTimeout"], f"{where}.perTryTimeout") if "perTryTimeout" in doc else None
+    return RetryPolicy(attempts, per_try, tokens)
+
+
+def backoff_s(retry: int, rng: random.Random, base_s: float = BACKOFF_BASE_S) -> float:
+    """Envoy's fully jittered exponential back-off before retry number `retry`
+    (1 for the first): uniform in [0, (2^retry - 1) x base], capped at 10 x base."""
+    return rng.uniform(0, min((2 ** retry - 1) * base_s, 10 * base_s))
+
+
+# ---------------------------------------------------------------- DestinationRule
+
+
+@dataclasses.dataclass(frozen=True)
+class OutlierPolicy:
+    consecutive_5xx: int = 5  # 0 turns this check off
+    consecutive_gateway: int = 0  # Istio's default: off
+    interval_s: float = 10.0
+    base_ejection_s: float = 30.0
+    max_ejection_percent: float = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DestinationRule:
+    name: str
+    host: str
+    subsets: dict[str, dict[str, str]]  # subset name -> labels
+    outlier: OutlierPolicy | None
+
+    def subset_of(self, labels: dict[str, str]) -> list[str]:
+        """The subsets whose labels all appear in `labels`."""
+        return [name for name, want in self.subsets.items() if all(labels.get(k) == v for k, v in want.items())]
+
+
+def parse_destination_rule(doc: dict, where: str) -> DestinationRule:
+    if doc.get("kind") != "DestinationRule":
+        raise PolicyError(f"{where}: kind is {doc.get('kind')!r}, expected DestinationRule")
+    name = _require(_require(doc, "metadata", dict, where), "name", str, f"{where}: metadata")
+    spec = _require(doc, "spec", dict, where)
+    subsets = {}
+    for i, subset in enumerate(spec.get("subsets", []) or []):
+        subsets[_require(subset, "name", str, f"{where}: spec.subsets[{i}]")] = {
+            str(k): str(v) for k, v in _require(subset, "labels", dict, f"{where}: spec.subsets[{i}]").items()}
+    outlier = None
+    detection = (spec.get("trafficPolicy") or {}).get("outlierDetection")
+    if detection is not None:
+        at = f"{where}: spec.trafficPolicy.outlierDetection"
+        percent = detection.get("maxEjectionPercent", 10)
+        if not isinstance(percent, (int, float)) or not 0 <= percent <= 100:
+            raise PolicyError(f"{at}: field 'maxEjectionPercent' must be 0..100, got {percent!r}")
+        counts = {}
+        for key in ("consecutive5xxErrors", "consecutiveGatewayErrors"):
+            value = detection.get(key, 5 if key == "consecutive5xxErrors" else 0)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PolicyError(f"{at}: field '{key}' must be an integer >= 0, got {value!r}")
+            counts[key] = value
+        outlier = OutlierPolicy(
+            consecutive_5xx=counts["consecutive5xxErrors"], consecutive_gateway=counts["consecutiveGatewayErrors"],
+            interval_s=parse_duration(detection.get("interval", "10s"), f"{at}.interval"),
+            base_ejection_s=parse_duration(detection.get("baseEjectionTime", "30s"), f"{at}.baseEjectionTime"),
+            max_ejection_percent=float(percent))
+    return DestinationRule(name, _require(spec, "host", str, f"{where}: spec"), subsets, outlier)
+
+
+# ---------------------------------------------------------------- outlier detection
+
+
+@dataclasses.dataclass
+class _Host:
+    consecutive_5xx: int = 0
+    consecutive_gateway: int = 0
+    ejections: int = 0  # the ejection-time multiplier
+    ejected_at: float | None = None
+
+
+class OutlierDetector:
+    """Envoy's consecutive-error ejection for one pool of hosts.
+
+    - A 5xx (and a gateway error) bumps its counters; any other answer resets
+      both. Reaching a threshold makes the host an outlier at once.
+    - An outlier is ejected only while (ejected + 1) / hosts <= maxEjectionPercent:
+      with Istio's default of 10%, a pool of fewer than ten hosts ejects nothing.
+    - Ejection lasts base x multiplier, at most 300 s, where the multiplier is
+      raised by each ejection. Checks run every `interval`: they bring back
+      hosts whose time is up, and lower by one the multiplier of hosts that
+      are in service."""
+
+    def __init__(self, policy: OutlierPolicy, hosts: list[str]):
+        self.policy = policy
+        self._hosts = {h: _Host() for h in hosts}
+        self._last_check: float | None = None
+
+    def set_hosts(self, hosts: list[str]) -> None:
+        self._hosts = {h: self._hosts.get(h, _Host()) for h in hosts}
+
+    def is_ejected(self, host: str) -> bool:
+        state = self._hosts.get(host)
+        return state is not None and state.ejected_at is not None
+
+    def ejected(self) -> list[str]:
+        return sorted(h for h, s in self._hosts.items() if s.ejected_at is not None)
+
+    def record(self, host: str, grpc_code: str, now: float) -> bool:
+        """Counts one answer from `host`; returns whether it got ejected now."""
+        state = self._hosts.get(host)
+        if state is None:
+            return False
+        self.check(now)
+        status = HTTP_STATUS_OF_GRPC.get(grpc_code, 500)
+        if status < 500:
+            state.consecutive_5xx = state.consecutive_gateway = 0
+            return False
+        state.consecutive_5xx += 1
+        state.consecutive_gateway = state.consecutive_gateway + 1 if status in GATEWAY_ERRORS else 0
+        if state.ejected_at is not None:
+            return False
+        policy = self.policy
+        if ((policy.consecutive_5xx and state.consecutive_5xx >= policy.consecutive_5xx)
+                or (policy.consecutive_gateway and state.consecutive_gateway >= policy.consecutive_gateway)):
+            state.consecutive_5xx = state.consecutive_gateway = 0
+            return self._eject(state, now)
+        return False
+
+    def _eject(self, state: _Host, now: float) -> bool:
+        ejected = sum(1 for s in self._hosts.values() if s.ejected_at is not None)
+        if 100.0 * (ejected + 1) / len(self._hosts) > self.policy.max_ejection_percent:
+            return False
+        state.ejections += 1
+        state.ejected_at = now
+        return True
+
+    def ejection_s(self, host: str) -> float:
+        """How long the host's current (or next) ejection lasts."""
+        state = self._hosts[host]
+        return min(self.policy.base_ejection_s * max(state.ejections, 1), max(MAX_EJECTION_TIME_S,
+                                                                              self.policy.base_ejection_s))
+
+    def check(self, now: float) -> None:
+        """The interval timer: runs every check due by `now`."""
+        if self._last_check is None:
+            self._last_check = now
+            return
+        due = math.floor((now - self._last_check) / self.policy.interval_s)
+        for _ in range(due):
+            self._last_check += self.policy.interval_s
+            self._check_at(self._last_check)
+
+    def _check_at(self, at: float) -> None:
+        for host, state in self._hosts.items():
+            if state.ejected_at is not None:
+                if at - state.ejected_at >= self.ejection_s(host):
+                    state.ejected_at = None  # back in service; the multiplier stays until it proves healthy
+            elif state.ejections:
+                state.ejections -= 1  # in service at this check: the next ejection is shorter
+
+
+# ---------------------------------------------------------------- files
+
+
+def load_policy_files(*paths: pathlib.Path) -> tuple[list[VirtualService], list[DestinationRule]]:
+    """Every VirtualService and DestinationRule in the YAML files (multi-document
+    files allowed; other kinds are skipped)."""
+    import yaml
+
+    services, rules = [], []
+    for path in paths:
+        try:
+            documents = list(yaml.safe_load_all(path.read_text()))
+        except (OSError, yaml.YAMLError) as exc:
+            raise PolicyError(f"{path}: cannot read it as YAML: {exc}") from None
+        for i, doc in enumerate(d for d in documents if d):
+            where = f"{path} (document {i + 1})"
+            if doc.get("kind") == "VirtualService":
+                services.append(parse_virtual_service(doc, where))
+            elif doc.get("kind") == "DestinationRule":
+                rules.append(parse_destination_rule(doc, where))
+    by_host = {r.host: r for r in rules}
+    for service in services:
+        for route in service.routes:
+            for destination in route.destinations:
+                rule = by_host.get(destination.host)
+                if destination.subset and (rule is None or destination.subset not in rule.subsets):
+                    raise PolicyError(f"VirtualService {service.name} route {route.name} names subset "
+                                      f"{destination.subset!r} of {destination.host}, which no DestinationRule defines")
+    return services, rules
+
+
+class PolicyFiles:
+    """The VirtualService and DestinationRule for one host, read from YAML files
+    and read again when a file changes. A change that does not parse is logged
+    and the last good policy stays in force: traffic never stops for a typo."""
+
+    def __init__(self, paths: list[pathlib.Path], host: str, log=None):
+        self._paths = [pathlib.Path(p) for p in paths]
+        self._host = host
+        self._log = log
+        self._stamp: tuple = ()
+        self.service: VirtualService | None = None
+        self.rule: DestinationRule | None = None
+        self.reload(strict=True)
+
+    def _files_stamp(self) -> tuple:
+        return tuple((p, p.stat().st_mtime_ns, p.stat().st_size) if p.exists() else (p, 0, 0) for p in self._paths)
+
+    def reload(self, strict: bool = False) -> bool:
+        """Reads the files if they changed; returns whether the policy changed."""
+        stamp = self._files_stamp()
+        if stamp == self._stamp:
+            return False
+        try:
+            services, rules = load_policy_files(*self._paths)
+            service = next((s for s in services if self._host in s.hosts), None)
+            rule = next((r for r in rules if r.host == self._host), None)
+            if service is None:
+                raise PolicyError(f"no VirtualService in {[str(p) for p in self._paths]} lists host {self._host!r}")
+        except PolicyError as exc:
+            if strict:
+                raise
+            if self._log is not None:
+                self._log.error("traffic policy not reloaded, the previous one stays in force: %s", exc)
+            self._stamp = stamp
+            return False
+        self._stamp, self.service, self.rule = stamp, service, rule
+        if self._log is not None:
+            self._log.info("traffic policy for %s: %s", self._host, describe(service))
+        return True
+
+
+def describe(service: VirtualService) -> str:
+    return "; ".join(f"{r.name}: " + ", ".join(f"{d.subset or d.host}={d.weight}" for d in r.destinations)
+                     for r in service.routes)

@@ -1,0 +1,225 @@
+"""Istio's traffic policy with Envoy's semantics, one rule per test: routes,
+weights, retries and back-off, outlier detection, and the files' checks."""
+
+import random
+
+import pytest
+import yaml
+
+from services.common.traffic import (OutlierDetector, OutlierPolicy, PolicyError, backoff_s, load_policy_files,
+                                     parse_destination_rule, parse_duration, parse_virtual_service)
+
+VIRTUAL_SERVICE = """
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: {name: model-server}
+spec:
+  hosts: [model-server]
+  http:
+  - name: vip
+    match:
+    - headers: {x-user-tier: {exact: vip}}
+    route:
+    - destination: {host: model-server, subset: vip}
+  - name: canary-testers
+    match:
+    - headers: {x-canary: {prefix: "yes"}}
+    - headers: {x-team: {regex: "ml-.*"}}
+    route:
+    - destination: {host: model-server, subset: green}
+  - name: default
+    retries: {attempts: 2, perTryTimeout: 2s, retryOn: "unavailable,cancelled,gateway-error"}
+    route:
+    - destination: {host: model-server, subset: blue}
+      weight: 75
+    - destination: {host: model-server, subset: green}
+      weight: 25
+"""
+DESTINATION_RULE = """
+apiVersion: networking.istio.io/v1
+kind: DestinationRule
+metadata: {name: model-server}
+spec:
+  host: model-server
+  subsets:
+  - {name: blue, labels: {version: blue}}
+  - {name: green, labels: {version: green}}
+  - {name: vip, labels: {pool: vip}}
+  trafficPolicy:
+    outlierDetection: {consecutive5xxErrors: 5, interval: 10s, baseEjectionTime: 30s, maxEjectionPercent: 50}
+"""
+
+
+def vs(text: str = VIRTUAL_SERVICE):
+    return parse_virtual_service(yaml.safe_load(text), "vs.yaml")
+
+
+def test_routes_apply_in_order_and_the_first_match_wins():
+    service = vs()
+    assert service.route({"x-user-tier": "vip", "x-canary": "yes"}).name == "vip"
+    assert service.route({"x-canary": "yes-please"}).name == "canary-testers"  # prefix
+    assert service.route({"x-team": "ml-search"}).name == "canary-testers"  # any match block will do
+    assert service.route({"x-team": "xml-search"}).name == "default"  # a regex matches the whole value
+    assert service.route({"x-user-tier": "VIP"}).name == "default"  # exact is exact
+    assert service.route({}).name == "default"
+
+
+def test_weights_are_relative_and_each_call_is_one_pick():
+    route = vs().route({})
+    rng = random.Random(7)
+    picks = [route.pick(rng).subset for _ in range(8000)]
+    assert abs(picks.count("blue") / len(picks) - 0.75) < 0.02
+    doubled = vs(VIRTUAL_SERVICE.replace("weight: 75", "weight: 150").replace("weight: 25", "weight: 50"))
+    rng = random.Random(7)
+    assert [doubled.route({}).pick(rng).subset for _ in range(8000)] == picks  # only the ratio matters
+
+
+def test_a_zero_weight_destination_is_never_picked():
+    route = vs(VIRTUAL_SERVICE.replace("weight: 75", "weight: 100").replace("weight: 25", "weight: 0")).route({})
+    rng = random.Random(1)
+    assert {route.pick(rng).subset for _ in range(2000)} == {"blue"}
+
+
+def test_retry_on_names_which_grpc_statuses_are_retried():
+    retries = vs().route({}).retries
+    assert retries.attempts == 2 and retries.per_try_timeout_s == 2.0
+    assert retries.retries("UNAVAILABLE") and retries.retries("CANCELLED")
+    assert retries.retries("DEADLINE_EXCEEDED")  # gateway-error: 504
+    assert not retries.retries("INTERNAL")  # 500 is not a gateway error
+    assert not retries.retries("RESOURCE_EXHAUSTED") and not retries.retries("INVALID_ARGUMENT")
+    fives = vs(VIRTUAL_SERVICE.replace("unavailable,cancelled,gateway-error", "5xx")).route({}).retries
+    assert fives.retries("INTERNAL") and fives.retries("UNKNOWN") and not fives.retries("CANCELLED")
+
+
+def test_backoff_is_fully_jittered_exponential_and_capped():
+    rng = random.Random(3)
+    for retry, bound in ((1, 0.025), (2, 0.075), (3, 0.175), (4, 0.25), (9, 0.25)):
+        samples = [backoff_s(retry, rng) for _ in range(500)]
+        assert 0 <= min(samples) and max(samples) <= bound + 1e-12
+        assert max(samples) > 0.8 * bound  # the whole range is used
+
+
+def detector(hosts: int, **policy) -> OutlierDetector:
+    return OutlierDetector(OutlierPolicy(**policy), [f"h{i}" for i in range(hosts)])
+
+
+def test_consecutive_5xx_eject_a_host_and_other_answers_reset_the_count():
+    od = detector(2, max_ejection_percent=50)
+    for _ in range(4):
+        assert not od.record("h0", "UNAVAILABLE", now=0.0)
+    assert not od.record("h0", "OK", now=0.0)  # the streak is broken
+    for _ in range(4):
+        od.record("h0", "INTERNAL", now=0.0)
+    assert od.record("h0", "DEADLINE_EXCEEDED", now=0.0)  # the fifth 5xx in a row
+    assert od.ejected() == ["h0"]
+
+
+def test_resource_exhausted_and_client_errors_never_eject():
+    od = detector(2, max_ejection_percent=50)
+    for code in ["RESOURCE_EXHAUSTED"] * 20 + ["INVALID_ARGUMENT", "NOT_FOUND", "CANCELLED"] * 5:
+        assert not od.record("h0", code, now=0.0)
+    assert od.ejected() == []
+
+
+def test_max_ejection_percent_counts_the_host_about_to_go():
+    # Istio's default 10%: with fewer than ten hosts, (0 + 1) / hosts > 10% and nothing is ejected.
+    small = detector(3, max_ejection_percent=10)
+    for _ in range(50):
+        small.record("h0", "UNAVAILABLE", now=0.0)
+    assert small.ejected() == []
+    ten = detector(10, max_ejection_percent=10)
+    for host in ("h0", "h1"):
+        for _ in range(5):
+            ten.record(host, "UNAVAILABLE", now=0.0)
+    assert ten.ejected() == ["h0"]  # h1 would make it 20%
+
+
+def test_ejection_time_grows_with_each_ejection_up_to_300s_and_checks_run_each_interval():
+    od = detector(2, max_ejection_percent=50, base_ejection_s=30.0, interval_s=10.0)
+    od.check(0.0)
+    for _ in range(5):
+        od.record("h0", "UNAVAILABLE", now=1.0)
+    assert od.ejection_s("h0") == 30.0
+    od.check(30.0)
+    assert od.is_ejected("h0")  # the check at 30 s sees 29 s of ejection
+    od.check(40.0)
+    assert not od.is_ejected("h0")  # back at the first check after 30 s
+    for _ in range(5):
+        od.record("h0", "UNAVAILABLE", now=41.0)
+    assert od.ejection_s("h0") == 60.0  # second ejection in a row: twice as long
+    od.check(100.0)
+    assert od.is_ejected("h0")
+    od.check(110.0)
+    assert not od.is_ejected("h0")
+    t = 110.0
+    for n in range(3, 13):  # fail again the moment it is back: each ejection is longer, up to 300 s
+        while od.is_ejected("h0"):
+            t += 10.0
+            od.check(t)
+        for _ in range(5):
+            od.record("h0", "UNAVAILABLE", now=t + 0.5)
+        assert od.ejection_s("h0") == min(30.0 * n, 300.0)
+
+
+def test_the_multiplier_decays_while_the_host_stays_in_service():
+    def second_ejection_after(healthy_checks: int) -> float:
+        od = detector(2, max_ejection_percent=50, base_ejection_s=30.0, interval_s=10.0)
+        od.check(0.0)
+        for _ in range(5):
+            od.record("h0", "UNAVAILABLE", now=1.0)
+        od.check(40.0)  # back in service
+        t = 40.0 + 10.0 * healthy_checks
+        od.check(t)  # each check that finds it in service lowers the multiplier by one
+        for _ in range(5):
+            od.record("h0", "UNAVAILABLE", now=t + 0.5)
+        return od.ejection_s("h0")
+
+    assert second_ejection_after(0) == 60.0
+    assert second_ejection_after(1) == 30.0
+
+
+def test_gateway_errors_have_their_own_streak():
+    od = detector(2, max_ejection_percent=50, consecutive_5xx=0, consecutive_gateway=3)
+    od.record("h0", "UNAVAILABLE", now=0.0)
+    od.record("h0", "DEADLINE_EXCEEDED", now=0.0)
+    od.record("h0", "INTERNAL", now=0.0)  # a 500 is no gateway error: the streak restarts
+    od.record("h0", "UNAVAILABLE", now=0.0)
+    assert not od.record("h0", "UNAVAILABLE", now=0.0)
+    assert od.record("h0", "UNAVAILABLE", now=0.0)
+
+
+def test_destination_rules_give_subsets_and_outlier_policy():
+    rule = parse_destination_rule(yaml.safe_load(DESTINATION_RULE), "dr.yaml")
+    assert rule.subset_of({"version": "green", "app": "model-server"}) == ["green"]
+    assert rule.outlier == OutlierPolicy(consecutive_5xx=5, consecutive_gateway=0, interval_s=10.0,
+                                         base_ejection_s=30.0, max_ejection_percent=50.0)
+
+
+@pytest.mark.parametrize("edit, complaint", [
+    (("weight: 25", "weight: -1"), "field 'weight' must be an integer >= 0"),
+    (("gateway-error", "gateway-errors"), "unknown condition(s) ['gateway-errors']"),
+    (("perTryTimeout: 2s", "perTryTimeout: 2 seconds"), "is not a duration"),
+    (("{exact: vip}", "{exakt: vip}"), "expected one of exact, prefix, regex"),
+    (('{regex: "ml-.*"}', '{regex: "ml-(("}'), "regex 'ml-(('"),
+])
+def test_malformed_virtual_services_are_refused_by_field(edit, complaint):
+    with pytest.raises(PolicyError) as raised:
+        vs(VIRTUAL_SERVICE.replace(*edit))
+    assert complaint in str(raised.value) and "vs.yaml: spec.http" in str(raised.value)
+
+
+def test_every_subset_a_route_names_must_exist(tmp_path):
+    (tmp_path / "vs.yaml").write_text(VIRTUAL_SERVICE)
+    (tmp_path / "dr.yaml").write_text(DESTINATION_RULE.replace("  - {name: vip, labels: {pool: vip}}\n", ""))
+    with pytest.raises(PolicyError, match="names subset 'vip' of model-server, which no DestinationRule defines"):
+        load_policy_files(tmp_path / "vs.yaml", tmp_path / "dr.yaml")
+    (tmp_path / "dr.yaml").write_text(DESTINATION_RULE)
+    services, rules = load_policy_files(tmp_path / "vs.yaml", tmp_path / "dr.yaml")
+    assert [s.name for s in services] == ["model-server"] and [r.name for r in rules] == ["model-server"]
+
+
+def test_durations():
+    assert parse_duration("250ms", "x") == 0.25 and parse_duration("10s", "x") == 10.0
+    assert parse_duration("1.5s", "x") == 1.5 and parse_duration("2m", "x") == 120.0
+    with pytest.raises(PolicyError):
+        parse_duration("10", "x")
