@@ -1,19 +1,28 @@
 """Runs the batcher: python -m services.batcher --model-servers 127.0.0.1:8011."""
 
 import asyncio
+import logging
+import pathlib
 import sys
 
 from services.batcher.config import BatcherConfig
 from services.batcher.core import Batcher
 from services.batcher.replicas import ReplicaSet
 from services.batcher.server import build_server
-from services.common import serving
+from services.common import serving, traffic
 from services.common.metrics import start_metrics_server
 
 
 async def serve(config: BatcherConfig) -> None:
+    policy = None
+    if config.traffic_policy_files:
+        try:
+            policy = traffic.PolicyFiles([pathlib.Path(p) for p in config.traffic_policy_files], config.traffic_host,
+                                         logging.getLogger("services.batcher.traffic"))
+        except traffic.PolicyError as exc:
+            raise SystemExit(f"batcher: --traffic-policy: {exc}") from None
     replicas = ReplicaSet(config.model_servers, config.max_inflight_batches_per_replica, config.replica_poll_s,
-                          config.max_message_bytes)
+                          config.max_message_bytes, policy)
     await replicas.start()
     batcher = Batcher(replicas, config.max_batch_size, config.max_queue_delay_ms,
                       default_timeout_s=config.execute_timeout_s, policy=config.queue_policy(),

@@ -29,9 +29,18 @@ class BatcherConfig:
     max_inflight_batches_per_replica: int = dataclasses.field(default=2)
     replica_poll_s: float = dataclasses.field(default=1.0, metadata={"help": "how often replicas are asked for their models"})
     execute_timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "longest a batch RPC may take without a tighter deadline"})
+    traffic_policy: str = dataclasses.field(default="", metadata={
+        "help": "comma-separated YAML files with the Istio VirtualService and DestinationRule for the model "
+                "servers (e.g. mesh/istio/model-server.yaml); applied to this hop, reloaded when they change"})
+    traffic_host: str = dataclasses.field(default="model-server", metadata={
+        "help": "the host those resources are for"})
     max_message_bytes: int = dataclasses.field(default=64 * 1024 * 1024)
     drain_grace_s: float = dataclasses.field(default=10.0)
     log_level: str = dataclasses.field(default="info")
+
+    @property
+    def traffic_policy_files(self) -> list[str]:
+        return [p.strip() for p in self.traffic_policy.split(",") if p.strip()]
 
     def __post_init__(self):
         require(len(self.model_servers) > 0, "model_servers must name at least one host:port")

@@ -23,3 +23,6 @@ RETRIES = prometheus_client.Counter(
     ["code"])
 TARGET_ROWS = prometheus_client.Gauge(
     "infermesh_batcher_target_batch_rows", "Rows the batch policy aimed for in the latest batch, by model.", ["model"])
+EJECTIONS = prometheus_client.Counter(
+    "infermesh_batcher_ejections_total",
+    "Outlier-detection ejections of a model_server replica (traffic policy), by replica.", ["replica"])

@@ -1,16 +1,21 @@
 """The model_server replicas as the batcher's backend: discovery by polling
-ListModels, least-loaded choice, one RPC per batch, one retry elsewhere."""
+ListModels, one RPC per batch to the least-loaded replica, one retry
+elsewhere. Given Istio's VirtualService and DestinationRule files, the same
+hop follows them as Envoy would: a route per batch (the batch's tier is its
+x-user-tier header), one weighted pick of a subset per batch, retries and
+back-off per the route, outlier detection per subset."""
 
 import asyncio
 import contextlib
 import logging
+import random
 
 import grpc
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
 from services.batcher import metrics
 from services.batcher.core import ModelLimits
-from services.common import errors
+from services.common import errors, traffic
 from services.common.serving import client_options
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.tensors import TensorData
@@ -25,6 +30,7 @@ class Replica:
         self.channel = grpc.aio.insecure_channel(address, options=client_options(max_message_bytes))
         self.stub = model_server_pb2_grpc.ModelServerStub(self.channel)
         self.models: dict[str, object] = {}  # name -> common.v1.ModelInfo
+        self.labels: dict[str, str] = {}
         self.inflight = 0
         self.ready = False
 
@@ -32,11 +38,15 @@ class Replica:
 class ReplicaSet:
     """Implements batcher.core.Backend over gRPC."""
 
-    def __init__(self, addresses: tuple[str, ...], max_inflight_per_replica: int, poll_s: float, max_message_bytes: int):
+    def __init__(self, addresses: tuple[str, ...], max_inflight_per_replica: int, poll_s: float, max_message_bytes: int,
+                 policy: traffic.PolicyFiles | None = None, rng: random.Random | None = None):
         self._replicas = [Replica(a, max_message_bytes) for a in addresses]
         self._max_inflight = max_inflight_per_replica
         self._poll_s = poll_s
         self._poller: asyncio.Task | None = None
+        self._policy = policy
+        self._rng = rng or random.Random()
+        self._detectors: dict[str, traffic.OutlierDetector] = {}  # per subset, as Envoy has one per subset cluster
 
     async def start(self) -> None:
         await self.poll_once()
@@ -49,6 +59,10 @@ class ReplicaSet:
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(r) for r in self._replicas))
+        if self._policy is not None:
+            if self._policy.reload():
+                self._detectors = {}  # a new policy starts its outlier counts afresh
+            self._sync_detectors()
 
     async def _poll(self, replica: Replica) -> None:
         try:
@@ -61,6 +75,7 @@ class ReplicaSet:
             if not replica.ready:
                 log.info("replica %s ready with models %s", replica.address, [m.name for m in response.models])
             replica.ready, replica.models = True, {m.name: m for m in response.models}
+            replica.labels = dict(response.labels)
         metrics.REPLICA_READY.labels(replica.address).set(1 if replica.ready else 0)
 
     def models(self) -> list:
@@ -113,6 +128,8 @@ class ReplicaSet:
 
     async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
                       timeout_s: float, priority: int = 0) -> tuple[str, list[TensorData]]:
+        if self._policy is not None:
+            return await self._execute_by_policy(model, version, inputs, outputs, timeout_s, priority)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         request = model_server_pb2.ExecuteRequest(model=model, version=version, inputs=tensors_to_proto(inputs),
@@ -137,6 +154,74 @@ class ReplicaSet:
                         continue
                 raise errors.from_code(code.value[0], exc.details() or code.name) from None
             return response.version, tensors_from_proto(response.outputs)
+
+    # ------------------------------------------------------------ Istio semantics
+
+    def _subset_hosts(self, subset: str) -> list[Replica]:
+        rule = self._policy.rule
+        if not subset:
+            return list(self._replicas)
+        labels = rule.subsets.get(subset, {}) if rule is not None else {}
+        return [r for r in self._replicas if all(r.labels.get(k) == v for k, v in labels.items())]
+
+    def _sync_detectors(self) -> None:
+        rule = self._policy.rule
+        if rule is None or rule.outlier is None:
+            self._detectors = {}
+            return
+        for subset in [*rule.subsets, ""]:
+            hosts = [r.address for r in self._subset_hosts(subset)]
+            detector = self._detectors.get(subset)
+            if detector is None:
+                self._detectors[subset] = traffic.OutlierDetector(rule.outlier, hosts)
+            else:
+                detector.set_hosts(hosts)
+
+    async def _execute_by_policy(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
+                                 timeout_s: float, priority: int) -> tuple[str, list[TensorData]]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        headers = {"x-user-tier": "vip" if priority >= 1 else "standard"}
+        route = self._policy.service.route(headers)
+        if route is None:
+            raise errors.Unavailable(f"no route of VirtualService {self._policy.service.name} matches {headers}")
+        destination = route.pick(self._rng)  # one weighted pick per batch; its retries stay in the subset
+        detector = self._detectors.get(destination.subset)
+        request = model_server_pb2.ExecuteRequest(model=model, version=version, inputs=tensors_to_proto(inputs),
+                                                  outputs=outputs, priority=priority)
+        tried: set[str] = set()
+        for attempt in range(route.retries.attempts + 1):
+            candidates = [r for r in self._subset_hosts(destination.subset)
+                          if r.ready and model in r.models and (not version or version in r.models[model].versions)
+                          and not (detector is not None and detector.is_ejected(r.address))]
+            if not candidates:
+                raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset "
+                                         f"'{destination.subset or destination.host}' (route {route.name})")
+            fresh = [r for r in candidates if r.address not in tried] or candidates  # Envoy's previous_hosts
+            replica = min(fresh, key=lambda r: r.inflight)
+            tried.add(replica.address)
+            left = deadline - loop.time()
+            per_try = min(left, route.retries.per_try_timeout_s or left)
+            try:
+                with self._inflight(replica):
+                    response = await replica.stub.Execute(request, timeout=max(per_try, 0.001))
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if detector is not None and detector.record(replica.address, code.name, loop.time()):
+                    log.warning("replica %s ejected from subset %s after consecutive errors", replica.address,
+                                destination.subset)
+                    metrics.EJECTIONS.labels(replica.address).inc()
+                if attempt < route.retries.attempts and route.retries.retries(code.name):
+                    pause = traffic.backoff_s(attempt + 1, self._rng)
+                    if deadline - loop.time() > pause:
+                        metrics.RETRIES.labels(code.name).inc()
+                        await asyncio.sleep(pause)
+                        continue
+                raise errors.from_code(code.value[0], exc.details() or code.name) from None
+            if detector is not None:
+                detector.record(replica.address, "OK", loop.time())
+            return response.version, tensors_from_proto(response.outputs)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     @contextlib.contextmanager
     def _inflight(self, replica: Replica):

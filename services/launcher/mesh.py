@@ -106,6 +106,7 @@ class Mesh:
         model_server_args: tuple[str, ...] = (),
         cache_args: tuple[str, ...] = (),
         model_servers: int = 1,
+        model_server_labels: tuple[str, ...] = (),
         model_server_nice: int = 0,
         ready_timeout_s: float = 120.0,
     ):
@@ -124,6 +125,8 @@ class Mesh:
         self.model_server_args = model_server_args
         self.cache_args = cache_args
         self.model_server_count = model_servers
+        # One --labels value per replica (e.g. "version=blue"), as pods of two colours would carry.
+        self.model_server_labels = model_server_labels
         # A niceness for the model servers: on one machine the model takes every
         # core it can get, and a lower CPU priority leaves more to the router and
         # batcher under overload. Off by default: measured, it did not bring VIP
@@ -141,7 +144,8 @@ class Mesh:
                 self.start_redis()
             servers = [
                 self._spawn(f"model_server-{i}" if self.model_server_count > 1 else "model_server", "services.model_server",
-                            ["--model-repository", self.models, *self.model_server_args])
+                            ["--model-repository", self.models, *self.model_server_args,
+                             *(["--labels", self.model_server_labels[i]] if i < len(self.model_server_labels) else [])])
                 for i in range(self.model_server_count)
             ]
             addresses = ",".join(p.wait_ready(self.ready_timeout_s)["grpc"] for p in servers)

@@ -25,6 +25,8 @@ class ModelServerConfig:
         "help": "how long a replaced version stays loaded for instant rollback"})
     probe_interval_s: float = dataclasses.field(default=30.0, metadata={
         "help": "seconds between golden-probe correctness checks of serving versions; 0 turns them off"})
+    labels: str = dataclasses.field(default="", metadata={
+        "help": "comma-separated key=value labels a DestinationRule subset selects, e.g. version=blue"})
     gpu_sample_s: float = dataclasses.field(default=5.0, metadata={"help": "seconds between NVML samples when a GPU is present"})
     max_message_bytes: int = dataclasses.field(default=64 * 1024 * 1024)
     max_concurrent_rpcs: int = dataclasses.field(default=256)
@@ -43,10 +45,17 @@ class ModelServerConfig:
         require(self.probe_interval_s >= 0, f"probe_interval_s must be >= 0, got {self.probe_interval_s}")
         require(self.gpu_sample_s > 0, f"gpu_sample_s must be > 0, got {self.gpu_sample_s}")
         require(bool(self.startup_models), "load_models must name at least one model or '*'")
+        require(all("=" in item for item in self.labels.split(",") if item.strip()),
+                f"labels must be comma-separated key=value pairs, got {self.labels!r}")
 
     @property
     def threads(self) -> int:
         return self.intra_op_threads or os.cpu_count() or 1
+
+    @property
+    def label_map(self) -> dict[str, str]:
+        pairs = [item.split("=", 1) for item in self.labels.split(",") if item.strip()]
+        return {key.strip(): value.strip() for key, value in pairs}
 
     @property
     def startup_models(self) -> tuple[str, ...]:

@@ -23,8 +23,9 @@ OIP_SERVICE_NAME = oip_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].f
 
 
 class ModelServerServicer(model_server_pb2_grpc.ModelServerServicer):
-    def __init__(self, manager: ModelManager):
+    def __init__(self, manager: ModelManager, labels: dict[str, str] | None = None):
         self._manager = manager
+        self._labels = labels or {}
 
     async def Execute(self, request, context):
         inputs = tensors_from_proto(request.inputs)
@@ -36,7 +37,8 @@ class ModelServerServicer(model_server_pb2_grpc.ModelServerServicer):
         return model_server_pb2.ExecuteResponse(model=request.model, version=version, outputs=tensors_to_proto(outputs))
 
     async def ListModels(self, request, context):
-        return model_server_pb2.ListModelsResponse(models=[_model_info(*entry) for entry in self._manager.models()])
+        return model_server_pb2.ListModelsResponse(models=[_model_info(*entry) for entry in self._manager.models()],
+                                                   labels=self._labels)
 
 
 class RepositoryServicer(oip_grpc.GRPCInferenceServiceServicer):
@@ -142,7 +144,7 @@ async def build_server(config: ModelServerConfig, manager: ModelManager, port: i
     """Returns (server, bound_port, health servicer); the server is started and
     health follows the models' readiness."""
     server = serving.new_server("model_server", config.max_message_bytes, config.max_concurrent_rpcs)
-    model_server_pb2_grpc.add_ModelServerServicer_to_server(ModelServerServicer(manager), server)
+    model_server_pb2_grpc.add_ModelServerServicer_to_server(ModelServerServicer(manager, config.label_map), server)
     oip_grpc.add_GRPCInferenceServiceServicer_to_server(RepositoryServicer(manager), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME, OIP_SERVICE_NAME])
     bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
