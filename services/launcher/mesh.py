@@ -158,6 +158,8 @@ class Mesh:
                            "--metrics-port", str(self.metrics_port)]
             if cache is not None:
                 router_argv += ["--cache", cache.wait_ready(self.ready_timeout_s)["grpc"]]
+            if self.log_dir is not None:  # requests that failed while a breaker counted, for analysis
+                router_argv += ["--failure-samples-path", str(self.log_dir / "failure-samples.jsonl")]
             self._spawn("router", "services.router", [*router_argv, *self.router_args]).wait_ready(self.ready_timeout_s)
         except BaseException:
             self.stop()

@@ -112,6 +112,7 @@ def _model_info(config, versions, ready_versions, revisions) -> tensor_pb2.Model
         outputs=specs(config.outputs),
         max_batch_size=config.max_batch_size,
         revisions=revisions,
+        fallback=config.fallback,
     )
 
 

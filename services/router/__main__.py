@@ -6,6 +6,7 @@ import sys
 
 from services.common import serving
 from services.common.metrics import start_metrics_server
+from services.router.breaker import FailureSamples
 from services.router.bypass import AdaptiveBypass
 from services.router.clients import BatcherClient, CacheClient
 from services.router.config import RouterConfig
@@ -22,7 +23,8 @@ async def serve(config: RouterConfig) -> None:
     cache = CacheClient(config.cache, config.cache_lookup_timeout_ms / 1000) if config.cache else None
     bypass = AdaptiveBypass(config.cache_bypass_window, config.cache_min_hit_rate, config.cache_probe_every)
     near = NearCache(config.near_cache_ttl_s, config.near_cache_max_bytes)
-    router = Router(catalog, batcher, cache, bypass, config.default_timeout_s, near)
+    samples = FailureSamples(config.failure_samples_path) if config.failure_samples_path else None
+    router = Router(catalog, batcher, cache, bypass, config.default_timeout_s, near, config.breaker_policy(), samples)
     await batcher.start()
     metrics_port = start_metrics_server(config.host, config.metrics_port)
     server, port, health = await build_server(config, router)

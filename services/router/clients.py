@@ -80,7 +80,7 @@ def _signature(info) -> ModelSignature:
 
     return ModelSignature(info.name, tuple(info.versions), tuple(info.ready_versions), info.platform,
                           specs(info.inputs), specs(info.outputs), info.max_batch_size,
-                          tuple(sorted(info.revisions.items())))
+                          tuple(sorted(info.revisions.items())), info.fallback)
 
 
 class CacheClient:

@@ -24,6 +24,12 @@ class RouterConfig:
     near_cache_ttl_s: float = dataclasses.field(default=1.0, metadata={"help": "how long the router keeps hot results in memory (0 disables); also how long a Purge takes to reach it"})
     near_cache_max_bytes: int = dataclasses.field(default=32 * 1024 * 1024, metadata={"help": "bound on the near cache"})
     catalog_poll_s: float = dataclasses.field(default=1.0, metadata={"help": "how often the batcher is asked for models"})
+    breaker_open_error_rate: float = dataclasses.field(default=0.05, metadata={"help": "a model's failure share that opens its circuit breaker (models with a fallback)"})
+    breaker_recover_error_rate: float = dataclasses.field(default=0.01, metadata={"help": "failure share under which a half-open breaker lets more traffic back"})
+    breaker_window_s: float = dataclasses.field(default=10.0, metadata={"help": "the window failure shares are taken over"})
+    breaker_min_requests: int = dataclasses.field(default=20, metadata={"help": "answers a window needs before it can change the breaker"})
+    breaker_open_s: float = dataclasses.field(default=5.0, metadata={"help": "how long an open breaker degrades everything before probing"})
+    failure_samples_path: str = dataclasses.field(default="", metadata={"help": "JSON-lines file for requests that failed while a breaker counted (empty: none)"})
     drain_grace_s: float = dataclasses.field(default=10.0)
     log_level: str = dataclasses.field(default="info")
 
@@ -39,3 +45,15 @@ class RouterConfig:
         require(self.near_cache_ttl_s >= 0, f"near_cache_ttl_s must be >= 0, got {self.near_cache_ttl_s}")
         require(self.near_cache_max_bytes >= 0, f"near_cache_max_bytes must be >= 0, got {self.near_cache_max_bytes}")
         require(self.catalog_poll_s > 0, f"catalog_poll_s must be > 0, got {self.catalog_poll_s}")
+        require(0 < self.breaker_recover_error_rate <= self.breaker_open_error_rate < 1,
+                f"need 0 < breaker_recover_error_rate <= breaker_open_error_rate < 1, got "
+                f"{self.breaker_recover_error_rate} and {self.breaker_open_error_rate}")
+        require(self.breaker_window_s > 0 and self.breaker_open_s > 0 and self.breaker_min_requests >= 1,
+                f"breaker window, open time and minimum requests must be positive, got {self.breaker_window_s}, "
+                f"{self.breaker_open_s}, {self.breaker_min_requests}")
+
+    def breaker_policy(self):
+        from services.router.breaker import BreakerPolicy
+
+        return BreakerPolicy(self.breaker_open_error_rate, self.breaker_recover_error_rate, self.breaker_window_s,
+                             self.breaker_min_requests, self.breaker_open_s)

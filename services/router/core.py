@@ -14,6 +14,7 @@ from typing import Protocol
 from services.common import errors
 from services.common.tensors import NUMPY_DTYPES, TensorData, count_bytes_elements, element_count
 from services.router import metrics
+from services.router.breaker import COUNTED_CODES, Breaker, BreakerPolicy, FailureSamples, State
 from services.router.bypass import AdaptiveBypass
 from services.router.nearcache import NearCache
 
@@ -45,6 +46,7 @@ class ModelSignature:
     outputs: tuple[Spec, ...]
     max_batch_size: int
     revisions: tuple[tuple[str, str], ...] = ()  # (version, fingerprint of its files)
+    fallback: str = ""  # the model that answers while this one's breaker is open
 
     def revision(self, version: str) -> str:
         return dict(self.revisions).get(version, "")
@@ -69,6 +71,7 @@ class InferResult:
     id: str
     outputs: list[TensorData]
     cached: bool
+    degraded: str = ""  # how a failing model's request was answered instead: "cache" or "fallback <model>/<version>"
 
 
 class Batcher(Protocol):
@@ -109,8 +112,12 @@ class Catalog:
 
 class Router:
     def __init__(self, catalog: Catalog, batcher: Batcher, cache: Cache | None, bypass: AdaptiveBypass | None = None,
-                 default_timeout_s: float = 60.0, near: NearCache | None = None):
+                 default_timeout_s: float = 60.0, near: NearCache | None = None,
+                 breaker_policy: BreakerPolicy | None = None, failure_samples: FailureSamples | None = None):
         self.catalog = catalog
+        self._breaker_policy = breaker_policy or BreakerPolicy()
+        self._breakers: dict[str, Breaker] = {}
+        self._failure_samples = failure_samples
         self._near = near if near is not None else NearCache(ttl_s=0, max_bytes=0)
         self._default_timeout_s = default_timeout_s
         self._batcher = batcher
@@ -161,6 +168,54 @@ class Router:
             metrics.LATENCY.labels(model, tier).observe(time.perf_counter() - started)
 
     async def _infer(self, request: InferRequest) -> InferResult:
+        """Through the model's circuit breaker when it has a fallback: while the
+        breaker is open, answers come from the cache or the fallback model."""
+        sig = self.catalog.get(request.model)
+        if sig is None or not sig.fallback or request.version or request.model == sig.fallback:
+            return await self._infer_primary(request)
+        breaker = self._breakers.setdefault(sig.name, Breaker(self._breaker_policy))
+        loop = asyncio.get_running_loop()
+        if not breaker.allows(loop.time()):
+            self._publish_breaker(sig.name, breaker)
+            return await self._degraded(request, sig)
+        try:
+            result = await self._infer_primary(request)
+        except errors.InfermeshError as exc:
+            counted = exc.code_name in COUNTED_CODES
+            changed = breaker.record(loop.time(), failed=counted)
+            self._publish_breaker(sig.name, breaker, changed)
+            if not counted:
+                raise
+            if self._failure_samples is not None:
+                self._failure_samples.record(sig.name, exc, request)
+            if breaker.state is State.CLOSED:
+                raise
+            return await self._degraded(request, sig)  # the breaker is not closed: this caller need not fail
+        self._publish_breaker(sig.name, breaker, breaker.record(loop.time(), failed=False))
+        return result
+
+    def _publish_breaker(self, model: str, breaker: Breaker, changed: State | None = None) -> None:
+        metrics.BREAKER_STATE.labels(model).set(breaker.state.value)
+        if changed is not None:
+            metrics.BREAKER_TRANSITIONS.labels(model, changed.name.lower()).inc()
+            log.warning("circuit breaker of model %s is now %s", model, changed.name.lower())
+
+    async def _degraded(self, request: InferRequest, sig: ModelSignature) -> InferResult:
+        """The cache's answer for this exact request if it has one, else the fallback model's."""
+        version = sig.ready_versions[0] if sig.ready_versions else (sig.versions[0] if sig.versions else "")
+        if self._cache is not None and not request.cache_bypass:
+            inputs = validate(sig, request)
+            digest = request_digest(sig.name, version, inputs, request.outputs, sig.revision(version))
+            cached = self._near.get(digest) or await self._cache.lookup(sig.name, digest, request.tier)
+            if cached is not None:
+                metrics.DEGRADED.labels(sig.name, "cache").inc()
+                return InferResult(sig.name, version, request.id, cached, cached=True, degraded="cache")
+        result = await self._infer_primary(dataclasses.replace(request, model=sig.fallback, version=""))
+        metrics.DEGRADED.labels(sig.name, "fallback").inc()
+        return dataclasses.replace(result, model=sig.name, version="",
+                                   degraded=f"fallback {sig.fallback}/{result.version}")
+
+    async def _infer_primary(self, request: InferRequest) -> InferResult:
         sig, version = self.signature(request.model, request.version)
         if version not in sig.ready_versions:
             raise errors.Unavailable(f"model '{sig.name}' version '{version}' has no ready replica; retry later")

@@ -22,3 +22,11 @@ CACHE_ERRORS = prometheus_client.Counter(
 SHED = prometheus_client.Counter(
     "infermesh_router_shed_total",
     "Requests the router refused by itself while the batcher's queue for their tier was full, by tier.", ["tier"])
+BREAKER_STATE = prometheus_client.Gauge(
+    "infermesh_router_breaker_state", "A model's circuit breaker: 0 closed, 1 open, 2 half-open.", ["model"])
+BREAKER_TRANSITIONS = prometheus_client.Counter(
+    "infermesh_router_breaker_transitions_total", "Circuit breaker state changes, by model and new state.",
+    ["model", "state"])
+DEGRADED = prometheus_client.Counter(
+    "infermesh_router_degraded_total",
+    "Requests answered in place of a failing model, by model and source (cache, fallback).", ["model", "source"])

@@ -112,6 +112,8 @@ def _contents_bytes(tensor) -> bytes:
 
 def response_to_proto(result: InferResult) -> pb.ModelInferResponse:
     response = pb.ModelInferResponse(model_name=result.model, model_version=result.version, id=result.id)
+    if result.degraded:  # the model's breaker is open: say what answered instead
+        response.parameters["infermesh_degraded"].string_param = result.degraded
     for tensor in result.outputs:
         response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
         response.raw_output_contents.append(tensor.data)
