@@ -395,3 +395,16 @@ async def test_tritonclient_drives_the_repository_rpcs(repo):
     assert seen["bad_load"]["status"] == "StatusCode.INVALID_ARGUMENT"
     assert "field 'max_batch_size' must be >= 1, got -3" in seen["bad_load"]["message"]
     assert seen["ready_after_unload"] is False
+
+
+async def test_a_model_that_failed_to_load_can_be_unloaded_to_clear_readiness(repo):
+    async with model_server(repo) as ms:
+        broken = repo / "broken"
+        broken.mkdir()
+        _config(broken, name="broken", max_batch_size=0)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await ms.load(model="broken")
+        assert not (await ms.oip.ServerReady(oip.ServerReadyRequest())).ready  # strict: it should be serving
+        await ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="broken"))
+        assert (await ms.oip.ServerReady(oip.ServerReadyRequest())).ready
+        assert (await ms.execute())[0] == "1"

@@ -84,11 +84,27 @@ def test_retry_on_names_which_grpc_statuses_are_retried():
     retries = vs().route({}).retries
     assert retries.attempts == 2 and retries.per_try_timeout_s == 2.0
     assert retries.retries("UNAVAILABLE") and retries.retries("CANCELLED")
-    assert retries.retries("DEADLINE_EXCEEDED")  # gateway-error: 504
-    assert not retries.retries("INTERNAL")  # 500 is not a gateway error
+    assert not retries.retries("INTERNAL") and not retries.retries("DEADLINE_EXCEEDED")
     assert not retries.retries("RESOURCE_EXHAUSTED") and not retries.retries("INVALID_ARGUMENT")
+
+
+def test_http_conditions_see_only_failed_connections_as_envoy_does():
+    # To Envoy a gRPC error status is an HTTP 200: "5xx" and "gateway-error" match
+    # only what fails below gRPC (a refused connection, a reset stream).
     fives = vs(VIRTUAL_SERVICE.replace("unavailable,cancelled,gateway-error", "5xx")).route({}).retries
-    assert fives.retries("INTERNAL") and fives.retries("UNKNOWN") and not fives.retries("CANCELLED")
+    assert not fives.retries("INTERNAL") and not fives.retries("UNAVAILABLE")
+    assert fives.retries("UNAVAILABLE", transport_failure=True)
+    gateway = vs().route({}).retries
+    assert gateway.retries("DEADLINE_EXCEEDED", transport_failure=True)
+
+
+def test_retries_without_retry_on_use_istios_default_conditions():
+    route = vs(VIRTUAL_SERVICE.replace('perTryTimeout: 2s, retryOn: "unavailable,cancelled,gateway-error"',
+                                       "perTryTimeout: 2s")).route({})
+    assert route.retries.attempts == 2 and route.retries.retries("UNAVAILABLE") and route.retries.retries("CANCELLED")
+    no_retries_field = vs(VIRTUAL_SERVICE.replace(
+        '    retries: {attempts: 2, perTryTimeout: 2s, retryOn: "unavailable,cancelled,gateway-error"}\n', ""))
+    assert no_retries_field.route({}).retries.attempts == 2  # Istio retries twice by default
 
 
 def test_backoff_is_fully_jittered_exponential_and_capped():
@@ -216,6 +232,23 @@ def test_every_subset_a_route_names_must_exist(tmp_path):
     (tmp_path / "dr.yaml").write_text(DESTINATION_RULE)
     services, rules = load_policy_files(tmp_path / "vs.yaml", tmp_path / "dr.yaml")
     assert [s.name for s in services] == ["model-server"] and [r.name for r in rules] == ["model-server"]
+
+
+@pytest.mark.parametrize("text", ["just a string", "kind: VirtualService\nmetadata: {name: x}\nspec: {hosts: [a], http: [{match: [headers], route: []}]}",
+                                  "kind: DestinationRule\nmetadata: {name: x}\nspec: {host: a, trafficPolicy: {outlierDetection: 5}}"])
+def test_any_malformed_shape_is_a_policy_error(tmp_path, text):
+    (tmp_path / "p.yaml").write_text(text)
+    with pytest.raises(PolicyError):
+        load_policy_files(tmp_path / "p.yaml")
+
+
+def test_an_ejected_host_comes_back_even_when_nothing_is_recorded():
+    od = detector(1, max_ejection_percent=100, base_ejection_s=1.0, interval_s=1.0)
+    od.check(0.0)
+    for _ in range(5):
+        od.record("h0", "UNAVAILABLE", now=0.5)
+    assert od.is_ejected("h0", now=1.0)
+    assert not od.is_ejected("h0", now=2.0)  # the interval checks run on asking, not only on answers
 
 
 def test_durations():

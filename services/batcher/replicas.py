@@ -55,7 +55,10 @@ class ReplicaSet:
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.sleep(self._poll_s)
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except Exception:  # one bad round must not end discovery for good
+                log.exception("replica poll failed")
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(r) for r in self._replicas))
@@ -120,11 +123,10 @@ class ReplicaSet:
         one that still holds it loaded (a standby right after a swap), so a
         request routed on a slightly older catalog still gets its answer."""
         usable = [r for r in self._replicas if r.ready and r.address not in exclude and model in r.models]
-        for field in ("ready_versions", "versions"):
-            candidates = [r for r in usable if not version or version in getattr(r.models[model], field)]
-            if candidates:
-                return min(candidates, key=lambda r: r.inflight)
-        return None
+        candidates = [r for r in usable if _serves(r, model, version)]
+        if not candidates and version:
+            candidates = [r for r in usable if version in r.models[model].versions]
+        return min(candidates, key=lambda r: r.inflight, default=None)
 
     async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
                       timeout_s: float, priority: int = 0) -> tuple[str, list[TensorData]]:
@@ -190,10 +192,15 @@ class ReplicaSet:
         request = model_server_pb2.ExecuteRequest(model=model, version=version, inputs=tensors_to_proto(inputs),
                                                   outputs=outputs, priority=priority)
         tried: set[str] = set()
+        if route.timeout_s is not None:  # the route's timeout bounds the call and all its retries
+            deadline = min(deadline, loop.time() + route.timeout_s)
         for attempt in range(route.retries.attempts + 1):
-            candidates = [r for r in self._subset_hosts(destination.subset)
-                          if r.ready and model in r.models and (not version or version in r.models[model].versions)
-                          and not (detector is not None and detector.is_ejected(r.address))]
+            hosts = [r for r in self._subset_hosts(destination.subset)
+                     if r.ready and model in r.models and not (detector is not None
+                                                               and detector.is_ejected(r.address, loop.time()))]
+            candidates = [r for r in hosts if _serves(r, model, version)]
+            if not candidates and version:  # a version just put on standby still answers
+                candidates = [r for r in hosts if version in r.models[model].versions]
             if not candidates:
                 raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset "
                                          f"'{destination.subset or destination.host}' (route {route.name})")
@@ -211,7 +218,7 @@ class ReplicaSet:
                     log.warning("replica %s ejected from subset %s after consecutive errors", replica.address,
                                 destination.subset)
                     metrics.EJECTIONS.labels(replica.address).inc()
-                if attempt < route.retries.attempts and route.retries.retries(code.name):
+                if attempt < route.retries.attempts and route.retries.retries(code.name, _transport_failure(exc)):
                     pause = traffic.backoff_s(attempt + 1, self._rng)
                     if deadline - loop.time() > pause:
                         metrics.RETRIES.labels(code.name).inc()
@@ -237,6 +244,23 @@ class ReplicaSet:
         if self._poller is not None:
             self._poller.cancel()
         await asyncio.gather(*(r.channel.close() for r in self._replicas))
+
+
+def _serves(replica: Replica, model: str, version: str) -> bool:
+    """Whether the replica has the version (any version, when none is named) ready."""
+    info = replica.models[model]
+    return version in info.ready_versions if version else bool(info.ready_versions)
+
+
+# How grpc reports a connection that failed or a stream that was lost, as
+# opposed to a status our servers sent.
+TRANSPORT_MARKERS = ("failed to connect", "socket closed", "connection reset", "connection refused", "broken pipe",
+                     "goaway", "stream removed", "connect failed")
+
+
+def _transport_failure(exc: grpc.aio.AioRpcError) -> bool:
+    details = (exc.details() or "").lower()
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and any(marker in details for marker in TRANSPORT_MARKERS)
 
 
 def _version_order(version: str) -> tuple[int, str]:

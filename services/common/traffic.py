@@ -86,18 +86,18 @@ class RetryPolicy:
     per_try_timeout_s: float | None = None
     retry_on: frozenset[str] = frozenset()
 
-    def retries(self, grpc_code: str) -> bool:
-        """Whether a failure with this gRPC status is retried under retryOn."""
-        status = HTTP_STATUS_OF_GRPC.get(grpc_code, 500)
+    def retries(self, grpc_code: str, transport_failure: bool = False) -> bool:
+        """Whether a failure is retried under retryOn. The gRPC tokens match the
+        status the server sent. Envoy's HTTP tokens (5xx, gateway-error, reset,
+        connect-failure, refused-stream, 502/503/504) see only the HTTP layer,
+        where a gRPC error is a 200: here they match a failed connection or a
+        lost stream (`transport_failure`), which a gRPC client sees as UNAVAILABLE."""
         for token in self.retry_on:
             if GRPC_RETRY_ON.get(token) == grpc_code:
                 return True
-            if token == "5xx" and status >= 500:
+            if transport_failure and (token in ("5xx", "gateway-error", "reset", "connect-failure", "refused-stream")
+                                      or token in ("502", "503", "504")):
                 return True
-            if token == "gateway-error" and status in GATEWAY_ERRORS:
-                return True
-            if token in ("connect-failure", "reset", "refused-stream") and grpc_code == "UNAVAILABLE":
-                return True  # how a failed connection reaches a gRPC client
         return False
 
 
@@ -143,7 +143,20 @@ def _require(doc, key: str, kind, where: str):
     return value
 
 
+def _mapping(value, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise PolicyError(f"{where}: expected a mapping, got {value!r}")
+    return value
+
+
+def _sequence(value, where: str) -> list:
+    if not isinstance(value, list):
+        raise PolicyError(f"{where}: expected a list, got {value!r}")
+    return value
+
+
 def parse_virtual_service(doc: dict, where: str) -> VirtualService:
+    _mapping(doc, where)
     if doc.get("kind") != "VirtualService":
         raise PolicyError(f"{where}: kind is {doc.get('kind')!r}, expected VirtualService")
     name = _require(_require(doc, "metadata", dict, where), "name", str, f"{where}: metadata")
@@ -152,10 +165,12 @@ def parse_virtual_service(doc: dict, where: str) -> VirtualService:
     routes = []
     for i, http in enumerate(_require(spec, "http", list, f"{where}: spec")):
         at = f"{where}: spec.http[{i}]"
+        _mapping(http, at)
         blocks = []
-        for j, match in enumerate(http.get("match", []) or []):
+        for j, match in enumerate(_sequence(http.get("match", []) or [], f"{at}.match")):
+            _mapping(match, f"{at}.match[{j}]")
             headers = []
-            for header, rule in (match.get("headers") or {}).items():
+            for header, rule in _mapping(match.get("headers") or {}, f"{at}.match[{j}].headers").items():
                 if not isinstance(rule, dict) or len(rule) != 1 or next(iter(rule)) not in ("exact", "prefix", "regex"):
                     raise PolicyError(f"{at}.match[{j}].headers.{header}: expected one of exact, prefix, regex; got {rule!r}")
                 (kind, value), = rule.items()
@@ -194,11 +209,15 @@ ISTIO_DEFAULT_RETRIES = RetryPolicy(2, None, frozenset(
 def _retries(doc, where: str) -> RetryPolicy:
     if doc is None:
         return ISTIO_DEFAULT_RETRIES
+    _mapping(doc, where)
     attempts = _require(doc, "attempts", int, where)
     if attempts < 0:
         raise PolicyError(f"{where}: field 'attempts' must be >= 0, got {attempts}")
-    tokens = frozenset(t.strip() for t in str(doc.get("retryOn", "")).split(",") if t.strip())
-    unknown = sorted(t for t in tokens if t not in GRPC_RETRY_ON and t not in HTTP_RETRY_ON and not t.isdigit())
+    # Without retryOn, Istio retries on its default conditions.
+    tokens = frozenset(t.strip() for t in str(doc["retryOn"]).split(",") if t.strip()) if "retryOn" in doc \
+        else ISTIO_DEFAULT_RETRIES.retry_on
+    unknown = sorted(t for t in tokens if t not in GRPC_RETRY_ON and t not in HTTP_RETRY_ON
+                     and not (t.isdigit() and 100 <= int(t) <= 599))
     if unknown:
         raise PolicyError(f"{where}: retryOn has unknown condition(s) {unknown}; gRPC ones are {sorted(GRPC_RETRY_ON)}")
     per_try = parse_duration(doc["perTryTimeout"], f"{where}.perTryTimeout") if "perTryTimeout" in doc else None
@@ -236,18 +255,20 @@ class DestinationRule:
 
 
 def parse_destination_rule(doc: dict, where: str) -> DestinationRule:
+    _mapping(doc, where)
     if doc.get("kind") != "DestinationRule":
         raise PolicyError(f"{where}: kind is {doc.get('kind')!r}, expected DestinationRule")
     name = _require(_require(doc, "metadata", dict, where), "name", str, f"{where}: metadata")
     spec = _require(doc, "spec", dict, where)
     subsets = {}
-    for i, subset in enumerate(spec.get("subsets", []) or []):
+    for i, subset in enumerate(_sequence(spec.get("subsets", []) or [], f"{where}: spec.subsets")):
         subsets[_require(subset, "name", str, f"{where}: spec.subsets[{i}]")] = {
             str(k): str(v) for k, v in _require(subset, "labels", dict, f"{where}: spec.subsets[{i}]").items()}
     outlier = None
-    detection = (spec.get("trafficPolicy") or {}).get("outlierDetection")
+    detection = _mapping(spec.get("trafficPolicy") or {}, f"{where}: spec.trafficPolicy").get("outlierDetection")
     if detection is not None:
         at = f"{where}: spec.trafficPolicy.outlierDetection"
+        _mapping(detection, at)
         percent = detection.get("maxEjectionPercent", 10)
         if not isinstance(percent, (int, float)) or not 0 <= percent <= 100:
             raise PolicyError(f"{at}: field 'maxEjectionPercent' must be 0..100, got {percent!r}")
@@ -296,7 +317,10 @@ class OutlierDetector:
     def set_hosts(self, hosts: list[str]) -> None:
         self._hosts = {h: self._hosts.get(h, _Host()) for h in hosts}
 
-    def is_ejected(self, host: str) -> bool:
+    def is_ejected(self, host: str, now: float | None = None) -> bool:
+        """Whether the host is out; given `now`, the interval checks due by then run first."""
+        if now is not None:
+            self.check(now)
         state = self._hosts.get(host)
         return state is not None and state.ejected_at is not None
 
@@ -373,6 +397,7 @@ def load_policy_files(*paths: pathlib.Path) -> tuple[list[VirtualService], list[
             raise PolicyError(f"{path}: cannot read it as YAML: {exc}") from None
         for i, doc in enumerate(d for d in documents if d):
             where = f"{path} (document {i + 1})"
+            _mapping(doc, where)
             if doc.get("kind") == "VirtualService":
                 services.append(parse_virtual_service(doc, where))
             elif doc.get("kind") == "DestinationRule":
@@ -416,9 +441,9 @@ class PolicyFiles:
             rule = next((r for r in rules if r.host == self._host), None)
             if service is None:
                 raise PolicyError(f"no VirtualService in {[str(p) for p in self._paths]} lists host {self._host!r}")
-        except PolicyError as exc:
+        except Exception as exc:  # a typo of any shape keeps the last good policy
             if strict:
-                raise
+                raise exc if isinstance(exc, PolicyError) else PolicyError(f"{type(exc).__name__}: {exc}") from exc
             if self._log is not None:
                 self._log.error("traffic policy not reloaded, the previous one stays in force: %s", exc)
             self._stamp = stamp

@@ -196,8 +196,8 @@ class ModelManager:
     def _reusable(self, model: Model, config: ModelConfig, version: str) -> LoadedVersion | None:
         """A version already loaded from the same files with the same settings."""
         current = model.serving.get(version) or model.standby.get(version, (None, 0.0))[0]
-        if current is None or current.fingerprint != version_fingerprint(config.path / version):
-            return None
+        if current is None or current.broken or current.fingerprint != version_fingerprint(config.path / version):
+            return None  # not loaded, lost a shard, or its files changed: load it afresh
         ignore_policy = {"version_policy": config.version_policy, "golden_probe": config.golden_probe,
                          "fallback": config.fallback, "warmup_batch_sizes": config.warmup_batch_sizes}
         return current if dataclasses.replace(current.config, **ignore_policy) == config else None
@@ -225,7 +225,7 @@ class ModelManager:
                 self._retire(loaded)
             else:
                 model.standby[version] = (loaded, until)
-                self._spawn(self._expire(model, version, loaded))
+                self._spawn(self._expire(model, version, loaded, until))
         for version, loaded in fresh.items():
             standing = model.standby.get(version)
             if standing is not None and standing[0] is loaded:
@@ -238,9 +238,9 @@ class ModelManager:
     async def unload(self, name: str) -> None:
         """Takes the model out of service at once; batches already running finish, then it is freed."""
         model = self._models.get(name)
-        if model is None or not (model.serving or model.standby):
+        if model is None or not (model.serving or model.standby or model.wanted):
             raise errors.NotFound(f"model '{name}' is not loaded")
-        async with model.lock:
+        async with model.lock:  # (a model whose load failed is only marked as no longer wanted)
             leaving = [*model.serving.values(), *(lv for lv, _ in model.standby.values())]
             model.serving, model.standby, model.drifted = {}, {}, {}
             model.last_error, model.wanted = "unloaded", False
@@ -249,11 +249,11 @@ class ModelManager:
             self._publish(model)
         log.info("model %s unloaded; %d running batch(es) finish first", name, sum(lv.in_flight for lv in leaving))
 
-    async def _expire(self, model: Model, version: str, loaded: LoadedVersion) -> None:
+    async def _expire(self, model: Model, version: str, loaded: LoadedVersion, until: float) -> None:
         await asyncio.sleep(self._grace_s)
         async with model.lock:
             standing = model.standby.get(version)
-            if standing is None or standing[0] is not loaded:
+            if standing is None or standing != (loaded, until):  # reused and retired again since: a later timer's
                 return
             del model.standby[version]
             self._retire(loaded)
@@ -356,7 +356,8 @@ class ModelManager:
             self._seen[name] = signature
             try:
                 if name not in names:
-                    if name in self._models and self._models[name].serving:
+                    model = self._models.get(name)
+                    if model is not None and (model.serving or model.standby or model.wanted):
                         await self.unload(name)
                 else:
                     await self.load(name)
@@ -460,9 +461,11 @@ class ModelManager:
             raise errors.InvalidArgument(f"model '{model}' has no output(s) {unknown}; outputs: {sorted(known)}")
         try:
             result = await loaded.execute(by_name, outputs, priority)
-        except errors.InfermeshError:
-            if loaded.broken:
+        except errors.Unavailable:
+            if loaded.broken:  # a shard failed on this batch
                 self._withdraw(model, loaded)
+            raise
+        except errors.InfermeshError:
             raise
         except Exception as exc:
             log.exception("model %s version %s failed on a batch", model, loaded.version)

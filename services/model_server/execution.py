@@ -274,6 +274,8 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
     except BaseException:
         for instance in instances:
             instance.executor.shutdown(wait=False)
+            if isinstance(instance.session, ShardedSession):
+                instance.session.close()
         raise
     log.info("loaded %s version %s on %s (%d instance(s), %d threads each) in %.2fs, +%.0f MB resident",
              config.name, version, loaded.provider, count, intra, time.perf_counter() - started,

@@ -6,6 +6,7 @@ get_model_repository_index)."""
 import asyncio
 import logging
 
+from grpc_health.v1 import health_pb2
 from inference import grpc_predict_v2_pb2 as oip_pb2
 from inference import grpc_predict_v2_pb2_grpc as oip_grpc
 from infermesh.common.v1 import tensor_pb2
@@ -18,6 +19,7 @@ from services.model_server.config import ModelServerConfig
 from services.model_server.core import ControlMode, ModelManager, parse_overrides
 
 log = logging.getLogger(__name__)
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_NAME = model_server_pb2.DESCRIPTOR.services_by_name["ModelServer"].full_name
 OIP_SERVICE_NAME = oip_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
@@ -136,8 +138,8 @@ class Readiness:
         task.add_done_callback(self._pending.discard)
 
     async def publish(self, model: str, ready: bool) -> None:
-        await serving.set_serving(self.health, [model], ready)
-        await serving.set_serving(self.health, [], self._manager.all_ready())
+        await self.health.set(model, SERVING if ready else NOT_SERVING)
+        await self.health.set("", SERVING if self._manager.all_ready() else NOT_SERVING)
 
 
 async def build_server(config: ModelServerConfig, manager: ModelManager, port: int | None = None,
@@ -154,6 +156,6 @@ async def build_server(config: ModelServerConfig, manager: ModelManager, port: i
     if readiness is not None:
         readiness.attach(health, manager)
         for model_config, _, ready, _ in manager.models():
-            await serving.set_serving(health, [model_config.name], bool(ready))
-        await serving.set_serving(health, [], manager.all_ready())
+            await health.set(model_config.name, SERVING if ready else NOT_SERVING)
+        await health.set("", SERVING if manager.all_ready() else NOT_SERVING)
     return server, bound, health
