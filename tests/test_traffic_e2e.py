@@ -5,6 +5,8 @@ edit of the file moves traffic without a restart."""
 import asyncio
 import pathlib
 import re
+import subprocess
+import sys
 import uuid
 
 import grpc
@@ -57,7 +59,15 @@ async def test_batches_split_by_weight_and_follow_an_edited_file(blue_green):
     assert blue + green >= 400
     assert 0.65 <= blue / (blue + green) <= 0.85  # 75% expected; 400 picks put 0.65..0.85 beyond doubt
 
-    set_weights(policy, 0, 100)
+    status = subprocess.run([sys.executable, "-m", "services.meshctl", "--file", str(policy), "status", "model-server",
+                             "--metrics", mesh.metrics_url("batcher")], capture_output=True, text=True, check=True)
+    rows = {line.split()[0]: line.split() for line in status.stdout.splitlines()[1:]}
+    assert rows["blue"][1:3] == ["75", "1"] and rows["green"][1:3] == ["25", "1"]  # weight, ready replicas
+    assert int(rows["blue"][3]) == blue and rows["blue"][4] == "100.00%" and rows["blue"][5].startswith("<=")
+
+    # The operator's tool moves the traffic; the running batcher follows the file.
+    subprocess.run([sys.executable, "-m", "services.meshctl", "--file", str(policy), "promote", "model-server",
+                    "green"], check=True, capture_output=True)
     await asyncio.sleep(1.0)  # the batcher reads changed files on its next replica poll (0.2 s)
     blue_before = batches(mesh, "model_server-0")
     await send(mesh, 100)

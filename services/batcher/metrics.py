@@ -26,3 +26,11 @@ TARGET_ROWS = prometheus_client.Gauge(
 EJECTIONS = prometheus_client.Counter(
     "infermesh_batcher_ejections_total",
     "Outlier-detection ejections of a model_server replica (traffic policy), by replica.", ["replica"])
+UPSTREAM = prometheus_client.Counter(
+    "infermesh_batcher_upstream_requests_total",
+    "Batch RPCs to the model servers under a traffic policy, by subset and gRPC status code.", ["subset", "code"])
+UPSTREAM_LATENCY = prometheus_client.Histogram(
+    "infermesh_batcher_upstream_duration_seconds", "Time of one batch RPC to a model server, by subset.", ["subset"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+SUBSET_READY = prometheus_client.Gauge(
+    "infermesh_batcher_subset_ready_replicas", "Replicas of a subset that are ready and not ejected.", ["subset"])

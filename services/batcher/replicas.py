@@ -66,6 +66,12 @@ class ReplicaSet:
             if self._policy.reload():
                 self._detectors = {}  # a new policy starts its outlier counts afresh
             self._sync_detectors()
+            now = asyncio.get_running_loop().time()
+            for subset in (self._policy.rule.subsets if self._policy.rule is not None else {}):
+                detector = self._detectors.get(subset)
+                metrics.SUBSET_READY.labels(subset).set(sum(
+                    1 for r in self._subset_hosts(subset)
+                    if r.ready and not (detector is not None and detector.is_ejected(r.address, now))))
 
     async def _poll(self, replica: Replica) -> None:
         try:
@@ -209,11 +215,14 @@ class ReplicaSet:
             tried.add(replica.address)
             left = deadline - loop.time()
             per_try = min(left, route.retries.per_try_timeout_s or left)
+            started = loop.time()
             try:
                 with self._inflight(replica):
                     response = await replica.stub.Execute(request, timeout=max(per_try, 0.001))
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
+                metrics.UPSTREAM.labels(destination.subset, code.name).inc()
+                metrics.UPSTREAM_LATENCY.labels(destination.subset).observe(loop.time() - started)
                 if detector is not None and detector.record(replica.address, code.name, loop.time()):
                     log.warning("replica %s ejected from subset %s after consecutive errors", replica.address,
                                 destination.subset)
@@ -225,6 +234,8 @@ class ReplicaSet:
                         await asyncio.sleep(pause)
                         continue
                 raise errors.from_code(code.value[0], exc.details() or code.name) from None
+            metrics.UPSTREAM.labels(destination.subset, "OK").inc()
+            metrics.UPSTREAM_LATENCY.labels(destination.subset).observe(loop.time() - started)
             if detector is not None:
                 detector.record(replica.address, "OK", loop.time())
             return response.version, tensors_from_proto(response.outputs)

@@ -1,0 +1,82 @@
+"""meshctl: the operators' CLI for the traffic policy.
+
+    python -m services.meshctl status model-server
+    python -m services.meshctl set-weights model-server blue=90 green=10
+    python -m services.meshctl promote model-server green
+    python -m services.meshctl rollback model-server
+
+Edits go to the policy file (default mesh/istio/model-server-traffic.yaml),
+keeping its comments and order; a running local mesh picks them up within a
+second. Cumulative metrics (success rate, p99) come from the batcher of the
+mesh described in var/run/mesh.json.
+"""
+
+import argparse
+import pathlib
+import sys
+
+from services.meshctl import core
+
+DEFAULT_FILE = pathlib.Path("mesh/istio/model-server-traffic.yaml")
+DEFAULT_RUN_FILE = pathlib.Path("var/run/mesh.json")
+
+
+def _parse_weights(items: list[str]) -> dict[str, int]:
+    wanted = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise core.MeshctlError(f"weights are SUBSET=INTEGER, got {item!r}")
+        wanted[name.strip()] = int(value)
+    return wanted
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="meshctl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--file", type=pathlib.Path, default=DEFAULT_FILE, help="the traffic policy YAML")
+    commands = parser.add_subparsers(dest="command", required=True)
+    status = commands.add_parser("status", help="weights per subset, ready replicas, success rate and p99")
+    status.add_argument("host")
+    status.add_argument("--run-file", type=pathlib.Path, default=DEFAULT_RUN_FILE)
+    status.add_argument("--metrics", help="the batcher's metrics URL (instead of --run-file)")
+    weights = commands.add_parser("set-weights", help="set every subset's weight, e.g. blue=90 green=10")
+    weights.add_argument("host")
+    weights.add_argument("weights", nargs="+")
+    promote = commands.add_parser("promote", help="all traffic to one subset")
+    promote.add_argument("host")
+    promote.add_argument("subset")
+    rollback = commands.add_parser("rollback", help="back to the weights before the last change")
+    rollback.add_argument("host")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "status":
+            current = core.weights(args.file, args.host)
+            samples = core.scrape(args.metrics or core.batcher_metrics_url(args.run_file))
+            print(f"{'subset':<10} {'weight':>6} {'ready':>5} {'batches':>8} {'success':>8} {'p99':>8}")
+            for subset, weight in current.items():
+                h = core.subset_health(samples, subset)
+                success = "-" if h["success_rate"] is None else f"{100 * h['success_rate']:.2f}%"
+                p99 = "-" if h["p99_s"] is None else f"<={1000 * h['p99_s']:.0f}ms"
+                print(f"{subset:<10} {weight:>6} {h['ready_replicas']:>5} {h['batches']:>8} {success:>8} {p99:>8}")
+        elif args.command == "set-weights":
+            old = core.set_weights(args.file, args.host, _parse_weights(args.weights))
+            print(f"{args.host}: {old} -> {core.weights(args.file, args.host)} in {args.file}")
+        elif args.command == "promote":
+            subsets = core.weights(args.file, args.host)
+            if args.subset not in subsets:
+                raise core.MeshctlError(f"{args.host} has no subset {args.subset!r}; it has {sorted(subsets)}")
+            old = core.set_weights(args.file, args.host, {s: 100 if s == args.subset else 0 for s in subsets})
+            print(f"{args.host}: promoted {args.subset} ({old} -> {core.weights(args.file, args.host)})")
+        elif args.command == "rollback":
+            target = core.previous_weights(args.file, args.host)
+            old = core.set_weights(args.file, args.host, target)
+            print(f"{args.host}: rolled back {old} -> {target}")
+    except core.MeshctlError as exc:
+        print(f"meshctl: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

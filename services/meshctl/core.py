@@ -1,0 +1,139 @@
+"""What meshctl does, without the command line: read and edit the traffic
+policy file (keeping its comments and order) and read the mesh's health from
+the batcher's metrics."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pathlib
+import tempfile
+import urllib.request
+
+from services.common.traffic import PolicyError, load_policy_files
+
+PREVIOUS = "infermesh.io/previous-weights"  # annotation: the weights before the last change, for rollback
+
+
+class MeshctlError(Exception):
+    """A request meshctl cannot carry out; the message says why."""
+
+
+def _yaml():
+    from ruamel.yaml import YAML
+
+    yaml = YAML()  # round-trip: comments, order and quoting survive an edit
+    yaml.preserve_quotes = True
+    yaml.indent(mapping=2, sequence=2, offset=0)  # our files put list dashes under their key
+    return yaml
+
+
+def _virtual_service(documents: list, host: str):
+    for doc in documents:
+        if doc and doc.get("kind") == "VirtualService" and host in (doc.get("spec", {}).get("hosts") or []):
+            return doc
+    raise MeshctlError(f"no VirtualService for host {host!r}")
+
+
+def _weighted_routes(service) -> list:
+    """The routes that split traffic by subset (header-matched single-subset routes are left alone)."""
+    return [http for http in service["spec"]["http"] if len(http.get("route", [])) > 1]
+
+
+def weights(path: pathlib.Path, host: str) -> dict[str, int]:
+    """The weights of the first weighted route, by subset."""
+    documents = list(_yaml().load_all(path.read_text()))
+    routes = _weighted_routes(_virtual_service(documents, host))
+    if not routes:
+        raise MeshctlError(f"the VirtualService for {host!r} has no route split between subsets")
+    return {r["destination"].get("subset", ""): int(r.get("weight", 0)) for r in routes[0]["route"]}
+
+
+def set_weights(path: pathlib.Path, host: str, wanted: dict[str, int]) -> dict[str, int]:
+    """Sets the weights of every route that splits traffic between these
+    subsets; records the old ones for rollback; writes atomically, and only
+    a file that still passes the policy checks. Returns the old weights."""
+    if any(w < 0 for w in wanted.values()) or not any(wanted.values()):
+        raise MeshctlError(f"weights must be >= 0 and not all 0, got {wanted}")
+    yaml = _yaml()
+    documents = list(yaml.load_all(path.read_text()))
+    service = _virtual_service(documents, host)
+    routes = _weighted_routes(service)
+    old = None
+    for http in routes:
+        subsets = {r["destination"].get("subset", "") for r in http["route"]}
+        if subsets != set(wanted):
+            raise MeshctlError(f"route {http.get('name', '?')} splits between {sorted(subsets)}; give a weight for "
+                               f"each of them (got {sorted(wanted)})")
+        if old is None:
+            old = {r["destination"].get("subset", ""): int(r.get("weight", 0)) for r in http["route"]}
+        for destination in http["route"]:
+            destination["weight"] = wanted[destination["destination"].get("subset", "")]
+    if old is None:
+        raise MeshctlError(f"the VirtualService for {host!r} has no route split between subsets")
+    service["metadata"].setdefault("annotations", {})[PREVIOUS] = json.dumps(old, sort_keys=True)
+    buffer = io.StringIO()
+    yaml.dump_all(documents, buffer)
+    _write_checked(path, buffer.getvalue())
+    return old
+
+
+def previous_weights(path: pathlib.Path, host: str) -> dict[str, int]:
+    documents = list(_yaml().load_all(path.read_text()))
+    annotations = _virtual_service(documents, host)["metadata"].get("annotations") or {}
+    if PREVIOUS not in annotations:
+        raise MeshctlError(f"{path} records no earlier weights for {host!r} to roll back to")
+    return {k: int(v) for k, v in json.loads(annotations[PREVIOUS]).items()}
+
+
+def _write_checked(path: pathlib.Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        try:
+            load_policy_files(pathlib.Path(tmp))
+        except PolicyError as exc:
+            raise MeshctlError(f"the edited policy would not pass its checks, nothing written: {exc}") from None
+        os.chmod(tmp, path.stat().st_mode & 0o777)
+        os.replace(tmp, path)  # readers (the batcher) see the old file or the new one, never half of it
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+# ---------------------------------------------------------------- status
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def subset_health(samples: dict, subset: str) -> dict:
+    """Ready replicas, answered batches, success rate and p99 (histogram bucket bound) of one subset."""
+    def value(name, **labels):
+        return sum(v for (n, ls), v in samples.items()
+                   if n == name and all(dict(ls).get(k) == w for k, w in labels.items()))
+
+    total = value("infermesh_batcher_upstream_requests_total", subset=subset)
+    ok = value("infermesh_batcher_upstream_requests_total", subset=subset, code="OK")
+    buckets = sorted((float(dict(ls)["le"]), v) for (n, ls), v in samples.items()
+                     if n == "infermesh_batcher_upstream_duration_seconds_bucket" and dict(ls).get("subset") == subset)
+    count = buckets[-1][1] if buckets else 0
+    p99 = next((le for le, c in buckets if count and c >= 0.99 * count), None)
+    return {"ready_replicas": int(value("infermesh_batcher_subset_ready_replicas", subset=subset)),
+            "batches": int(total), "success_rate": (ok / total) if total else None,
+            "p99_s": p99}
+
+
+def batcher_metrics_url(run_file: pathlib.Path) -> str:
+    try:
+        info = json.loads(run_file.read_text())
+    except (OSError, ValueError):
+        raise MeshctlError(f"{run_file}: no running mesh described (start one with 'make run')") from None
+    return info["metrics"]["batcher"]

@@ -1,0 +1,56 @@
+"""meshctl edits the traffic policy keeping everything but the weights as it
+was, refuses edits that would not pass the policy checks, and rolls back."""
+
+import pathlib
+import shutil
+
+import pytest
+
+from services.meshctl import __main__ as meshctl
+from services.meshctl import core
+
+POLICY = pathlib.Path(__file__).resolve().parent.parent / "mesh" / "istio" / "model-server-traffic.yaml"
+
+
+@pytest.fixture
+def policy(tmp_path) -> pathlib.Path:
+    path = tmp_path / "traffic.yaml"
+    shutil.copy(POLICY, path)
+    return path
+
+
+def test_set_weights_changes_only_the_weights_and_records_the_old_ones(policy):
+    before = policy.read_text().splitlines()
+    assert meshctl.main(["--file", str(policy), "set-weights", "model-server", "blue=90", "green=10"]) == 0
+    after = policy.read_text().splitlines()
+    changed = [(a, b) for a, b in zip(before, [line for line in after if "annotations" not in line
+                                                 and "previous-weights" not in line]) if a != b]
+    assert changed == [("      weight: 100", "      weight: 90"), ("      weight: 0", "      weight: 10")]
+    assert len(after) == len(before) + 2  # the annotation's two lines
+    assert all(line in after for line in before if line.lstrip().startswith("#"))  # every comment kept
+    assert core.weights(policy, "model-server") == {"blue": 90, "green": 10}
+    assert core.previous_weights(policy, "model-server") == {"blue": 100, "green": 0}
+
+
+def test_promote_and_rollback(policy):
+    assert meshctl.main(["--file", str(policy), "set-weights", "model-server", "blue=50", "green=50"]) == 0
+    assert meshctl.main(["--file", str(policy), "promote", "model-server", "green"]) == 0
+    assert core.weights(policy, "model-server") == {"blue": 0, "green": 100}
+    assert meshctl.main(["--file", str(policy), "rollback", "model-server"]) == 0
+    assert core.weights(policy, "model-server") == {"blue": 50, "green": 50}
+
+
+@pytest.mark.parametrize("args, complaint", [
+    (["set-weights", "model-server", "blue=90"], "give a weight for each of them"),
+    (["set-weights", "model-server", "blue=0", "green=0"], "not all 0"),
+    (["set-weights", "model-server", "blue=ninety", "green=10"], "weights are SUBSET=INTEGER"),
+    (["set-weights", "model-server", "blue=90", "purple=10"], "give a weight for each of them"),
+    (["set-weights", "search", "a=1", "b=2"], "no VirtualService for host 'search'"),
+    (["promote", "model-server", "purple"], "has no subset 'purple'"),
+    (["rollback", "model-server"], "no earlier weights"),
+])
+def test_bad_requests_change_nothing(policy, capsys, args, complaint):
+    before = policy.read_text()
+    assert meshctl.main(["--file", str(policy), *args]) == 2
+    assert complaint in capsys.readouterr().err
+    assert policy.read_text() == before
