@@ -69,6 +69,14 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             assert stub.ServerReady(pb.ServerReadyRequest()).ready
             assert "infermesh_grpc_requests_total" in {n for n, _ in scrape(f"http://127.0.0.1:{metrics_port}/metrics")}
+            for i in range(4):
+                stub.ModelInfer(text_request([f"status check {i}"]), timeout=60)
+            # The batcher applies mesh/istio's traffic policy; meshctl reads it back from the running mesh.
+            status = subprocess.run([sys.executable, "-m", "services.meshctl", "status", "model-server", "--run-file",
+                                     str(run_file)], cwd=ROOT, capture_output=True, text=True)
+            assert status.returncode == 0, status.stderr
+            blue = next(line.split() for line in status.stdout.splitlines() if line.startswith("blue"))
+            assert blue[1:3] == ["100", "1"] and int(blue[3]) >= 4 and blue[4] == "100.00%"
             # Long texts keep these in flight for a while; the drain must finish them.
             futures = [stub.ModelInfer.future(text_request([f"in flight {i} " + "word " * 250] * 8), timeout=60)
                        for i in range(6)]

@@ -24,6 +24,10 @@ def main() -> int:
     parser.add_argument("--run-file", type=pathlib.Path, default=pathlib.Path("var/run/mesh.json"),
                         help="where to write every service's address while the mesh runs")
     parser.add_argument("--log-dir", default=os.environ.get("INFERMESH_LOG_DIR"), help="write each service's log here")
+    parser.add_argument("--traffic-policy", default="mesh/istio/model-server-traffic.yaml",
+                        help="the VirtualService/DestinationRule the batcher applies ('' for none)")
+    parser.add_argument("--model-server-labels", default="version=blue",
+                        help="labels of the model server, as a DestinationRule subset selects them")
     args = parser.parse_args()
 
     def interrupt(*_):
@@ -34,7 +38,9 @@ def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, interrupt)
     mesh = Mesh(models=args.models, host=args.host, router_port=args.port, metrics_port=args.metrics_port,
-                redis_url=args.redis_url, l2_path=args.l2_path, log_dir=args.log_dir)
+                redis_url=args.redis_url, l2_path=args.l2_path, log_dir=args.log_dir,
+                model_server_labels=(args.model_server_labels,) if args.model_server_labels else (),
+                batcher_args=("--traffic-policy", args.traffic_policy) if args.traffic_policy else ())
     try:
         mesh.start()
     except MeshError as exc:
