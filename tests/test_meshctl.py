@@ -54,3 +54,23 @@ def test_bad_requests_change_nothing(policy, capsys, args, complaint):
     assert meshctl.main(["--file", str(policy), *args]) == 2
     assert complaint in capsys.readouterr().err
     assert policy.read_text() == before
+
+
+def test_judge_fails_an_interval_without_evidence_and_one_over_its_thresholds():
+    def scrape(total, ok, buckets):
+        samples = {("infermesh_batcher_upstream_requests_total", (("code", "OK"), ("subset", "green"))): ok,
+                   ("infermesh_batcher_upstream_requests_total", (("code", "UNAVAILABLE"), ("subset", "green"))):
+                       total - ok}
+        for le, count in buckets:
+            samples[("infermesh_batcher_upstream_duration_seconds_bucket", (("le", str(le)), ("subset", "green")))] = count
+        return samples
+
+    checks = core.Checks(min_success_rate=0.99, max_p99_s=0.5)
+    start = scrape(10, 10, [(0.1, 10), (0.5, 10), (1.0, 10)])
+    assert core.judge(start, start, "green", checks)[0] is False  # no batches: no evidence
+    good = scrape(110, 110, [(0.1, 109), (0.5, 110), (1.0, 110)])
+    assert core.judge(start, good, "green", checks) == (True, "100 batches, success 100.00%, p99 <= 100 ms")
+    slow = scrape(110, 110, [(0.1, 20), (0.5, 60), (1.0, 110)])
+    assert core.judge(start, slow, "green", checks)[0] is False
+    failing = scrape(110, 108, [(0.1, 110), (0.5, 110), (1.0, 110)])
+    assert "need >= 99.00%" in core.judge(start, failing, "green", checks)[1]

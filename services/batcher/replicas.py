@@ -207,7 +207,8 @@ class ReplicaSet:
             candidates = [r for r in hosts if _serves(r, model, version)]
             if not candidates and version:  # a version just put on standby still answers
                 candidates = [r for r in hosts if version in r.models[model].versions]
-            if not candidates:
+            if not candidates:  # Envoy's "no healthy upstream": a 503 in the subset's figures too
+                metrics.UPSTREAM.labels(destination.subset, "UNAVAILABLE").inc()
                 raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset "
                                          f"'{destination.subset or destination.host}' (route {route.name})")
             fresh = [r for r in candidates if r.address not in tried] or candidates  # Envoy's previous_hosts

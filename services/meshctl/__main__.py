@@ -4,6 +4,7 @@
     python -m services.meshctl set-weights model-server blue=90 green=10
     python -m services.meshctl promote model-server green
     python -m services.meshctl rollback model-server
+    python -m services.meshctl rollout model-server green --step 10 --interval-s 30
 
 Edits go to the policy file (default mesh/istio/model-server-traffic.yaml),
 keeping its comments and order; a running local mesh picks them up within a
@@ -14,6 +15,7 @@ mesh described in var/run/mesh.json.
 import argparse
 import pathlib
 import sys
+import time
 
 from services.meshctl import core
 
@@ -48,6 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     promote.add_argument("subset")
     rollback = commands.add_parser("rollback", help="back to the weights before the last change")
     rollback.add_argument("host")
+    rollout = commands.add_parser("rollout", help="progressive delivery: raise the canary step by step while its "
+                                                  "checks pass; promote at the end, roll back on failure")
+    rollout.add_argument("host")
+    rollout.add_argument("canary", help="the subset to roll out, e.g. green")
+    rollout.add_argument("--step", type=int, default=10, help="weight added per interval (Flagger's stepWeight)")
+    rollout.add_argument("--max-weight", type=int, default=50, help="last weight judged before promotion")
+    rollout.add_argument("--interval-s", type=float, default=30.0, help="how long each weight is judged")
+    rollout.add_argument("--min-success-rate", type=float, default=0.99)
+    rollout.add_argument("--max-p99-ms", type=float, default=1000.0)
+    rollout.add_argument("--threshold", type=int, default=1, help="failed checks before rolling back")
+    rollout.add_argument("--run-file", type=pathlib.Path, default=DEFAULT_RUN_FILE)
+    rollout.add_argument("--metrics", help="the batcher's metrics URL (instead of --run-file)")
     args = parser.parse_args(argv)
     try:
         if args.command == "status":
@@ -68,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise core.MeshctlError(f"{args.host} has no subset {args.subset!r}; it has {sorted(subsets)}")
             old = core.set_weights(args.file, args.host, {s: 100 if s == args.subset else 0 for s in subsets})
             print(f"{args.host}: promoted {args.subset} ({old} -> {core.weights(args.file, args.host)})")
+        elif args.command == "rollout":
+            url = args.metrics or core.batcher_metrics_url(args.run_file)
+            checks = core.Checks(args.min_success_rate, args.max_p99_ms / 1000)
+            promoted = core.rollout(args.file, args.host, args.canary, args.step, args.max_weight, args.interval_s,
+                                    checks, lambda: core.scrape(url), time.sleep,
+                                    lambda line: print(line, flush=True), args.threshold)
+            return 0 if promoted else 1
         elif args.command == "rollback":
             target = core.previous_weights(args.file, args.host)
             old = core.set_weights(args.file, args.host, target)

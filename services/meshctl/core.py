@@ -4,8 +4,10 @@ the batcher's metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import math
 import os
 import pathlib
 import tempfile
@@ -137,3 +139,82 @@ def batcher_metrics_url(run_file: pathlib.Path) -> str:
     except (OSError, ValueError):
         raise MeshctlError(f"{run_file}: no running mesh described (start one with 'make run')") from None
     return info["metrics"]["batcher"]
+
+
+# ---------------------------------------------------------------- progressive delivery
+
+
+@dataclasses.dataclass(frozen=True)
+class Checks:
+    """What each interval of a rollout must show for the canary subset."""
+
+    min_success_rate: float = 0.99
+    max_p99_s: float = 1.0
+    min_batches: int = 1  # an interval with no traffic on the canary is a failed check
+
+
+def _subset_counters(samples: dict, subset: str) -> tuple[float, float, list[tuple[float, float]]]:
+    total = ok = 0.0
+    buckets = []
+    for (name, labels), value in samples.items():
+        labels = dict(labels)
+        if labels.get("subset") != subset:
+            continue
+        if name == "infermesh_batcher_upstream_requests_total":
+            total += value
+            ok += value if labels.get("code") == "OK" else 0.0
+        elif name == "infermesh_batcher_upstream_duration_seconds_bucket":
+            buckets.append((float(labels["le"]), value))
+    return total, ok, sorted(buckets)
+
+
+def judge(before: dict, after: dict, subset: str, checks: Checks) -> tuple[bool, str]:
+    """The canary's figures over one interval (the difference of two scrapes) against the checks."""
+    total0, ok0, buckets0 = _subset_counters(before, subset)
+    total1, ok1, buckets1 = _subset_counters(after, subset)
+    batches = total1 - total0
+    if batches < checks.min_batches:
+        return False, f"{int(batches)} batches reached {subset} (need {checks.min_batches}): no evidence is a failure"
+    success = (ok1 - ok0) / batches
+    earlier = dict(buckets0)
+    deltas = [(le, count - earlier.get(le, 0.0)) for le, count in buckets1]
+    answered = deltas[-1][1] if deltas else 0.0
+    p99 = next((le for le, count in deltas if answered and count >= 0.99 * answered), math.inf)
+    verdict = f"{int(batches)} batches, success {100 * success:.2f}%, p99 <= {1000 * p99:.0f} ms"
+    if success < checks.min_success_rate:
+        return False, verdict + f" (need >= {100 * checks.min_success_rate:.2f}%)"
+    if p99 > checks.max_p99_s:
+        return False, verdict + f" (need p99 <= {1000 * checks.max_p99_s:.0f} ms)"
+    return True, verdict
+
+
+def rollout(path: pathlib.Path, host: str, canary: str, step: int, max_weight: int, interval_s: float,
+            checks: Checks, read_metrics, sleep, say, threshold: int = 1) -> bool:
+    """Flagger's loop: raise the canary's weight by `step` up to `max_weight`,
+    judging each interval; after `threshold` failed checks go back to the
+    stable subset and return False; after the last step promote the canary."""
+    subsets = weights(path, host)
+    if canary not in subsets or len(subsets) != 2:
+        raise MeshctlError(f"a rollout needs a route split between two subsets including {canary!r}; have {subsets}")
+    if not 0 < step <= max_weight <= 100:
+        raise MeshctlError(f"need 0 < step <= max_weight <= 100, got step {step}, max_weight {max_weight}")
+    stable = next(s for s in subsets if s != canary)
+    failed = 0
+    weight = 0
+    while weight < max_weight:
+        weight = min(weight + step, max_weight)
+        set_weights(path, host, {canary: weight, stable: 100 - weight})
+        before = read_metrics()
+        sleep(interval_s)
+        passed, verdict = judge(before, read_metrics(), canary, checks)
+        say(f"{canary} at {weight}%: {verdict}: {'ok' if passed else 'FAILED'}")
+        if not passed:
+            failed += 1
+            if failed >= threshold:
+                set_weights(path, host, {canary: 0, stable: 100})
+                say(f"rolled back: all traffic to {stable}")
+                return False
+            weight -= step  # judge this weight again
+    set_weights(path, host, {canary: 100, stable: 0})
+    say(f"promoted {canary}: all traffic to it")
+    return True
