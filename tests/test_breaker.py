@@ -9,6 +9,7 @@ import uuid
 
 import grpc
 import numpy as np
+import pytest
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
@@ -104,6 +105,15 @@ async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(mode
             assert cached.parameters["infermesh_degraded"].string_param == "cache"
             want = reference_embeddings([known])
             assert float(np.dot(output_array(cached, "EMBEDDING")[0], want[0])) >= 0.9999  # minilm's own answer
+
+            # With the fallback gone too, the caller hears why, as a retryable status.
+            await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm-lite"), timeout=30)
+            await asyncio.sleep(0.6)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stub.ModelInfer(text_request([f"no fallback {uuid.uuid4().hex}"]), timeout=30)
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "its fallback 'minilm-lite' cannot answer either" in raised.value.details()
+            await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="minilm-lite"), timeout=60)
 
             await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="minilm"), timeout=120)
             await asyncio.sleep(1.5)  # ready again, and the breaker's open time is over

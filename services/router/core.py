@@ -210,7 +210,11 @@ class Router:
             if cached is not None:
                 metrics.DEGRADED.labels(sig.name, "cache").inc()
                 return InferResult(sig.name, version, request.id, cached, cached=True, degraded="cache")
-        result = await self._infer_primary(dataclasses.replace(request, model=sig.fallback, version=""))
+        try:
+            result = await self._infer_primary(dataclasses.replace(request, model=sig.fallback, version=""))
+        except (errors.NotFound, errors.Unavailable) as exc:
+            raise errors.Unavailable(f"model '{sig.name}' is failing (its circuit breaker is open) and its fallback "
+                                     f"'{sig.fallback}' cannot answer either: {exc.message}") from None
         metrics.DEGRADED.labels(sig.name, "fallback").inc()
         return dataclasses.replace(result, model=sig.name, version="",
                                    degraded=f"fallback {sig.fallback}/{result.version}")
