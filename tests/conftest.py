@@ -7,6 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
+from services.common.metrics import scrape
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODELS = ROOT / "build" / "models"
 GHZ = ROOT / "bin" / "ghz"
@@ -67,20 +69,6 @@ def redis_binary() -> str:
     if path is None:
         pytest.fail("redis-server is not installed: run 'make setup' first")
     return path
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """Prometheus text from `url` as {(name, sorted labels): value}."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return values
 
 
 def metric(url: str, name: str, **labels) -> float:

@@ -3,7 +3,9 @@ command line with environment variables as defaults, checked once in __main__.""
 
 import argparse
 import dataclasses
+import json
 import os
+import pathlib
 import typing
 
 
@@ -42,3 +44,37 @@ def require(condition: bool, message: str) -> None:
     """Config check: raises ValueError with a message that prints the values."""
     if not condition:
         raise ValueError(message)
+
+
+# Checked reading of JSON and YAML documents (model configs, golden probes,
+# shard manifests, traffic policies): errors name the file, the field and the
+# value, raised as the caller's own ValueError subclass.
+
+
+def typed(value, key: str, kind, where: str, error: type[ValueError] = ValueError):
+    """`value` if it is of `kind` (a type or a tuple of types; a bool is no int)."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (int in kinds and float not in kinds and isinstance(value, bool)):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise error(f"{where}: field '{key}' must be {names}, got {value!r}")
+    return value
+
+
+def field(doc, key: str, kind, where: str, error: type[ValueError] = ValueError):
+    """doc[key], which must be present and of `kind`."""
+    if not isinstance(doc, dict) or key not in doc:
+        raise error(f"{where}: missing field '{key}'")
+    return typed(doc[key], key, kind, where, error)
+
+
+def read_json_object(path: pathlib.Path, error: type[ValueError] = ValueError, missing: str = "missing") -> dict:
+    """A JSON file that must hold an object; `missing` says what to do when it is absent."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{path}: {missing}") from None
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise error(f"{path}: must hold a JSON object")
+    return doc

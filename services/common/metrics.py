@@ -19,3 +19,14 @@ def start_metrics_server(host: str, port: int) -> int:
     """Serves /metrics on host:port (0 picks a free port); returns the bound port."""
     server, _thread = prometheus_client.start_http_server(port, addr=host)
     return server.server_address[1]
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> dict[tuple[str, tuple], float]:
+    """Another service's /metrics as {(sample name, sorted label pairs): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}

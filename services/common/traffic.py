@@ -24,6 +24,8 @@ import pathlib
 import random
 import re
 
+from services.common.config import field
+
 HTTP_STATUS_OF_GRPC = {
     "OK": 200, "CANCELLED": 499, "UNKNOWN": 500, "INVALID_ARGUMENT": 400, "DEADLINE_EXCEEDED": 504,
     "NOT_FOUND": 404, "ALREADY_EXISTS": 409, "PERMISSION_DENIED": 403, "RESOURCE_EXHAUSTED": 429,
@@ -135,12 +137,7 @@ class VirtualService:
 
 
 def _require(doc, key: str, kind, where: str):
-    if not isinstance(doc, dict) or key not in doc:
-        raise PolicyError(f"{where}: missing field '{key}'")
-    value = doc[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise PolicyError(f"{where}: field '{key}' must be {kind.__name__}, got {value!r}")
-    return value
+    return field(doc, key, kind, where, PolicyError)
 
 
 def _mapping(value, where: str) -> dict:
@@ -155,12 +152,17 @@ def _sequence(value, where: str) -> list:
     return value
 
 
-def parse_virtual_service(doc: dict, where: str) -> VirtualService:
+def _resource(doc, kind: str, where: str) -> tuple[str, dict]:
+    """A Kubernetes resource of `kind`: its metadata.name and its spec."""
     _mapping(doc, where)
-    if doc.get("kind") != "VirtualService":
-        raise PolicyError(f"{where}: kind is {doc.get('kind')!r}, expected VirtualService")
+    if doc.get("kind") != kind:
+        raise PolicyError(f"{where}: kind is {doc.get('kind')!r}, expected {kind}")
     name = _require(_require(doc, "metadata", dict, where), "name", str, f"{where}: metadata")
-    spec = _require(doc, "spec", dict, where)
+    return name, _require(doc, "spec", dict, where)
+
+
+def parse_virtual_service(doc: dict, where: str) -> VirtualService:
+    name, spec = _resource(doc, "VirtualService", where)
     hosts = tuple(_require(spec, "hosts", list, f"{where}: spec"))
     routes = []
     for i, http in enumerate(_require(spec, "http", list, f"{where}: spec")):
@@ -255,11 +257,7 @@ class DestinationRule:
 
 
 def parse_destination_rule(doc: dict, where: str) -> DestinationRule:
-    _mapping(doc, where)
-    if doc.get("kind") != "DestinationRule":
-        raise PolicyError(f"{where}: kind is {doc.get('kind')!r}, expected DestinationRule")
-    name = _require(_require(doc, "metadata", dict, where), "name", str, f"{where}: metadata")
-    spec = _require(doc, "spec", dict, where)
+    name, spec = _resource(doc, "DestinationRule", where)
     subsets = {}
     for i, subset in enumerate(_sequence(spec.get("subsets", []) or [], f"{where}: spec.subsets")):
         subsets[_require(subset, "name", str, f"{where}: spec.subsets[{i}]")] = {

@@ -17,6 +17,7 @@ import pathlib
 import sys
 import time
 
+from services.common.metrics import scrape
 from services.meshctl import core
 
 DEFAULT_FILE = pathlib.Path("mesh/istio/model-server-traffic.yaml")
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "status":
             current = core.weights(args.file, args.host)
-            samples = core.scrape(args.metrics or core.batcher_metrics_url(args.run_file))
+            samples = scrape(args.metrics or core.batcher_metrics_url(args.run_file))
             print(f"{'subset':<10} {'weight':>6} {'ready':>5} {'batches':>8} {'success':>8} {'p99':>8}")
             for subset, weight in current.items():
                 h = core.subset_health(samples, subset)
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             url = args.metrics or core.batcher_metrics_url(args.run_file)
             checks = core.Checks(args.min_success_rate, args.max_p99_ms / 1000)
             promoted = core.rollout(args.file, args.host, args.canary, args.step, args.max_weight, args.interval_s,
-                                    checks, lambda: core.scrape(url), time.sleep,
+                                    checks, lambda: scrape(url), time.sleep,
                                     lambda line: print(line, flush=True), args.threshold)
             return 0 if promoted else 1
         elif args.command == "rollback":

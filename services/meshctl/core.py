@@ -11,7 +11,6 @@ import math
 import os
 import pathlib
 import tempfile
-import urllib.request
 
 from services.common.traffic import PolicyError, load_policy_files
 
@@ -108,29 +107,14 @@ def _write_checked(path: pathlib.Path, text: str) -> None:
 # ---------------------------------------------------------------- status
 
 
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
 def subset_health(samples: dict, subset: str) -> dict:
     """Ready replicas, answered batches, success rate and p99 (histogram bucket bound) of one subset."""
-    def value(name, **labels):
-        return sum(v for (n, ls), v in samples.items()
-                   if n == name and all(dict(ls).get(k) == w for k, w in labels.items()))
-
-    total = value("infermesh_batcher_upstream_requests_total", subset=subset)
-    ok = value("infermesh_batcher_upstream_requests_total", subset=subset, code="OK")
-    buckets = sorted((float(dict(ls)["le"]), v) for (n, ls), v in samples.items()
-                     if n == "infermesh_batcher_upstream_duration_seconds_bucket" and dict(ls).get("subset") == subset)
-    count = buckets[-1][1] if buckets else 0
-    p99 = next((le for le, c in buckets if count and c >= 0.99 * count), None)
-    return {"ready_replicas": int(value("infermesh_batcher_subset_ready_replicas", subset=subset)),
-            "batches": int(total), "success_rate": (ok / total) if total else None,
-            "p99_s": p99}
+    total, ok, buckets = _subset_counters(samples, subset)
+    ready = sum(v for (n, ls), v in samples.items()
+                if n == "infermesh_batcher_subset_ready_replicas" and dict(ls).get("subset") == subset)
+    p99 = _p99(buckets)
+    return {"ready_replicas": int(ready), "batches": int(total), "success_rate": (ok / total) if total else None,
+            "p99_s": None if math.isinf(p99) else p99}
 
 
 def batcher_metrics_url(run_file: pathlib.Path) -> str:
@@ -168,6 +152,12 @@ def _subset_counters(samples: dict, subset: str) -> tuple[float, float, list[tup
     return total, ok, sorted(buckets)
 
 
+def _p99(buckets: list[tuple[float, float]]) -> float:
+    """The bound of the first cumulative bucket holding 99% of the answers; inf without any."""
+    answered = buckets[-1][1] if buckets else 0.0
+    return next((le for le, count in buckets if answered and count >= 0.99 * answered), math.inf)
+
+
 def judge(before: dict, after: dict, subset: str, checks: Checks) -> tuple[bool, str]:
     """The canary's figures over one interval (the difference of two scrapes) against the checks."""
     total0, ok0, buckets0 = _subset_counters(before, subset)
@@ -177,9 +167,7 @@ def judge(before: dict, after: dict, subset: str, checks: Checks) -> tuple[bool,
         return False, f"{int(batches)} batches reached {subset} (need {checks.min_batches}): no evidence is a failure"
     success = (ok1 - ok0) / batches
     earlier = dict(buckets0)
-    deltas = [(le, count - earlier.get(le, 0.0)) for le, count in buckets1]
-    answered = deltas[-1][1] if deltas else 0.0
-    p99 = next((le for le, count in deltas if answered and count >= 0.99 * answered), math.inf)
+    p99 = _p99([(le, count - earlier.get(le, 0.0)) for le, count in buckets1])
     verdict = f"{int(batches)} batches, success {100 * success:.2f}%, p99 <= {1000 * p99:.0f} ms"
     if success < checks.min_success_rate:
         return False, verdict + f" (need >= {100 * checks.min_success_rate:.2f}%)"

@@ -8,11 +8,11 @@ degree, warm-up batch sizes, a golden probe and a fallback model.
 
 import dataclasses
 import hashlib
-import json
 import pathlib
 
 import numpy as np
 
+from services.common.config import field, read_json_object, typed
 from services.common.tensors import DATATYPES, NUMPY_DTYPES
 
 KNOWN_FIELDS = {
@@ -134,17 +134,11 @@ def version_fingerprint(folder: pathlib.Path) -> str:
 
 
 def _field(doc: dict, key: str, kind, where: str):
-    if key not in doc:
-        raise ConfigError(f"{where}: missing field '{key}'")
-    return _typed(doc[key], key, kind, where)
+    return field(doc, key, kind, where, ConfigError)
 
 
 def _typed(value, key: str, kind, where: str):
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (int in kinds and float not in kinds and isinstance(value, bool)):
-        names = " or ".join(k.__name__ for k in kinds)
-        raise ConfigError(f"{where}: field '{key}' must be {names}, got {value!r}")
-    return value
+    return typed(value, key, kind, where, ConfigError)
 
 
 def _optional(doc: dict, key: str, kind, where: str, default):
@@ -307,16 +301,7 @@ def parse_config(doc, model_dir: pathlib.Path, where: str) -> ModelConfig:
 
 
 def read_config_document(model_dir: pathlib.Path) -> dict:
-    path = model_dir / "config.json"
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: missing") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: must hold a JSON object")
-    return doc
+    return read_json_object(model_dir / "config.json", ConfigError)
 
 
 def load_config(model_dir: pathlib.Path, overrides: dict | None = None) -> ModelConfig:
@@ -354,14 +339,7 @@ def load_golden(config: ModelConfig) -> Golden:
     probe = config.golden_probe
     assert probe is not None
     path = config.path / probe.file
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: golden probe file missing (named by golden_probe.file)") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: must hold a JSON object with 'inputs' and 'outputs'")
+    doc = read_json_object(path, ConfigError, "golden probe file missing (named by golden_probe.file)")
     inputs = _golden_tensors(doc, "inputs", config.inputs, str(path))
     outputs = _golden_tensors(doc, "outputs", config.outputs, str(path))
     rows = {len(a) for a in (*inputs.values(), *outputs.values())}

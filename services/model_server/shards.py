@@ -32,6 +32,8 @@ import pathlib
 
 import numpy as np
 
+from services.common.config import read_json_object
+
 MANIFEST = "manifest.json"
 OPSET = 18
 LN_EPS = 1e-12
@@ -312,12 +314,7 @@ def build(weights: dict[str, np.ndarray], config: dict, degree: int, out: pathli
 
 def read_manifest(folder: pathlib.Path, degree: int, verify_checksums: bool = True) -> dict:
     path = folder / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ShardError(f"{path}: missing; build the shard set for tp_degree {degree}") from None
-    except json.JSONDecodeError as exc:
-        raise ShardError(f"{path}: not valid JSON: {exc}") from None
+    manifest = read_json_object(path, ShardError, f"missing; build the shard set for tp_degree {degree}")
     if manifest.get("format") != "infermesh-tp/1" or manifest.get("degree") != degree:
         raise ShardError(f"{path}: format {manifest.get('format')!r} degree {manifest.get('degree')!r}; "
                          f"expected infermesh-tp/1 at degree {degree}")
