@@ -125,13 +125,8 @@ class ReplicaSet:
         return len(self._replicas)
 
     def _choose(self, model: str, version: str, exclude: set[str]) -> Replica | None:
-        """The least-loaded replica where the version is ready; failing that,
-        one that still holds it loaded (a standby right after a swap), so a
-        request routed on a slightly older catalog still gets its answer."""
-        usable = [r for r in self._replicas if r.ready and r.address not in exclude and model in r.models]
-        candidates = [r for r in usable if _serves(r, model, version)]
-        if not candidates and version:
-            candidates = [r for r in usable if version in r.models[model].versions]
+        """The least-loaded of the candidates (see _candidates) not yet tried."""
+        candidates = _candidates([r for r in self._replicas if r.address not in exclude], model, version)
         return min(candidates, key=lambda r: r.inflight, default=None)
 
     async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
@@ -202,11 +197,8 @@ class ReplicaSet:
             deadline = min(deadline, loop.time() + route.timeout_s)
         for attempt in range(route.retries.attempts + 1):
             hosts = [r for r in self._subset_hosts(destination.subset)
-                     if r.ready and model in r.models and not (detector is not None
-                                                               and detector.is_ejected(r.address, loop.time()))]
-            candidates = [r for r in hosts if _serves(r, model, version)]
-            if not candidates and version:  # a version just put on standby still answers
-                candidates = [r for r in hosts if version in r.models[model].versions]
+                     if not (detector is not None and detector.is_ejected(r.address, loop.time()))]
+            candidates = _candidates(hosts, model, version)
             if not candidates:  # Envoy's "no healthy upstream": a 503 in the subset's figures too
                 metrics.UPSTREAM.labels(destination.subset, "UNAVAILABLE").inc()
                 raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset "
@@ -258,10 +250,17 @@ class ReplicaSet:
         await asyncio.gather(*(r.channel.close() for r in self._replicas))
 
 
-def _serves(replica: Replica, model: str, version: str) -> bool:
-    """Whether the replica has the version (any version, when none is named) ready."""
-    info = replica.models[model]
-    return version in info.ready_versions if version else bool(info.ready_versions)
+def _candidates(replicas: list[Replica], model: str, version: str) -> list[Replica]:
+    """The ready replicas where the version (any, when none is named) is ready;
+    failing that, for a named version, those that still hold it loaded (a
+    standby right after a swap), so a request routed on a slightly older
+    catalog still gets its answer."""
+    usable = [r for r in replicas if r.ready and model in r.models]
+    ready = [r for r in usable
+             if (version in r.models[model].ready_versions if version else r.models[model].ready_versions)]
+    if ready or not version:
+        return ready
+    return [r for r in usable if version in r.models[model].versions]
 
 
 # How grpc reports a connection that failed or a stream that was lost, as
