@@ -48,6 +48,7 @@ class Breaker:
         self.step = 0  # index into HALF_OPEN_STEPS while half-open
         self._opened_at = 0.0
         self._outcomes: collections.deque[tuple[float, bool]] = collections.deque()  # (time, failed)
+        self._failures = 0  # failed ones among _outcomes, kept as they come and go: record() is per request
         self._rng = rng or random.Random()
 
     def allows(self, now: float) -> bool:
@@ -63,28 +64,33 @@ class Breaker:
     def record(self, now: float, failed: bool) -> State | None:
         """Counts one answer of the model; returns the new state if it changed."""
         self._outcomes.append((now, failed))
+        self._failures += failed
         while self._outcomes and now - self._outcomes[0][0] > self.policy.window_s:
-            self._outcomes.popleft()
+            self._failures -= self._outcomes.popleft()[1]
         seen = len(self._outcomes)
         if seen < self.policy.min_requests or self.state is State.OPEN:
             return None
-        rate = sum(1 for _, f in self._outcomes if f) / seen
+        rate = self._failures / seen
         if rate > self.policy.open_error_rate:
             self._enter(State.OPEN, now)
             return State.OPEN
         if self.state is State.HALF_OPEN and rate < self.policy.recover_error_rate:
             if self.step + 1 < len(HALF_OPEN_STEPS):
                 self.step += 1
-                self._outcomes.clear()  # each step is judged on its own answers
+                self._forget()  # each step is judged on its own answers
                 return None
             self._enter(State.CLOSED, now)
             return State.CLOSED
         return None
 
+    def _forget(self) -> None:
+        self._outcomes.clear()
+        self._failures = 0
+
     def _enter(self, state: State, now: float) -> None:
         self.state = state
         self.step = 0
-        self._outcomes.clear()
+        self._forget()
         if state is State.OPEN:
             self._opened_at = now
 
