@@ -58,6 +58,11 @@ class Model:
     def ready_versions(self) -> list[str]:
         return [v for v in self.serving if v not in self.drifted]
 
+    def loaded(self) -> dict[str, LoadedVersion]:
+        """Every loaded version, serving or standby, newest first."""
+        found = {**{v: lv for v, (lv, _) in self.standby.items()}, **self.serving}
+        return {v: found[v] for v in sorted(found, key=int, reverse=True)}
+
 
 @dataclasses.dataclass(frozen=True)
 class IndexEntry:
@@ -124,7 +129,7 @@ class ModelManager:
         await asyncio.gather(*self._tasks, *self._retiring, return_exceptions=True)
         loop = asyncio.get_running_loop()
         for model in self._models.values():
-            for loaded in [*model.serving.values(), *(lv for lv, _ in model.standby.values())]:
+            for loaded in model.loaded().values():
                 await loop.run_in_executor(None, loaded.close)
 
     def _spawn(self, coro) -> None:
@@ -195,7 +200,7 @@ class ModelManager:
 
     def _reusable(self, model: Model, config: ModelConfig, version: str) -> LoadedVersion | None:
         """A version already loaded from the same files with the same settings."""
-        current = model.serving.get(version) or model.standby.get(version, (None, 0.0))[0]
+        current = model.loaded().get(version)
         if current is None or current.broken or current.fingerprint != version_fingerprint(config.path / version):
             return None  # not loaded, lost a shard, or its files changed: load it afresh
         ignore_policy = {"version_policy": config.version_policy, "golden_probe": config.golden_probe,
@@ -241,7 +246,7 @@ class ModelManager:
         if model is None or not (model.serving or model.standby or model.wanted):
             raise errors.NotFound(f"model '{name}' is not loaded")
         async with model.lock:  # (a model whose load failed is only marked as no longer wanted)
-            leaving = [*model.serving.values(), *(lv for lv, _ in model.standby.values())]
+            leaving = list(model.loaded().values())
             model.serving, model.standby, model.drifted = {}, {}, {}
             model.last_error, model.wanted = "unloaded", False
             for loaded in leaving:
@@ -271,17 +276,13 @@ class ModelManager:
 
     def _publish(self, model: Model) -> None:
         """Metrics and health follow the model's state."""
-        for labels in list(metrics.VERSIONS._metrics):  # noqa: SLF001 (drop versions gone from this model)
-            if labels[0] == model.name:
-                metrics.VERSIONS.remove(*labels)
-        for labels in list(metrics.MEMORY._metrics):  # noqa: SLF001
-            if labels[0] == model.name:
-                metrics.MEMORY.remove(*labels)
-        for version, loaded in model.serving.items():
-            metrics.VERSIONS.labels(model.name, version, "unready" if version in model.drifted else "serving").set(1)
-            metrics.MEMORY.labels(model.name, version).set(loaded.memory_bytes)
-        for version, (loaded, _) in model.standby.items():
-            metrics.VERSIONS.labels(model.name, version, "standby").set(1)
+        for gauge in (metrics.VERSIONS, metrics.MEMORY):  # drop the versions gone from this model
+            for labels in list(gauge._metrics):  # noqa: SLF001
+                if labels[0] == model.name:
+                    gauge.remove(*labels)
+        for version, loaded in model.loaded().items():
+            state = "standby" if version not in model.serving else "unready" if version in model.drifted else "serving"
+            metrics.VERSIONS.labels(model.name, version, state).set(1)
             metrics.MEMORY.labels(model.name, version).set(loaded.memory_bytes)
         self._on_readiness(model.name, bool(model.ready_versions()))
 
@@ -379,11 +380,10 @@ class ModelManager:
         of its files) per model with a version loaded."""
         listed = []
         for name, model in sorted(self._models.items()):
-            loaded = sorted([*model.serving, *model.standby], key=int, reverse=True)
+            loaded = model.loaded()
             if loaded and model.config is not None:
-                revisions = {v: lv.revision for v, lv in model.serving.items()}
-                revisions.update({v: lv.revision for v, (lv, _) in model.standby.items()})
-                listed.append((model.config, loaded, model.ready_versions(), revisions))
+                listed.append((model.config, list(loaded), model.ready_versions(),
+                               {v: lv.revision for v, lv in loaded.items()}))
         return listed
 
     def is_ready(self, name: str, version: str = "") -> bool:
@@ -436,10 +436,10 @@ class ModelManager:
             if not ready:
                 raise errors.Unavailable(f"model '{name}' has no ready version: {model.drifted}")
             return model.serving[ready[0]]
-        loaded = model.serving.get(version) or model.standby.get(version, (None, 0.0))[0]
+        loaded = model.serving.get(version) or model.standby.get(version, (None, 0.0))[0]  # per batch: no sorting
         if loaded is None:
             raise errors.NotFound(f"model '{name}' has no version '{version}' loaded; loaded versions: "
-                                  f"{sorted([*model.serving, *model.standby], key=int, reverse=True)}")
+                                  f"{list(model.loaded())}")
         return loaded
 
     def _withdraw(self, name: str, loaded: LoadedVersion) -> None:
