@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from bench import loadgen
-from bench.report import machine, progress, write
+from bench.report import machine, progress, pyplot, write
 from bench.workload import ghz_data, texts
 from services.launcher.mesh import Mesh
 from tests.conftest import metric
@@ -199,10 +199,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     s = report["summary"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))

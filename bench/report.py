@@ -17,6 +17,16 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
+def pyplot():
+    """matplotlib.pyplot drawing to files only (no display on a server)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write(out: pathlib.Path, name: str, report: dict, markdown: str,
           plot: Callable[[dict, pathlib.Path], None] | None = None) -> None:
     """out/name.json, out/name.md and (given a plot) out/name.png; prints the Markdown."""

@@ -21,7 +21,7 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from bench.report import machine, progress, write
+from bench.report import machine, progress, pyplot, write
 from bench.workload import texts
 from services.model_server.shards import ShardedSession, read_manifest
 
@@ -134,10 +134,7 @@ Each shard holds about 1/N of the weights (shard 0 also holds the position and t
        "and 13 all-reduces per batch in place of one graph." if args.device == "cpu" else "")
 
     def plot(rep, path):
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         degrees = list(rep["degrees"])
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))

@@ -22,7 +22,7 @@ import grpc
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from bench.report import machine, progress, write
+from bench.report import machine, progress, pyplot, write
 from bench.workload import texts
 from services.launcher.mesh import Mesh
 from tests.oip import text_request
@@ -116,10 +116,7 @@ async def _one_run(router: str, model_server: str, run: int) -> list[dict]:
 
 
 def _plot(report: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     last = report["runs"][-1]
     timeline = last["timeline"]

@@ -19,7 +19,7 @@ import tempfile
 import time
 
 
-from bench.report import machine, progress, write
+from bench.report import machine, progress, pyplot, write
 from bench.workload import InProcessMinilm, ghz_unique_template, texts
 from services.launcher.mesh import Mesh
 
@@ -147,10 +147,7 @@ def markdown(report: dict, levels: list[int]) -> str:
 
 
 def plot(report: dict, levels: list[int], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     s = report["summary"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))

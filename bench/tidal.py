@@ -16,7 +16,7 @@ import tempfile
 import time
 
 from bench.batching import ghz
-from bench.report import machine, progress, write
+from bench.report import machine, progress, pyplot, write
 from services.launcher.mesh import Mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -85,10 +85,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4))
     phases = [ph for ph, _ in PHASES]

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from bench.report import machine, progress, write
+from bench.report import machine, progress, pyplot, write
 from services.model_server import build_variants as bv
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -222,10 +222,7 @@ def _markdown(r: dict) -> str:
 
 
 def _plot(r: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(r["variants"])
     v = r["variants"]
