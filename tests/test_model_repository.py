@@ -366,7 +366,7 @@ async def test_control_mode_none_refuses_changes(repo):
             assert "model control mode is 'none'" in raised.value.details()
 
 
-async def test_several_instances_share_the_work(repo):
+async def test_a_version_with_two_instances_answers_correctly_under_concurrency(repo):
     _config(repo / "mlp", instances={"count": 2})
     async with model_server(repo) as ms:
         loaded = ms.manager.resolve("mlp", "")
