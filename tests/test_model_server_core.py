@@ -21,9 +21,11 @@ async def test_waiting_batches_run_vip_first_then_in_order():
     waiting = [asyncio.create_task(batch(name, priority)) for name, priority in
                (("std-1", 0), ("vip-1", 1), ("std-2", 0), ("vip-2", 1))]
     await asyncio.sleep(0)
+    assert gate.waiting == 4  # the queue the autoscaler reads
     hold.set()
     await asyncio.gather(first, *waiting)
     assert ran == ["running", "vip-1", "vip-2", "std-1", "std-2"]
+    assert gate.waiting == 0
 
 
 async def test_a_cancelled_waiter_does_not_block_the_gate():
@@ -43,6 +45,9 @@ async def test_a_cancelled_waiter_does_not_block_the_gate():
     after = asyncio.create_task(batch("after"))
     await asyncio.sleep(0)
     gone.cancel()
+    await asyncio.sleep(0)
+    assert gate.waiting == 1  # a caller that left is no longer counted
     hold.set()
     await asyncio.gather(first, after)
     assert ran == ["running", "after"]
+    assert gate.waiting == 0

@@ -68,10 +68,12 @@ class PriorityGate:
     highest priority first, FIFO within a priority. (The executors alone would
     be FIFO: a VIP batch would wait behind every standard batch already sent.)"""
 
-    def __init__(self, capacity: int = 1):
+    def __init__(self, capacity: int = 1, queued=None):
         self._free = list(range(capacity))
         self._waiting: list[tuple[int, int, asyncio.Future]] = []
         self._order = itertools.count()
+        self._queued = queued  # a gauge of the batches waiting, if any
+        self.waiting = 0
 
     @contextlib.asynccontextmanager
     async def turn(self, priority: int):
@@ -81,16 +83,24 @@ class PriorityGate:
         else:
             future = asyncio.get_running_loop().create_future()
             heapq.heappush(self._waiting, (-priority, next(self._order), future))
+            self._count_waiting(+1)
             try:
                 instance = await future
             except asyncio.CancelledError:
                 if future.done() and not future.cancelled():
                     self._release(future.result())  # it was our turn: hand it on
                 raise
+            finally:
+                self._count_waiting(-1)
         try:
             yield instance
         finally:
             self._release(instance)
+
+    def _count_waiting(self, change: int) -> None:
+        self.waiting += change
+        if self._queued is not None:
+            self._queued.set(self.waiting)
 
     def _release(self, instance: int) -> None:
         while self._waiting:
@@ -139,7 +149,7 @@ class LoadedVersion:
         self.revision = revision  # a hash of the contents that decide the outputs
         self.memory_bytes = memory_bytes
         self.loaded_at = time.time()
-        self.gate = PriorityGate(len(instances))
+        self.gate = PriorityGate(len(instances), metrics.QUEUED.labels(config.name, version))
         self.broken = ""  # why a shard failed; such a version is not ready
         self._in_flight = 0
         self._idle = asyncio.Event()

@@ -21,6 +21,11 @@ PADDING = prometheus_client.Histogram(
     "infermesh_model_padding_fraction",
     "Share of the token positions of a batch that are padding (texts padded to the longest), by model.",
     ["model"], buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9))
+QUEUED = prometheus_client.Gauge(
+    "infermesh_model_queued_batches",
+    "Batches waiting for a free session instance, by model and version: the model server's own queue, "
+    "which the Kubernetes autoscaler reads (mesh/kubernetes).",
+    ["model", "version"])
 BATCHES = prometheus_client.Counter(
     "infermesh_model_batches_total", "Batches executed, by model and outcome.", ["model", "outcome"]
 )
