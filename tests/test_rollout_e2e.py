@@ -26,7 +26,7 @@ def blue_green(model_repository, tmp_path):
     policy = tmp_path / "traffic.yaml"
     shutil.copy(POLICY, policy)
     with Mesh(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2,
-              model_server_labels=("version=blue", "version=green"),
+              model_server_labels=("version=blue,pool=vip", "version=green"),
               batcher_args=("--replica-poll-s", "0.2", "--traffic-policy", str(policy)),
               router_args=("--catalog-poll-s", "0.2")) as mesh:
         yield mesh, policy

@@ -33,7 +33,7 @@ def blue_green(model_repository, tmp_path):
     policy = tmp_path / "traffic.yaml"
     set_weights(policy, 75, 25)
     with Mesh(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2,
-              model_server_labels=("version=blue", "version=green"),
+              model_server_labels=("version=blue,pool=vip", "version=green"),
               batcher_args=("--replica-poll-s", "0.2", "--max-batch-size", "1", "--traffic-policy", str(policy))) as mesh:
         yield mesh, policy
 
@@ -79,3 +79,21 @@ async def test_batches_split_by_weight_and_follow_an_edited_file(blue_green):
     assert batches(mesh, "model_server-0") == blue_before
     assert not mesh.dead()
     assert "traffic policy not reloaded" in (mesh.log_dir / "batcher.log").read_text()
+
+
+async def test_vip_batches_run_on_the_vip_pool_and_standard_ones_never_do(model_repository, tmp_path):
+    policy = tmp_path / "traffic.yaml"
+    set_weights(policy, 100, 0)
+    with Mesh(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2,
+              model_server_labels=("version=blue", "pool=vip"),
+              batcher_args=("--replica-poll-s", "0.2", "--traffic-policy", str(policy))) as mesh:
+        async with grpc.aio.insecure_channel(mesh.router) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            for tier, count in (("vip", 40), ("standard", 60)):
+                before = {name: batches(mesh, name) for name in ("model_server-0", "model_server-1")}
+                await asyncio.gather(*(stub.ModelInfer(text_request([f"{uuid.uuid4().hex} {tier}"]), timeout=60,
+                                                       metadata=(("x-user-tier", tier),)) for _ in range(count)))
+                ran = {name: batches(mesh, name) - before[name] for name in before}
+                pool, other = ("model_server-1", "model_server-0") if tier == "vip" else \
+                    ("model_server-0", "model_server-1")
+                assert ran[pool] >= 1 and ran[other] == 0, (tier, ran)

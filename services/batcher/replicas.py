@@ -146,7 +146,8 @@ class ReplicaSet:
             tried.add(replica.address)
             try:
                 with self._inflight(replica):
-                    response = await replica.stub.Execute(request, timeout=max(deadline - loop.time(), 0.001))
+                    response = await replica.stub.Execute(request, timeout=max(deadline - loop.time(), 0.001),
+                                                          metadata=tier_metadata(priority))
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code in RETRYABLE:
@@ -184,7 +185,7 @@ class ReplicaSet:
                                  timeout_s: float, priority: int) -> tuple[str, list[TensorData]]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        headers = {"x-user-tier": "vip" if priority >= 1 else "standard"}
+        headers = dict(tier_metadata(priority))
         route = self._policy.service.route(headers)
         if route is None:
             raise errors.Unavailable(f"no route of VirtualService {self._policy.service.name} matches {headers}")
@@ -211,7 +212,8 @@ class ReplicaSet:
             started = loop.time()
             try:
                 with self._inflight(replica):
-                    response = await replica.stub.Execute(request, timeout=max(per_try, 0.001))
+                    response = await replica.stub.Execute(request, timeout=max(per_try, 0.001),
+                                                          metadata=tier_metadata(priority))
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 metrics.UPSTREAM.labels(destination.subset, code.name).inc()
@@ -248,6 +250,13 @@ class ReplicaSet:
         if self._poller is not None:
             self._poller.cancel()
         await asyncio.gather(*(r.channel.close() for r in self._replicas))
+
+
+def tier_metadata(priority: int) -> tuple[tuple[str, str], ...]:
+    """The header a batch carries to the model servers. A VIP-led batch holds VIP
+    requests only, so the whole batch may take the VIP route: Istio's header match
+    in Kubernetes, the same VirtualService read by this batcher outside it."""
+    return (("x-user-tier", "vip" if priority >= 1 else "standard"),)
 
 
 def _candidates(replicas: list[Replica], model: str, version: str) -> list[Replica]:

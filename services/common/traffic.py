@@ -36,8 +36,9 @@ GATEWAY_ERRORS = frozenset({502, 503, 504})
 # Envoy's retry_on tokens that Istio accepts for gRPC and HTTP routes.
 GRPC_RETRY_ON = {"cancelled": "CANCELLED", "deadline-exceeded": "DEADLINE_EXCEEDED", "internal": "INTERNAL",
                  "resource-exhausted": "RESOURCE_EXHAUSTED", "unavailable": "UNAVAILABLE"}
-HTTP_RETRY_ON = {"5xx", "gateway-error", "reset", "connect-failure", "refused-stream", "retriable-4xx",
-                 "retriable-status-codes", "retriable-headers", "envoy-ratelimited", "http3-post-connect-failure"}
+HTTP_RETRY_ON = {"5xx", "gateway-error", "reset", "reset-before-request", "connect-failure", "refused-stream",
+                 "retriable-4xx", "retriable-status-codes", "retriable-headers", "envoy-ratelimited",
+                 "http3-post-connect-failure"}
 MAX_EJECTION_TIME_S = 300.0  # Envoy's max_ejection_time default
 BACKOFF_BASE_S = 0.025  # Envoy's default retry back-off base interval; the cap is 10x
 
@@ -97,7 +98,8 @@ class RetryPolicy:
         for token in self.retry_on:
             if GRPC_RETRY_ON.get(token) == grpc_code:
                 return True
-            if transport_failure and (token in ("5xx", "gateway-error", "reset", "connect-failure", "refused-stream")
+            if transport_failure and (token in ("5xx", "gateway-error", "reset", "reset-before-request",
+                                                "connect-failure", "refused-stream")
                                       or token in ("502", "503", "504")):
                 return True
         return False

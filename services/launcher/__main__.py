@@ -26,8 +26,9 @@ def main() -> int:
     parser.add_argument("--log-dir", default=os.environ.get("INFERMESH_LOG_DIR"), help="write each service's log here")
     parser.add_argument("--traffic-policy", default="mesh/istio/model-server-traffic.yaml",
                         help="the VirtualService/DestinationRule the batcher applies ('' for none)")
-    parser.add_argument("--model-server-labels", default="version=blue",
-                        help="labels of the model server, as a DestinationRule subset selects them")
+    parser.add_argument("--model-server-labels", default="version=blue,pool=vip",
+                        help="labels of the model server, as a DestinationRule subset selects them (one local "
+                             "server is in both the blue subset and the VIP pool)")
     args = parser.parse_args()
 
     def interrupt(*_):
