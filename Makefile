@@ -4,12 +4,14 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 GHZ_VERSION := v0.121.0
+KUSTOMIZE_VERSION := v5.8.0
+ISTIO_API_VERSION := v1.32.0
 MODEL_REPO := build/models
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
-.PHONY: setup venv system-deps ghz stubs models run test bench clean
+.PHONY: setup venv system-deps ghz kustomize istio-crds stubs models run test check-manifests bench clean
 
-setup: venv system-deps ghz stubs models
+setup: venv system-deps ghz kustomize istio-crds stubs models
 	@echo "setup complete: 'make run' starts the mesh, 'make test' runs the tests"
 
 venv: $(VENV)/.installed
@@ -39,6 +41,22 @@ bin/ghz:
 	@echo "building ghz $(GHZ_VERSION) with go install ..."
 	GOBIN=$(CURDIR)/bin go install github.com/bojand/ghz/cmd/ghz@$(GHZ_VERSION)
 
+kustomize: bin/kustomize
+
+bin/kustomize:
+	@echo "building kustomize $(KUSTOMIZE_VERSION) with go install ..."
+	GOBIN=$(CURDIR)/bin go install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)
+
+# Istio's CRDs (their OpenAPI schemas and CEL rules) from the istio.io/api Go
+# module, which the manifest checks validate against (tools/manifests.py).
+istio-crds: build/istio/customresourcedefinitions.gen.yaml
+
+build/istio/customresourcedefinitions.gen.yaml: $(VENV)/.installed
+	@echo "fetching istio.io/api $(ISTIO_API_VERSION) with go mod download ..."
+	@mkdir -p $(@D)
+	dir=$$(go mod download -json istio.io/api@$(ISTIO_API_VERSION) | $(PY) -c 'import json, sys; print(json.load(sys.stdin)["Dir"])') \
+	  && install -m 644 "$$dir/kubernetes/customresourcedefinitions.gen.yaml" $@
+
 stubs: gen/.stamp
 
 gen/.stamp: $(PROTOS) $(VENV)/.installed tools/gen_stubs.py
@@ -53,6 +71,9 @@ run: setup
 
 test: stubs
 	$(PY) -m pytest tests
+
+check-manifests: kustomize istio-crds
+	$(PY) -m tools.manifests
 
 bench:
 	$(PY) -m bench.throughput

@@ -1,0 +1,169 @@
+"""The Kubernetes and Istio manifests, rendered by the real kustomize and
+checked against the Kubernetes schemas, Istio's CRD schemas and CEL rules,
+Istio's rules in code and our cross-resource rules (tools/manifests.py).
+Each check is also shown to catch the mistake it exists for."""
+
+import copy
+import json
+import os
+
+import pytest
+
+from services.common import traffic
+from tools import manifests
+
+OVERLAYS = sorted(p for p in manifests.OVERLAYS.iterdir() if p.is_dir())
+POLICY = manifests.ROOT / "mesh" / "istio" / "model-server-traffic.yaml"
+
+
+@pytest.fixture(scope="module")
+def istio():
+    return manifests.IstioSchemas()
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return manifests.render(manifests.OVERLAYS / "dev")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.name for p in OVERLAYS])
+def test_every_overlay_passes_every_check(overlay, istio):
+    docs = manifests.render(overlay)
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "VirtualService", "DestinationRule", "PeerAuthentication",
+            "AuthorizationPolicy", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ConfigMap"} <= kinds
+    assert manifests.problems(docs, istio) == []
+
+
+def test_the_base_and_the_istio_folder_render_on_their_own(istio):
+    for path in (manifests.ROOT / "mesh" / "kubernetes" / "base", manifests.ROOT / "mesh" / "istio"):
+        docs = manifests.render(path)
+        assert docs and all(not istio.knows(d) or istio.problems(d) == [] for d in docs)
+
+
+def test_the_batcher_applies_the_same_model_server_policy_outside_kubernetes():
+    services, rules = traffic.load_policy_files(POLICY)
+    (service,), (rule,) = services, rules
+    assert service.route({"x-user-tier": "vip"}).destinations[0].subset == "vip"
+    assert {d.subset for d in service.route({"x-user-tier": "standard"}).destinations} == {"blue", "green"}
+    # One local model server labelled for both pools serves VIP and standard traffic.
+    assert set(rule.subset_of({"version": "blue", "pool": "vip"})) == {"blue", "vip"}
+    assert rule.outlier.max_ejection_percent == 100
+
+
+def _find(docs, kind, name):
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def _container(docs, deployment):
+    return _find(docs, "Deployment", deployment)["spec"]["template"]["spec"]["containers"][0]
+
+
+def _env(docs, deployment, name):
+    return next(e for e in _container(docs, deployment)["env"] if e["name"] == name)
+
+
+def _route(docs, host, name):
+    return next(r for r in _find(docs, "VirtualService", host)["spec"]["http"] if r.get("name") == name)
+
+
+def _dashboard(docs):
+    config_map = _find(docs, "ConfigMap", "infermesh-grafana-dashboard")
+    return config_map, json.loads(config_map["data"]["infermesh.json"])
+
+
+def _break_dashboard(docs):
+    config_map, dashboard = _dashboard(docs)
+    dashboard["panels"][1]["targets"][0]["expr"] = "sum(rate(infermesh_router_answers_total[1m]))"
+    config_map["data"]["infermesh.json"] = json.dumps(dashboard)
+
+
+MISTAKES = {
+    "unknown Kubernetes field": (
+        lambda d: _container(d, "router")["readinessProbe"].update(grpcService="x"),
+        "Additional properties are not allowed ('grpcService'"),
+    "wrong Kubernetes type": (
+        lambda d: _find(d, "Deployment", "batcher")["spec"].update(replicas="two"),
+        "Deployment/batcher: spec.replicas: 'two' is not of type 'integer'"),
+    "unknown Istio field": (
+        lambda d: _route(d, "model-server", "blue-green").update(retry={"attempts": 1}),
+        "VirtualService/model-server: spec.http.1: Additional properties are not allowed ('retry'"),
+    "duration under 1ms (Istio's CEL rule and code)": (
+        lambda d: _find(d, "DestinationRule", "model-server")["spec"]["trafficPolicy"]["outlierDetection"].update(
+            interval="0s"),
+        "outlierDetection.interval: '0s' is shorter than 1ms"),
+    "retryOn token Envoy does not know": (
+        lambda d: _route(d, "model-server", "blue-green")["retries"].update(retryOn="unavailable,timeout"),
+        "'timeout' is not a valid retryOn policy"),
+    "retry policy with retries off": (
+        lambda d: _route(d, "cache", "lookups")["retries"].update(retryOn="connect-failure"),
+        "a retry policy with attempts 0 (retries off) must say nothing else"),
+    "route to an undefined subset": (
+        lambda d: _route(d, "model-server", "vip")["route"][0]["destination"].update(subset="gold"),
+        "subset 'gold' of model-server is defined by no DestinationRule"),
+    "route unreachable after a catch-all": (
+        lambda d: _find(d, "VirtualService", "model-server")["spec"]["http"].reverse(),
+        "unreachable, route blue-green before it has no match"),
+    "timeout on a route of bidirectional streams": (
+        lambda d: _route(d, "batcher", "request-streams").update(timeout="30s"),
+        "batcher carries bidirectional streams; a route timeout (30s) would cut every stream"),
+    "Istio's default maxEjectionPercent with two replicas a subset": (
+        lambda d: _find(d, "DestinationRule", "model-server")["spec"]["trafficPolicy"]["outlierDetection"].pop(
+            "maxEjectionPercent"),
+        "maxEjectionPercent 10 ejects nothing"),
+    "caller the AuthorizationPolicy does not allow": (
+        lambda d: _find(d, "AuthorizationPolicy", "model-server")["spec"]["rules"][0]["from"][0]["source"].update(
+            principals=["cluster.local/ns/infermesh/sa/infermesh-router"]),
+        "no AuthorizationPolicy allows service account 'infermesh-batcher' to reach Deployment/model-server-blue"),
+    "principal of another namespace": (
+        lambda d: _find(d, "AuthorizationPolicy", "cache")["spec"]["rules"][0]["from"][0]["source"].update(
+            principals=["cluster.local/ns/default/sa/infermesh-router"]),
+        "principal 'cluster.local/ns/default/sa/infermesh-router' is no service account of namespace 'infermesh'"),
+    "environment variable that sets nothing": (
+        lambda d: _env(d, "batcher", "INFERMESH_BATCHER_MAX_INFLIGHT_BATCHES_PER_REPLICA").update(
+            name="INFERMESH_BATCHER_MAX_INFLIGHT"),
+        "INFERMESH_BATCHER_MAX_INFLIGHT sets no field of services.batcher's config"),
+    "probe of a health service nobody registers": (
+        lambda d: _container(d, "cache")["livenessProbe"]["grpc"].update(service="infermesh.cache.Cache"),
+        "livenessProbe asks health of 'infermesh.cache.Cache'"),
+    "Service port with no protocol for Istio": (
+        lambda d: _find(d, "Service", "batcher")["spec"]["ports"][0].update(name="batcher", appProtocol=None),
+        "Service/batcher: port 'batcher' names no protocol"),
+    "Service port that reaches no container port": (
+        lambda d: _find(d, "Service", "cache")["spec"]["ports"][0].update(targetPort="gprc"),
+        "targetPort 'gprc' is no container port"),
+    "autoscaler metric prometheus-adapter does not serve": (
+        lambda d: _find(d, "HorizontalPodAutoscaler", "model-server-blue")["spec"]["metrics"][0]["pods"]["metric"]
+        .update(name="infermesh_queue_length"),
+        "Pods metric 'infermesh_queue_length' is not served by prometheus-adapter"),
+    "scale-down window that flaps": (
+        lambda d: _find(d, "HorizontalPodAutoscaler", "router")["spec"]["behavior"]["scaleDown"].update(
+            stabilizationWindowSeconds=0),
+        "a scale-down window under 60 s lets the replica count flap"),
+    "dashboard query of a metric we do not export": (
+        _break_dashboard, "infermesh_router_answers_total is not a series our services export"),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_each_check_catches_its_mistake(mistake, dev, istio):
+    docs = copy.deepcopy(dev)
+    break_it, expected = MISTAKES[mistake]
+    break_it(docs)
+    for doc in docs:  # appProtocol=None above means "without one"
+        if doc["kind"] == "Service":
+            for port in doc["spec"]["ports"]:
+                if port.get("appProtocol", "") is None:
+                    del port["appProtocol"]
+    found = manifests.problems(docs, istio)
+    assert any(expected in p for p in found), "\n".join(found)
+
+
+def test_a_namespace_given_by_an_overlay_must_carry_its_principals_along(istio, tmp_path):
+    overlay = tmp_path / "elsewhere"
+    overlay.mkdir()
+    base = os.path.relpath(manifests.OVERLAYS / "dev", overlay)  # kustomize takes relative paths only
+    (overlay / "kustomization.yaml").write_text(f"resources:\n- {base}\nnamespace: serving\n")
+    found = manifests.problems(manifests.render(overlay), istio)
+    assert any("principal 'cluster.local/ns/infermesh/sa/infermesh-batcher' is no service account of namespace "
+               "'serving'" in p for p in found), found

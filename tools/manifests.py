@@ -1,0 +1,702 @@
+"""Checks the Kubernetes and Istio manifests against upstream definitions and
+against each other:  python -m tools.manifests [KUSTOMIZATION ...]
+
+Each kustomization (default: every overlay in mesh/kubernetes/overlays) is
+rendered by the real kustomize (bin/kustomize, built by `make setup`), then:
+
+- Kubernetes resources are validated against the Kubernetes OpenAPI schemas
+  (kubernetes-validate, strict: an unknown field is an error);
+- Istio resources against the OpenAPI schemas of Istio's own CRDs (the
+  istio.io/api Go module, fetched by `make setup`), with unknown fields
+  rejected as the API server's strict field validation does, and with the
+  CRDs' x-kubernetes-validations CEL rules evaluated;
+- the rules Istio checks in code rather than in its schemas (retry policies,
+  weights, subset names, durations, header matches, unreachable routes);
+- cross-resource rules: every route's host is a Service and every subset it
+  names is defined and selects pods; Service ports name a protocol and reach
+  a container port; probes ask for health services our servers register;
+  every INFERMESH_* variable is a field of that service's config; each caller
+  that the configuration wires up is allowed by the callee's
+  AuthorizationPolicy; routes that carry bidirectional streams have no
+  timeout; outlier detection can eject with the pool's fewest replicas;
+  autoscalers read metrics that prometheus-adapter serves and our services
+  export; the dashboard's queries name metrics and labels that exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+KUSTOMIZE = ROOT / "bin" / "kustomize"
+ISTIO_CRDS = ROOT / "build" / "istio" / "customresourcedefinitions.gen.yaml"
+OVERLAYS = ROOT / "mesh" / "kubernetes" / "overlays"
+ADAPTER_VALUES = ROOT / "mesh" / "kubernetes" / "monitoring" / "prometheus-adapter-values.yaml"
+KUBERNETES_VERSION = "1.34"
+
+SERVICES = {  # module -> (config class, env prefix)
+    "router": ("services.router.config:RouterConfig", "INFERMESH_ROUTER_"),
+    "batcher": ("services.batcher.config:BatcherConfig", "INFERMESH_BATCHER_"),
+    "model_server": ("services.model_server.config:ModelServerConfig", "INFERMESH_MODEL_SERVER_"),
+    "cache": ("services.cache.config:CacheConfig", "INFERMESH_CACHE_"),
+}
+METRICS_MODULES = ("services.router.metrics", "services.batcher.metrics", "services.model_server.metrics",
+                   "services.cache.metrics", "services.common.metrics")
+
+
+class ManifestError(Exception):
+    """The manifests could not be rendered or read (not a finding about their content)."""
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def render(kustomization: pathlib.Path) -> list[dict]:
+    """The resources `kustomize build` makes of a kustomization folder."""
+    if not KUSTOMIZE.exists():
+        raise ManifestError(f"{KUSTOMIZE} is missing: run `make setup`")
+    done = subprocess.run([str(KUSTOMIZE), "build", str(kustomization)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ManifestError(f"kustomize build {kustomization}: {done.stderr.strip()}")
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def name_of(doc: dict) -> str:
+    return f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+
+
+# ---------------------------------------------------------------- Kubernetes schemas
+
+
+def kubernetes_problems(doc: dict) -> list[str]:
+    """Strict validation against the Kubernetes OpenAPI schema of the doc's apiVersion and kind."""
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        where = ".".join(str(p) for p in exc.path)
+        return [f"{name_of(doc)}: {where}: {exc.message}"]
+    return []
+
+
+def is_kubernetes_kind(doc: dict) -> bool:
+    group = doc.get("apiVersion", "").rpartition("/")[0]
+    return "." not in group or group.endswith(".k8s.io")
+
+
+# ---------------------------------------------------------------- Istio CRD schemas
+
+
+class IstioSchemas:
+    """The openAPIV3Schema of every served version of Istio's CRDs."""
+
+    def __init__(self, crd_file: pathlib.Path = ISTIO_CRDS):
+        if not crd_file.exists():
+            raise ManifestError(f"{crd_file} is missing: run `make setup` (it fetches istio.io/api with Go)")
+        self._schemas: dict[tuple[str, str], dict] = {}
+        for crd in yaml.safe_load_all(crd_file.read_text()):
+            if not crd or crd.get("kind") != "CustomResourceDefinition":
+                continue
+            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+            for version in crd["spec"]["versions"]:
+                if version.get("served"):
+                    self._schemas[(f"{group}/{version['name']}", kind)] = version["schema"]["openAPIV3Schema"]
+
+    def knows(self, doc: dict) -> bool:
+        return doc.get("apiVersion", "").split("/")[0].endswith("istio.io")
+
+    def problems(self, doc: dict) -> list[str]:
+        import jsonschema
+
+        schema = self._schemas.get((doc.get("apiVersion"), doc.get("kind")))
+        if schema is None:
+            return [f"{name_of(doc)}: Istio serves no {doc.get('kind')} in {doc.get('apiVersion')}"]
+        found = []
+        spec_schema = schema["properties"]["spec"]
+        validator = jsonschema.Draft7Validator(_strict(spec_schema), format_checker=None)
+        for error in sorted(validator.iter_errors(doc.get("spec", {})), key=lambda e: list(e.path)):
+            where = ".".join(str(p) for p in error.path) or "spec"
+            found.append(f"{name_of(doc)}: spec.{where}: {error.message}" if error.path
+                         else f"{name_of(doc)}: spec: {error.message}")
+        found += [f"{name_of(doc)}: {p}" for p in _cel_problems(spec_schema, doc.get("spec", {}), "spec")]
+        return found
+
+
+def _strict(schema):
+    """A copy of a structural schema that rejects fields it does not declare
+    (the API server's strict field validation) and reads Kubernetes' extensions."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items() if not k.startswith("x-kubernetes-")}
+    if schema.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if schema.get("nullable"):
+        out.pop("nullable")
+        if "type" in out:
+            out["type"] = [out["type"], "null"]
+    if (out.get("type") == "object" and "properties" in out and "additionalProperties" not in out
+            and not schema.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _cel_program(rule: str):
+    import celpy
+
+    environment = celpy.Environment()
+    return environment.program(environment.compile(rule))
+
+
+def _cel_problems(schema: dict, value, where: str) -> list[str]:
+    """Evaluates the x-kubernetes-validations rules of `schema` and of the
+    schemas under it on `value`, as the API server does on create."""
+    import celpy
+
+    found = []
+    for rule in schema.get("x-kubernetes-validations", []):
+        if "oldSelf" in rule["rule"]:  # transition rules only apply to updates
+            continue
+        try:
+            ok = _cel_program(rule["rule"]).evaluate({"self": celpy.json_to_cel(value)})
+        except Exception as exc:  # celpy raises its own error types for type mismatches
+            found.append(f"{where}: CEL rule {rule['rule']!r} could not be evaluated: {exc}")
+            continue
+        if ok is not True and not (isinstance(ok, celpy.celtypes.BoolType) and bool(ok)):
+            found.append(f"{where}: {rule.get('message') or 'fails ' + repr(rule['rule'])}")
+    if isinstance(value, dict):
+        properties = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            sub = properties.get(key) or (extra if isinstance(extra, dict) else None)
+            if sub is not None:
+                found += _cel_problems(sub, item, f"{where}.{key}")
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            found += _cel_problems(schema["items"], item, f"{where}[{i}]")
+    return found
+
+
+# ---------------------------------------------------------------- Istio's rules in code
+
+# Envoy's retry_on values that Istio accepts, besides HTTP status codes.
+ISTIO_RETRY_ON = {"5xx", "gateway-error", "reset", "reset-before-request", "connect-failure", "retriable-4xx",
+                  "refused-stream", "retriable-status-codes", "retriable-headers", "envoy-ratelimited",
+                  "http3-post-connect-failure", "cancelled", "deadline-exceeded", "internal",
+                  "resource-exhausted", "unavailable"}
+GRPC_STATUS_NAMES = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+                     "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
+                     "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"}
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~A-Za-z0-9]+$")
+DURATION = re.compile(r"^(\d+(\.\d+)?(h|m|s|ms|us|µs|ns))+$")
+HTTP_STATUS = set(range(100, 104)) | set(range(200, 209)) | {226} | set(range(300, 309)) \
+    | set(range(400, 419)) | set(range(421, 427)) | {428, 429, 431, 451} | set(range(500, 509)) | {510, 511}
+
+
+def duration_s(text) -> float | None:
+    """Seconds of a protobuf-JSON/Go duration string, None if it is not one."""
+    if not isinstance(text, str) or not DURATION.match(text):
+        return None
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+    return sum(float(n) * units[u] for n, _, u in re.findall(r"(\d+(\.\d+)?)(h|ms|us|µs|ns|m|s)", text))
+
+
+def _duration_problem(value, where: str) -> list[str]:
+    seconds = duration_s(value)
+    if seconds is None:
+        return [f"{where}: {value!r} is not a duration"]
+    if seconds < 1e-3:
+        return [f"{where}: {value!r} is shorter than 1ms"]
+    return []
+
+
+def istio_code_problems(doc: dict) -> list[str]:
+    kind, spec, name = doc.get("kind"), doc.get("spec") or {}, name_of(doc)
+    found: list[str] = []
+    if kind == "VirtualService":
+        if not spec.get("hosts"):
+            found.append(f"{name}: spec.hosts: a VirtualService needs at least one host")
+        catch_all = None
+        for i, http in enumerate(spec.get("http") or []):
+            at = f"{name}: spec.http[{i}]"
+            if catch_all is not None:
+                found.append(f"{at}: unreachable, route {catch_all} before it has no match")
+            if not http.get("match"):
+                catch_all = http.get("name", i)
+            for j, match in enumerate(http.get("match") or []):
+                for header, rule in (match.get("headers") or {}).items():
+                    if not HEADER_NAME.match(header) or header != header.lower():
+                        found.append(f"{at}.match[{j}].headers: {header!r} is not a lower-case header name")
+                    if isinstance(rule, dict) and rule.get("prefix") == "":
+                        found.append(f"{at}.match[{j}].headers.{header}: an empty prefix matches nothing")
+                    if isinstance(rule, dict) and "regex" in rule:
+                        if len(rule["regex"]) > 1024:
+                            found.append(f"{at}.match[{j}].headers.{header}: regex longer than 1024")
+                        try:
+                            re.compile(rule["regex"])
+                        except re.error as exc:
+                            found.append(f"{at}.match[{j}].headers.{header}: regex {rule['regex']!r}: {exc}")
+            destinations = http.get("route") or []
+            if not destinations and not http.get("redirect") and not http.get("directResponse"):
+                found.append(f"{at}: an HTTP route needs a destination")
+            for j, item in enumerate(destinations):
+                destination = item.get("destination") or {}
+                if destination.get("host") in (None, "", "*"):
+                    found.append(f"{at}.route[{j}]: invalid destination host {destination.get('host')!r}")
+                if "subset" in destination and not DNS_LABEL.match(str(destination["subset"])):
+                    found.append(f"{at}.route[{j}]: subset name {destination['subset']!r} is not a DNS-1123 label")
+                weight = item.get("weight", 0)
+                if not isinstance(weight, int) or not 0 <= weight <= 100:
+                    found.append(f"{at}.route[{j}]: weight {weight!r} must be 0..100")
+            if len(destinations) > 1 and sum(int(d.get("weight", 0)) for d in destinations) == 0:
+                found.append(f"{at}: total destination weight = 0")
+            if "timeout" in http:
+                found += _duration_problem(http["timeout"], f"{at}.timeout")
+            retries = http.get("retries")
+            if retries is not None:
+                attempts = retries.get("attempts", 0)
+                if attempts < 0:
+                    found.append(f"{at}.retries.attempts: cannot be negative, got {attempts}")
+                if attempts == 0 and any(k in retries for k in ("perTryTimeout", "retryOn", "retryRemoteLocalities")):
+                    found.append(f"{at}.retries: a retry policy with attempts 0 (retries off) must say nothing else")
+                if "perTryTimeout" in retries:
+                    found += _duration_problem(retries["perTryTimeout"], f"{at}.retries.perTryTimeout")
+                for token in str(retries.get("retryOn", "")).split(",") if retries.get("retryOn") else []:
+                    if token not in ISTIO_RETRY_ON and not (token.isdigit() and int(token) in HTTP_STATUS):
+                        found.append(f"{at}.retries.retryOn: {token!r} is not a valid retryOn policy")
+            abort = (http.get("fault") or {}).get("abort") or {}
+            if "grpcStatus" in abort and abort["grpcStatus"] not in GRPC_STATUS_NAMES:
+                found.append(f"{at}.fault.abort.grpcStatus: {abort['grpcStatus']!r} is not a gRPC status name")
+            percentage = (abort.get("percentage") or {}).get("value")
+            if percentage is not None and not 0 <= percentage <= 100:
+                found.append(f"{at}.fault.abort.percentage: {percentage} is not 0..100")
+    elif kind == "DestinationRule":
+        for i, subset in enumerate(spec.get("subsets") or []):
+            if not DNS_LABEL.match(str(subset.get("name", ""))):
+                found.append(f"{name}: spec.subsets[{i}].name {subset.get('name')!r} is not a DNS-1123 label")
+        policy = spec.get("trafficPolicy")
+        if policy is not None:
+            if not policy:
+                found.append(f"{name}: spec.trafficPolicy must have at least one field")
+            pool = policy.get("connectionPool")
+            if pool is not None and not (pool.get("http") or pool.get("tcp")):
+                found.append(f"{name}: spec.trafficPolicy.connectionPool must have at least one field")
+            for key, value in {**(pool or {}).get("http", {}), **(pool or {}).get("tcp", {})}.items():
+                if isinstance(value, int) and value < 0:
+                    found.append(f"{name}: connectionPool {key} must be non-negative, got {value}")
+                if key in ("connectTimeout", "idleTimeout", "maxConnectionDuration"):
+                    found += _duration_problem(value, f"{name}: connectionPool.{key}")
+            outlier = policy.get("outlierDetection")
+            if outlier is not None:
+                for key in ("interval", "baseEjectionTime"):
+                    if key in outlier:
+                        found += _duration_problem(outlier[key], f"{name}: outlierDetection.{key}")
+                for key in ("maxEjectionPercent", "minHealthPercent"):
+                    if key in outlier and not 0 <= outlier[key] <= 100:
+                        found.append(f"{name}: outlierDetection.{key} must be 0..100, got {outlier[key]}")
+                if outlier.get("consecutiveLocalOriginFailures") and not outlier.get("splitExternalLocalOriginErrors"):
+                    found.append(f"{name}: outlierDetection.consecutiveLocalOriginFailures needs "
+                                 "splitExternalLocalOriginErrors")
+    elif kind == "AuthorizationPolicy":
+        for i, rule in enumerate(spec.get("rules") or []):
+            for source in (s.get("source", {}) for s in rule.get("from") or []):
+                for principal in source.get("principals", []):
+                    if principal != "*" and not re.match(r"^[^/]+/ns/[^/]+/sa/[^/]+$", principal):
+                        found.append(f"{name}: spec.rules[{i}]: principal {principal!r} is not "
+                                     "<trust domain>/ns/<namespace>/sa/<service account>")
+            for operation in (t.get("operation", {}) for t in rule.get("to") or []):
+                for port in operation.get("ports", []):
+                    if not str(port).isdigit() or not 0 < int(port) <= 65535:
+                        found.append(f"{name}: spec.rules[{i}]: port {port!r} is not 1..65535")
+    return found
+
+
+# ---------------------------------------------------------------- across resources
+
+
+@dataclasses.dataclass
+class Workload:
+    """A Deployment as the mesh sees it: labels of its pods, their containers."""
+    doc: dict
+
+    @property
+    def name(self) -> str:
+        return self.doc["metadata"]["name"]
+
+    @property
+    def labels(self) -> dict:
+        return self.doc["spec"]["template"]["metadata"].get("labels", {})
+
+    @property
+    def pod(self) -> dict:
+        return self.doc["spec"]["template"]["spec"]
+
+    @property
+    def containers(self) -> list[dict]:
+        return self.pod.get("containers", [])
+
+    @property
+    def service_account(self) -> str:
+        return self.pod.get("serviceAccountName", "default")
+
+    def selected_by(self, selector: dict) -> bool:
+        return bool(selector) and all(self.labels.get(k) == v for k, v in selector.items())
+
+    def port_names(self) -> dict[str, int]:
+        return {p["name"]: p["containerPort"] for c in self.containers for p in c.get("ports", []) if "name" in p}
+
+    def service_module(self, container: dict) -> str | None:
+        """Which of our services a container runs (python -m services.<name>)."""
+        argv = [*container.get("command", []), *container.get("args", [])]
+        for i, arg in enumerate(argv[:-1]):
+            if arg == "-m" and argv[i + 1].startswith("services."):
+                return argv[i + 1].split(".")[1]
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def health_services(module: str) -> frozenset[str]:
+    """The grpc.health.v1 service names a service of ours registers ("" is the whole server)."""
+    server = importlib.import_module(f"services.{module}.server")
+    return frozenset({"", *(getattr(server, n) for n in ("SERVICE_NAME", "OIP_SERVICE_NAME") if hasattr(server, n))})
+
+
+@functools.lru_cache(maxsize=None)
+def streams_bidirectionally(module: str) -> bool:
+    """Whether the gRPC service a module serves has a bidirectional-streaming method."""
+    from google.protobuf import descriptor_pool
+
+    server = importlib.import_module(f"services.{module}.server")
+    service = descriptor_pool.Default().FindServiceByName(server.SERVICE_NAME)
+    return any(m.client_streaming and m.server_streaming for m in service.methods)
+
+
+@functools.lru_cache(maxsize=None)
+def config_fields(module: str) -> frozenset[str]:
+    path, cls = SERVICES[module][0].split(":")
+    return frozenset(f.name for f in dataclasses.fields(getattr(importlib.import_module(path), cls)))
+
+
+@functools.lru_cache(maxsize=None)
+def exported_metrics() -> dict[str, frozenset[str]]:
+    """Every Prometheus series name our services export, with its label names."""
+    import prometheus_client
+
+    names: dict[str, frozenset[str]] = {}
+    for module in METRICS_MODULES:
+        for value in vars(importlib.import_module(module)).values():
+            if isinstance(value, prometheus_client.metrics.MetricWrapperBase):
+                labels = frozenset(value._labelnames)
+                base = value._name
+                if value._type == "counter":
+                    names[base + "_total"] = labels
+                elif value._type == "histogram":
+                    names.update({base + "_bucket": labels | {"le"}, base + "_sum": labels, base + "_count": labels})
+                else:
+                    names[base] = labels
+    return names
+
+
+def _short_host(host: str, namespace: str) -> str:
+    """A VirtualService host as a Service name in the rules' namespace."""
+    for suffix in (f".{namespace}.svc.cluster.local", f".{namespace}.svc", f".{namespace}"):
+        if host.endswith(suffix):
+            return host[: -len(suffix)]
+    return host
+
+
+def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALUES) -> list[str]:
+    found: list[str] = []
+    by_kind: dict[str, list[dict]] = {}
+    for doc in docs:
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    workloads = [Workload(d) for d in by_kind.get("Deployment", [])]
+    services = {d["metadata"]["name"]: d for d in by_kind.get("Service", [])}
+    accounts = {d["metadata"]["name"] for d in by_kind.get("ServiceAccount", [])}
+    rules = {_short_host(d["spec"]["host"], d["metadata"].get("namespace", "")): d
+             for d in by_kind.get("DestinationRule", [])}
+    namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] not in ("Namespace",)}
+    if len(namespaces) != 1 or None in namespaces:
+        found.append(f"resources are spread over namespaces {sorted(map(str, namespaces))}; expected one")
+    namespace = next(iter(namespaces - {None}), "")
+    for ns in by_kind.get("Namespace", []):
+        labels = ns["metadata"].get("labels", {})
+        if labels.get("istio-injection") != "enabled" and "istio.io/rev" not in labels:
+            found.append(f"{name_of(ns)}: no istio-injection=enabled label: pods would run without sidecars")
+
+    def backing(service: dict) -> list[Workload]:
+        return [w for w in workloads if w.selected_by(service["spec"].get("selector", {}))]
+
+    def replicas(workload: Workload) -> int:
+        hpa = next((h for h in by_kind.get("HorizontalPodAutoscaler", [])
+                    if h["spec"]["scaleTargetRef"]["name"] == workload.name), None)
+        return hpa["spec"].get("minReplicas", 1) if hpa else workload.doc["spec"].get("replicas", 1)
+
+    # Services: protocol-named ports that reach a container port of every pod behind them.
+    for name, service in services.items():
+        behind = backing(service)
+        if not behind:
+            found.append(f"Service/{name}: its selector {service['spec'].get('selector')} matches no Deployment")
+        for port in service["spec"].get("ports", []):
+            protocol = port.get("appProtocol") or port.get("name", "").split("-")[0]
+            if protocol not in ("grpc", "http", "http2", "tcp", "tls", "https", "grpc-web", "mongo", "mysql",
+                                "redis", "udp"):
+                found.append(f"Service/{name}: port {port.get('name')!r} names no protocol for Istio "
+                             "(name it grpc-..., http-..., tcp-... or set appProtocol)")
+            target = port.get("targetPort", port["port"])
+            for workload in behind:
+                if isinstance(target, str) and target not in workload.port_names():
+                    found.append(f"Service/{name}: targetPort {target!r} is no container port of "
+                                 f"Deployment/{workload.name}")
+
+    # Containers: probes, environment, service accounts.
+    for workload in workloads:
+        if workload.service_account not in accounts:
+            found.append(f"Deployment/{workload.name}: service account {workload.service_account!r} is not defined")
+        for container in workload.containers:
+            module = workload.service_module(container)
+            ports = {p["containerPort"] for p in container.get("ports", [])}
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                probe = container.get(kind, {}).get("grpc")
+                if probe is None:
+                    continue
+                if probe["port"] not in ports:
+                    found.append(f"Deployment/{workload.name}: {kind} asks port {probe['port']}, not a container port")
+                if module and probe.get("service", "") not in health_services(module):
+                    found.append(f"Deployment/{workload.name}: {kind} asks health of {probe.get('service')!r}; "
+                                 f"services.{module} registers {sorted(health_services(module))}")
+            if module in SERVICES:
+                prefix = SERVICES[module][1]
+                for env in container.get("env", []):
+                    if env["name"].startswith(prefix) and env["name"][len(prefix):].lower() not in config_fields(module):
+                        found.append(f"Deployment/{workload.name}: {env['name']} sets no field of services.{module}'s "
+                                     f"config (fields: {', '.join(sorted(config_fields(module)))})")
+
+    # Who calls whom: a host:port in a container's environment is a call that the
+    # callee's AuthorizationPolicy must allow from the caller's service account.
+    policies = by_kind.get("AuthorizationPolicy", [])
+    for workload in workloads:
+        for container in workload.containers:
+            for env in container.get("env", []):
+                for host, port in re.findall(r"(?:redis://)?([a-z0-9-]+):(\d+)", str(env.get("value", ""))):
+                    callee = services.get(host)
+                    if callee is None:
+                        continue
+                    target_port = next((p.get("targetPort", p["port"]) for p in callee["spec"]["ports"]
+                                        if p["port"] == int(port)), None)
+                    if target_port is None:
+                        found.append(f"Deployment/{workload.name}: {env['name']} names port {port} that "
+                                     f"Service/{host} does not expose")
+                        continue
+                    for pod in backing(callee):
+                        container_port = pod.port_names().get(target_port, target_port)
+                        if not _allowed(policies, pod, workload.service_account, namespace, container_port):
+                            found.append(f"Deployment/{workload.name} calls Service/{host} ({env['name']}), but no "
+                                         f"AuthorizationPolicy allows service account {workload.service_account!r} "
+                                         f"to reach Deployment/{pod.name} on port {container_port}")
+    for policy in policies:
+        selector = policy["spec"].get("selector", {}).get("matchLabels", {})
+        if selector and not any(w.selected_by(selector) for w in workloads):
+            found.append(f"{name_of(policy)}: its selector {selector} matches no Deployment")
+        for rule in policy["spec"].get("rules", []):
+            for source in (s.get("source", {}) for s in rule.get("from", [])):
+                for principal in source.get("principals", []):
+                    parts = principal.split("/")
+                    if len(parts) == 5 and (parts[2] != namespace or parts[4] not in accounts):
+                        found.append(f"{name_of(policy)}: principal {principal!r} is no service account of "
+                                     f"namespace {namespace!r}")
+
+    # Routes: hosts, subsets, timeouts on streams; outlier detection that can act.
+    for service in by_kind.get("VirtualService", []):
+        for host in service["spec"].get("hosts", []):
+            if _short_host(host, namespace) not in services:
+                found.append(f"{name_of(service)}: host {host!r} is no Service of the namespace")
+        for i, http in enumerate(service["spec"].get("http", [])):
+            route_name = http.get("name", i)
+            for item in http.get("route", []):
+                host = _short_host(item["destination"]["host"], namespace)
+                subset = item["destination"].get("subset")
+                if host not in services:
+                    found.append(f"{name_of(service)} route {route_name}: destination {host!r} is no Service")
+                    continue
+                behind = backing(services[host])
+                streaming = any(streams_bidirectionally(m) for w in behind for c in w.containers
+                                if (m := w.service_module(c)) in SERVICES)
+                if streaming and "timeout" in http:
+                    found.append(f"{name_of(service)} route {route_name}: {host} carries bidirectional streams; "
+                                 f"a route timeout ({http['timeout']}) would cut every stream at that age")
+                if subset is None:
+                    continue
+                rule = rules.get(host)
+                labels = next((s.get("labels", {}) for s in (rule or {}).get("spec", {}).get("subsets", [])
+                               if s["name"] == subset), None)
+                if labels is None:
+                    found.append(f"{name_of(service)} route {route_name}: subset {subset!r} of {host} is defined by "
+                                 "no DestinationRule")
+                elif not any(w.selected_by(labels) for w in behind):
+                    found.append(f"{name_of(service)} route {route_name}: subset {subset!r} ({labels}) selects no "
+                                 f"pod behind Service/{host}")
+    for host, rule in rules.items():
+        if host not in services:
+            found.append(f"{name_of(rule)}: host {host!r} is no Service of the namespace")
+            continue
+        outlier = (rule["spec"].get("trafficPolicy") or {}).get("outlierDetection")
+        if not outlier:
+            continue
+        percent = outlier.get("maxEjectionPercent", 10)  # Istio's default
+        pools = [("every replica", backing(services[host]))] + [
+            (f"subset {s['name']}", [w for w in backing(services[host]) if w.selected_by(s.get("labels", {}))])
+            for s in rule["spec"].get("subsets", [])]
+        for label, pool in pools:
+            count = sum(replicas(w) for w in pool)
+            # Envoy ejects a host only while (ejected + 1) / hosts <= maxEjectionPercent.
+            # (A pool of one has nowhere else to send its traffic: nothing to check.)
+            if count >= 2 and 100.0 / count > percent:
+                found.append(f"{name_of(rule)}: with {count} replica(s) in {label}, maxEjectionPercent {percent} "
+                             f"ejects nothing (Envoy needs (ejected + 1) / hosts <= {percent}%)")
+
+    # Scaling and disruption.
+    served = _adapter_metrics(adapter_values)
+    for hpa in by_kind.get("HorizontalPodAutoscaler", []):
+        target = hpa["spec"]["scaleTargetRef"]
+        if not any(w.name == target["name"] for w in workloads if target["kind"] == "Deployment"):
+            found.append(f"{name_of(hpa)}: scales {target['kind']}/{target['name']}, which does not exist")
+        for metric in hpa["spec"].get("metrics", []):
+            if metric["type"] == "Pods":
+                wanted = metric["pods"]["metric"]["name"]
+                if wanted not in served:
+                    found.append(f"{name_of(hpa)}: Pods metric {wanted!r} is not served by prometheus-adapter "
+                                 f"({adapter_values.name} serves {sorted(served)})")
+                elif served[wanted] not in exported_metrics():
+                    found.append(f"{name_of(hpa)}: prometheus-adapter builds {wanted!r} from {served[wanted]!r}, "
+                                 "which no service of ours exports")
+        if hpa["spec"].get("minReplicas", 1) > hpa["spec"]["maxReplicas"]:
+            found.append(f"{name_of(hpa)}: minReplicas is above maxReplicas")
+        down = (hpa["spec"].get("behavior") or {}).get("scaleDown") or {}
+        if down.get("stabilizationWindowSeconds", 300) < 60:
+            found.append(f"{name_of(hpa)}: a scale-down window under 60 s lets the replica count flap")
+    for pdb in by_kind.get("PodDisruptionBudget", []):
+        selector = pdb["spec"].get("selector", {}).get("matchLabels", {})
+        if not any(w.selected_by(selector) for w in workloads):
+            found.append(f"{name_of(pdb)}: its selector {selector} matches no Deployment")
+
+    # The dashboard asks for metrics and labels that exist.
+    for config_map in by_kind.get("ConfigMap", []):
+        if config_map["metadata"].get("labels", {}).get("grafana_dashboard"):
+            for key, text in config_map.get("data", {}).items():
+                found += [f"{name_of(config_map)} {key}: {p}" for p in dashboard_problems(json.loads(text))]
+    return found
+
+
+def _allowed(policies: list[dict], pod: Workload, account: str, namespace: str, port: int) -> bool:
+    """Whether Istio's ALLOW policies let `account` reach `pod` on `port` (no
+    ALLOW policy selecting the pod means everything is allowed)."""
+    applicable = [p for p in policies if p["spec"].get("action", "ALLOW") == "ALLOW"
+                  and pod.selected_by(p["spec"].get("selector", {}).get("matchLabels", {}))]
+    if not applicable:
+        return True
+    for policy in applicable:
+        for rule in policy["spec"].get("rules", []):
+            sources = [s.get("source", {}) for s in rule.get("from", [])]
+            operations = [t.get("operation", {}) for t in rule.get("to", [])]
+            source_ok = not sources or any(
+                any(p in ("*", f"cluster.local/ns/{namespace}/sa/{account}") for p in s.get("principals", ["*"]))
+                for s in sources)
+            port_ok = not operations or any(str(port) in map(str, o.get("ports", [port])) for o in operations)
+            if source_ok and port_ok:
+                return True
+    return False
+
+
+def _adapter_metrics(values: pathlib.Path) -> dict[str, str]:
+    """prometheus-adapter's custom metrics: the name it serves -> the series it reads."""
+    doc = yaml.safe_load(values.read_text()) or {}
+    served = {}
+    for rule in (doc.get("rules") or {}).get("custom", []):
+        series = re.match(r"^\s*([a-zA-Z_:][a-zA-Z0-9_:]*)", rule["seriesQuery"]).group(1)
+        served[(rule.get("name") or {}).get("as", series)] = series
+    return served
+
+
+PROMETHEUS_LABELS = {"namespace", "pod", "instance", "job", "container"}  # added when Prometheus scrapes pods
+PROMQL_WORDS = {"sum", "avg", "max", "min", "count", "rate", "increase", "irate", "by", "without", "histogram_quantile",
+                "avg_over_time", "max_over_time", "le", "on", "ignoring", "group_left", "group_right", "and", "or",
+                "unless", "offset", "bool", "topk", "bottomk", "quantile", "label_values", "abs", "clamp_min"}
+
+
+def dashboard_problems(dashboard: dict) -> list[str]:
+    """Each infermesh_* series a panel queries exists, and so does each label it groups by or filters on."""
+    found = []
+    exported = exported_metrics()
+    for panel in dashboard.get("panels", []):
+        for target in panel.get("targets", []):
+            expr = target.get("expr", "")
+            series = set(re.findall(r"\b(infermesh_[a-z0-9_]+)\b", expr))
+            for name in sorted(series):
+                if name not in exported:
+                    found.append(f"panel {panel.get('title')!r}: {name} is not a series our services export")
+            labels = exported.get(next(iter(series), ""), frozenset()) if len(series) == 1 else None
+            if labels is None:
+                continue
+            used = set(re.findall(r"\bby \(([^)]*)\)", expr))
+            used = {label.strip() for group in used for label in group.split(",")}
+            used |= set(re.findall(r"([a-z_]+)\s*(?:=|!=|=~|!~)\s*\"", expr))
+            for label in sorted(used - labels - PROMETHEUS_LABELS - {"le"}):
+                found.append(f"panel {panel.get('title')!r}: {next(iter(series))} has no label {label!r}")
+    return found
+
+
+# ---------------------------------------------------------------- all together
+
+
+def problems(docs: list[dict], istio: IstioSchemas) -> list[str]:
+    found = []
+    for doc in docs:
+        if istio.knows(doc):
+            found += istio.problems(doc)
+            found += istio_code_problems(doc)
+        elif is_kubernetes_kind(doc):
+            found += kubernetes_problems(doc)
+        else:
+            found.append(f"{name_of(doc)}: no schema to check {doc.get('apiVersion')} against")
+    return found + cross_problems(docs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kustomizations", nargs="*", type=pathlib.Path,
+                        default=sorted(p for p in OVERLAYS.iterdir() if p.is_dir()))
+    args = parser.parse_args(argv)
+    try:
+        istio = IstioSchemas()
+        failed = 0
+        for path in args.kustomizations:
+            docs = render(path)
+            found = problems(docs, istio)
+            failed += bool(found)
+            print(f"{path}: {len(docs)} resources, " + (f"{len(found)} problem(s)" if found else "all valid"))
+            for problem in found:
+                print(f"  - {problem}")
+    except ManifestError as exc:
+        print(f"manifests: {exc}", file=sys.stderr)
+        return 2
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
