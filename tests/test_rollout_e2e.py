@@ -1,6 +1,7 @@
 """meshctl rollout on a local mesh under load: green serving minilm version 2
-(INT8) is raised step by step and promoted; a green that cannot serve is rolled
-back by itself, with client-visible errors only from the first step."""
+(INT8) is raised step by step and promoted; a deliberately faulty version 2,
+and a green that cannot serve at all, are rolled back by themselves, with
+client-visible errors only from the first step."""
 
 import asyncio
 import json
@@ -16,15 +17,19 @@ from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.launcher.mesh import Mesh
 from services.meshctl import core
+from tests.conftest import metric
+from tests.faulty import faulty_repository
 from tests.oip import text_request
 
 POLICY = pathlib.Path(__file__).resolve().parent.parent / "mesh" / "istio" / "model-server-traffic.yaml"
 
 
 @pytest.fixture
-def blue_green(model_repository, tmp_path):
+def blue_green(request, model_repository, tmp_path):
     policy = tmp_path / "traffic.yaml"
     shutil.copy(POLICY, policy)
+    if getattr(request, "param", "") == "faulty":
+        model_repository = faulty_repository(model_repository, tmp_path / "models")
     with Mesh(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2,
               model_server_labels=("version=blue,pool=vip", "version=green"),
               batcher_args=("--replica-poll-s", "0.2", "--traffic-policy", str(policy)),
@@ -39,7 +44,10 @@ async def rollout_under_load(mesh, policy, step: int) -> tuple[int, list, list]:
     async def caller(stub):
         while not stop.is_set():
             try:
-                answers.append(await stub.ModelInfer(text_request([f"rollout {uuid.uuid4().hex}"]), timeout=30))
+                text = (f"rollout {uuid.uuid4().hex}: where is my parcel? It was due on Monday, the tracking page has "
+                        "said 'in transit' for a week, and nobody answers the phone or the emails I have sent. "
+                        "Could you tell me where it is, when it will arrive, and whom I should ask about a refund?")
+                answers.append(await stub.ModelInfer(text_request([text]), timeout=30))
             except grpc.aio.AioRpcError as exc:
                 failures.append(exc.code())
 
@@ -62,13 +70,17 @@ async def green_control(mesh) -> pb_grpc.GRPCInferenceServiceStub:
     return grpc.aio.insecure_channel(mesh.processes["model_server-1"].info["grpc"])
 
 
-async def test_a_healthy_version_2_is_rolled_out_and_promoted(blue_green):
-    mesh, policy = blue_green
+async def serve_version_2_on_green(mesh) -> None:
     async with grpc.aio.insecure_channel(mesh.processes["model_server-1"].info["grpc"]) as channel:
         control = pb_grpc.GRPCInferenceServiceStub(channel)
         override = json.dumps({"version_policy": {"specific": {"versions": [2]}}})
         await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(
             model_name="minilm", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}), timeout=120)
+
+
+async def test_a_healthy_version_2_is_rolled_out_and_promoted(blue_green):
+    mesh, policy = blue_green
+    await serve_version_2_on_green(mesh)
     code, answers, failures = await rollout_under_load(mesh, policy, step=25)
     assert code == 0 and not failures
     assert core.weights(policy, "model-server") == {"blue": 0, "green": 100}
@@ -88,3 +100,22 @@ async def test_a_green_that_cannot_serve_is_rolled_back_by_itself(blue_green):
     # Only batches picked for green during the first step (10% of traffic for 1.5 s) could fail.
     assert len(failures) <= 0.25 * (len(answers) + len(failures))
     assert set(failures) <= {grpc.StatusCode.UNAVAILABLE}
+
+
+@pytest.mark.parametrize("blue_green", ["faulty"], indirect=True)
+async def test_a_faulty_version_2_is_rolled_back_by_itself(blue_green):
+    mesh, policy = blue_green
+    await serve_version_2_on_green(mesh)  # it loads: warm-up and the golden probe pass
+    code, answers, failures = await rollout_under_load(mesh, policy, step=10)
+    assert code == 1
+    assert core.weights(policy, "model-server") == {"blue": 100, "green": 0}
+    # Green's batches did fail inside ONNX Runtime ...
+    assert metric(mesh.metrics_url("batcher"), "infermesh_batcher_upstream_requests_total",
+                  subset="green", code="INTERNAL") >= 1
+    # ... but callers saw little of it: green took 10% of the batches for one interval,
+    # the batcher retried a failed batch's requests one by one (each weighed again),
+    # and the router answers from minilm's fallback (marked degraded) once minilm
+    # fails often enough. Errors and degraded answers stay within that 10%.
+    degraded = [a for a in answers if "infermesh_degraded" in a.parameters]
+    assert len(degraded) + len(failures) <= 0.10 * (len(answers) + len(failures))
+    assert set(failures) <= {grpc.StatusCode.INTERNAL}
