@@ -9,9 +9,9 @@ ISTIO_API_VERSION := v1.32.0
 MODEL_REPO := build/models
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
-.PHONY: setup venv system-deps ghz kustomize istio-crds stubs models run test check-manifests bench clean
+.PHONY: setup venv system-deps ghz kustomize istio-crds kube-test-server stubs models run test check-manifests bench clean
 
-setup: venv system-deps ghz kustomize istio-crds stubs models
+setup: venv system-deps ghz kustomize istio-crds kube-test-server stubs models
 	@echo "setup complete: 'make run' starts the mesh, 'make test' runs the tests"
 
 venv: $(VENV)/.installed
@@ -56,6 +56,21 @@ build/istio/customresourcedefinitions.gen.yaml: $(VENV)/.installed
 	@mkdir -p $(@D)
 	dir=$$(go mod download -json istio.io/api@$(ISTIO_API_VERSION) | $(PY) -c 'import json, sys; print(json.load(sys.stdin)["Dir"])') \
 	  && install -m 644 "$$dir/kubernetes/customresourcedefinitions.gen.yaml" $@
+
+# A real Kubernetes API server for the tests (tests/kube.py): kube-apiserver
+# and etcd built from the versions tools/kube/go.mod pins. The first build
+# compiles about 2,000 packages (several minutes on two cores).
+kube-test-server: bin/kube-apiserver bin/etcd
+
+bin/kube-apiserver: tools/kube/go.mod tools/kube/go.sum
+	@echo "building kube-apiserver from k8s.io/kubernetes (tools/kube) for the tests ..."
+	@set -o pipefail; cd tools/kube && go build -v -o ../../bin/kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver 2>&1 \
+	  | awk '/^#/ || /error/ || /\.go:/ {print; fflush(); next} {n++} n % 250 == 0 {print "  ... " n " packages compiled"; fflush()}'
+
+bin/etcd: tools/kube/go.mod tools/kube/go.sum
+	@echo "building etcd (tools/kube) for the tests ..."
+	@set -o pipefail; cd tools/kube && go build -v -o ../../bin/etcd go.etcd.io/etcd/server/v3 2>&1 \
+	  | awk '/^#/ || /error/ || /\.go:/ {print; fflush(); next} {n++} n % 250 == 0 {print "  ... " n " packages compiled"; fflush()}'
 
 stubs: gen/.stamp
 

@@ -8,8 +8,10 @@
 
 Edits go to the policy file (default mesh/istio/model-server-traffic.yaml),
 keeping its comments and order; a running local mesh picks them up within a
-second. Cumulative metrics (success rate, p99) come from the batcher of the
-mesh described in var/run/mesh.json.
+second. With --apply the same change is patched into the live VirtualService
+through the Kubernetes API (kubeconfig, or the pod's service account), and the
+file is left alone if that fails. Cumulative metrics (success rate, p99) come
+from the batcher of the mesh described in var/run/mesh.json.
 """
 
 import argparse
@@ -38,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshctl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--file", type=pathlib.Path, default=DEFAULT_FILE, help="the traffic policy YAML")
+    parser.add_argument("--apply", action="store_true",
+                        help="also patch the live VirtualService in Kubernetes (status: compare with it)")
+    parser.add_argument("--namespace", default="infermesh", help="with --apply: the VirtualService's namespace")
+    parser.add_argument("--context", help="with --apply: the kubeconfig context (default: the current one)")
+    parser.add_argument("--kubeconfig", help="with --apply: the kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="weights per subset, ready replicas, success rate and p99")
     status.add_argument("host")
@@ -65,8 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     rollout.add_argument("--metrics", help="the batcher's metrics URL (instead of --run-file)")
     args = parser.parse_args(argv)
     try:
+        live = None
+        if args.apply:
+            from services.meshctl.live import Cluster
+
+            live = Cluster(args.namespace, args.context, args.kubeconfig)
         if args.command == "status":
             current = core.weights(args.file, args.host)
+            if live is not None and live.weights(args.host) != current:
+                print(f"warning: the live VirtualService has {live.weights(args.host)}, the file {current}",
+                      file=sys.stderr)
             samples = scrape(args.metrics or core.batcher_metrics_url(args.run_file))
             print(f"{'subset':<10} {'weight':>6} {'ready':>5} {'batches':>8} {'success':>8} {'p99':>8}")
             for subset, weight in current.items():
@@ -75,24 +90,24 @@ def main(argv: list[str] | None = None) -> int:
                 p99 = "-" if h["p99_s"] is None else f"<={1000 * h['p99_s']:.0f}ms"
                 print(f"{subset:<10} {weight:>6} {h['ready_replicas']:>5} {h['batches']:>8} {success:>8} {p99:>8}")
         elif args.command == "set-weights":
-            old = core.set_weights(args.file, args.host, _parse_weights(args.weights))
+            old = core.set_weights(args.file, args.host, _parse_weights(args.weights), live)
             print(f"{args.host}: {old} -> {core.weights(args.file, args.host)} in {args.file}")
         elif args.command == "promote":
             subsets = core.weights(args.file, args.host)
             if args.subset not in subsets:
                 raise core.MeshctlError(f"{args.host} has no subset {args.subset!r}; it has {sorted(subsets)}")
-            old = core.set_weights(args.file, args.host, {s: 100 if s == args.subset else 0 for s in subsets})
+            old = core.set_weights(args.file, args.host, {s: 100 if s == args.subset else 0 for s in subsets}, live)
             print(f"{args.host}: promoted {args.subset} ({old} -> {core.weights(args.file, args.host)})")
         elif args.command == "rollout":
             url = args.metrics or core.batcher_metrics_url(args.run_file)
             checks = core.Checks(args.min_success_rate, args.max_p99_ms / 1000)
             promoted = core.rollout(args.file, args.host, args.canary, args.step, args.max_weight, args.interval_s,
                                     checks, lambda: scrape(url), time.sleep,
-                                    lambda line: print(line, flush=True), args.threshold)
+                                    lambda line: print(line, flush=True), args.threshold, live)
             return 0 if promoted else 1
         elif args.command == "rollback":
             target = core.previous_weights(args.file, args.host)
-            old = core.set_weights(args.file, args.host, target)
+            old = core.set_weights(args.file, args.host, target, live)
             print(f"{args.host}: rolled back {old} -> {target}")
     except core.MeshctlError as exc:
         print(f"meshctl: {exc}", file=sys.stderr)

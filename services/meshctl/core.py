@@ -37,7 +37,7 @@ def _virtual_service(documents: list, host: str):
     raise MeshctlError(f"no VirtualService for host {host!r}")
 
 
-def _weighted_routes(service) -> list:
+def weighted_routes(service) -> list:
     """The routes that split traffic by subset (header-matched single-subset routes are left alone)."""
     return [http for http in service["spec"]["http"] if len(http.get("route", [])) > 1]
 
@@ -45,22 +45,24 @@ def _weighted_routes(service) -> list:
 def weights(path: pathlib.Path, host: str) -> dict[str, int]:
     """The weights of the first weighted route, by subset."""
     documents = list(_yaml().load_all(path.read_text()))
-    routes = _weighted_routes(_virtual_service(documents, host))
+    routes = weighted_routes(_virtual_service(documents, host))
     if not routes:
         raise MeshctlError(f"the VirtualService for {host!r} has no route split between subsets")
     return {r["destination"].get("subset", ""): int(r.get("weight", 0)) for r in routes[0]["route"]}
 
 
-def set_weights(path: pathlib.Path, host: str, wanted: dict[str, int]) -> dict[str, int]:
+def set_weights(path: pathlib.Path, host: str, wanted: dict[str, int], live=None) -> dict[str, int]:
     """Sets the weights of every route that splits traffic between these
     subsets; records the old ones for rollback; writes atomically, and only
-    a file that still passes the policy checks. Returns the old weights."""
+    a file that still passes the policy checks. With `live` (a live.Cluster)
+    the live VirtualService is patched the same way first, and the file is
+    left as it was when that fails. Returns the old weights."""
     if any(w < 0 for w in wanted.values()) or not any(wanted.values()):
         raise MeshctlError(f"weights must be >= 0 and not all 0, got {wanted}")
     yaml = _yaml()
     documents = list(yaml.load_all(path.read_text()))
     service = _virtual_service(documents, host)
-    routes = _weighted_routes(service)
+    routes = weighted_routes(service)
     old = None
     for http in routes:
         subsets = {r["destination"].get("subset", "") for r in http["route"]}
@@ -76,7 +78,7 @@ def set_weights(path: pathlib.Path, host: str, wanted: dict[str, int]) -> dict[s
     service["metadata"].setdefault("annotations", {})[PREVIOUS] = json.dumps(old, sort_keys=True)
     buffer = io.StringIO()
     yaml.dump_all(documents, buffer)
-    _write_checked(path, buffer.getvalue())
+    _write_checked(path, buffer.getvalue(), lambda: live.set_weights(host, wanted) if live is not None else None)
     return old
 
 
@@ -88,7 +90,7 @@ def previous_weights(path: pathlib.Path, host: str) -> dict[str, int]:
     return {k: int(v) for k, v in json.loads(annotations[PREVIOUS]).items()}
 
 
-def _write_checked(path: pathlib.Path, text: str) -> None:
+def _write_checked(path: pathlib.Path, text: str, before_replace=lambda: None) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
@@ -97,6 +99,7 @@ def _write_checked(path: pathlib.Path, text: str) -> None:
             load_policy_files(pathlib.Path(tmp))
         except PolicyError as exc:
             raise MeshctlError(f"the edited policy would not pass its checks, nothing written: {exc}") from None
+        before_replace()  # e.g. the live patch: when it fails, the file stays as it was
         os.chmod(tmp, path.stat().st_mode & 0o777)
         os.replace(tmp, path)  # readers (the batcher) see the old file or the new one, never half of it
     finally:
@@ -177,7 +180,7 @@ def judge(before: dict, after: dict, subset: str, checks: Checks) -> tuple[bool,
 
 
 def rollout(path: pathlib.Path, host: str, canary: str, step: int, max_weight: int, interval_s: float,
-            checks: Checks, read_metrics, sleep, say, threshold: int = 1) -> bool:
+            checks: Checks, read_metrics, sleep, say, threshold: int = 1, live=None) -> bool:
     """Flagger's loop: raise the canary's weight by `step` up to `max_weight`,
     judging each interval; after `threshold` failed checks go back to the
     stable subset and return False; after the last step promote the canary."""
@@ -191,7 +194,7 @@ def rollout(path: pathlib.Path, host: str, canary: str, step: int, max_weight: i
     weight = 0
     while weight < max_weight:
         weight = min(weight + step, max_weight)
-        set_weights(path, host, {canary: weight, stable: 100 - weight})
+        set_weights(path, host, {canary: weight, stable: 100 - weight}, live)
         before = read_metrics()
         sleep(interval_s)
         passed, verdict = judge(before, read_metrics(), canary, checks)
@@ -199,10 +202,10 @@ def rollout(path: pathlib.Path, host: str, canary: str, step: int, max_weight: i
         if not passed:
             failed += 1
             if failed >= threshold:
-                set_weights(path, host, {canary: 0, stable: 100})
+                set_weights(path, host, {canary: 0, stable: 100}, live)
                 say(f"rolled back: all traffic to {stable}")
                 return False
             weight -= step  # judge this weight again
-    set_weights(path, host, {canary: 100, stable: 0})
+    set_weights(path, host, {canary: 100, stable: 0}, live)
     say(f"promoted {canary}: all traffic to it")
     return True
