@@ -408,3 +408,37 @@ async def test_a_model_that_failed_to_load_can_be_unloaded_to_clear_readiness(re
         await ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="broken"))
         assert (await ms.oip.ServerReady(oip.ServerReadyRequest())).ready
         assert (await ms.execute())[0] == "1"
+
+
+async def test_a_batch_that_would_wait_past_its_deadline_is_refused_before_it(repo):
+    """Refused with RESOURCE_EXHAUSTED (HTTP 429 to Envoy: no failure of the
+    replica) instead of left to time out (504: counted, and a busy replica ejected)."""
+    async with model_server(repo) as running:
+        loaded = running.manager.resolve("mlp", "")
+        shed_before = metrics.SHED.labels("mlp")._value.get()  # noqa: SLF001
+        request = model_server_pb2.ExecuteRequest(model="mlp", inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")]))
+        async with loaded.gate.turn(0):  # the only instance is busy for as long as this holds
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await running.models.Execute(request, timeout=1.0)
+            waited = asyncio.get_running_loop().time() - started
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "would not finish before its deadline" in refused.value.details()
+        assert 0.5 < waited < 1.0  # it waited while it still could finish, then said so in time
+        assert metrics.SHED.labels("mlp")._value.get() == shed_before + 1  # noqa: SLF001
+        assert loaded.gate.waiting == 0
+        assert (await running.execute())[0] == "1"  # the gate is free and serving again
+
+
+async def test_a_batch_with_no_time_for_the_queue_ahead_is_refused_at_once(repo):
+    async with model_server(repo) as running:
+        loaded = running.manager.resolve("mlp", "")
+        loaded.run_s = 0.4  # as if each batch took 400 ms
+        request = model_server_pb2.ExecuteRequest(model="mlp", inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")]))
+        async with loaded.gate.turn(0):  # one batch running: about 400 ms more before this one could start
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await running.models.Execute(request, timeout=0.6)
+            assert asyncio.get_running_loop().time() - started < 0.3  # told at once, not at its deadline
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ("retry-after-ms", "400") in tuple(refused.value.trailing_metadata())  # come back after a batch

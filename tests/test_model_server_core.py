@@ -2,6 +2,8 @@
 
 import asyncio
 
+import pytest
+
 from services.model_server.execution import PriorityGate
 
 
@@ -51,3 +53,26 @@ async def test_a_cancelled_waiter_does_not_block_the_gate():
     await asyncio.gather(first, after)
     assert ran == ["running", "after"]
     assert gate.waiting == 0
+
+
+async def test_a_waiter_with_a_time_limit_gives_up_and_leaves_the_gate_working():
+    gate = PriorityGate()
+    hold = asyncio.Event()
+    ran: list[str] = []
+
+    async def batch(name: str, wait_s=None, until: asyncio.Event | None = None):
+        async with gate.turn(0, wait_s):
+            ran.append(name)
+            if until is not None:
+                await until.wait()
+
+    first = asyncio.create_task(batch("running", until=hold))
+    await asyncio.sleep(0)
+    with pytest.raises(TimeoutError):
+        await batch("in a hurry", wait_s=0)
+    after = asyncio.create_task(batch("after"))
+    await asyncio.sleep(0)
+    assert gate.waiting == 1
+    hold.set()
+    await asyncio.gather(first, after)
+    assert ran == ["running", "after"] and gate.waiting == 0

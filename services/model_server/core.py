@@ -451,8 +451,9 @@ class ModelManager:
             self._publish(model)
 
     async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                      priority: int = 0) -> tuple[str, list[TensorData]]:
-        """Runs one batch off the event loop; returns the version used and the outputs."""
+                      priority: int = 0, time_left_s: float | None = None) -> tuple[str, list[TensorData]]:
+        """Runs one batch off the event loop; returns the version used and the outputs.
+        `time_left_s` is the caller's deadline (see LoadedVersion.execute)."""
         loaded = self.resolve(model, version)
         by_name = _check_inputs(loaded.config, inputs)
         known = {spec.name for spec in loaded.config.outputs}
@@ -460,7 +461,7 @@ class ModelManager:
         if unknown:
             raise errors.InvalidArgument(f"model '{model}' has no output(s) {unknown}; outputs: {sorted(known)}")
         try:
-            result = await loaded.execute(by_name, outputs, priority)
+            result = await loaded.execute(by_name, outputs, priority, time_left_s)
         except errors.Unavailable:
             if loaded.broken:  # a shard failed on this batch
                 self._withdraw(model, loaded)

@@ -63,6 +63,9 @@ def cuda_usable(device: str) -> bool:
     return wants_cuda and "CUDAExecutionProvider" in available
 
 
+SHED_MARGIN_S = 0.025  # what a refusal needs to reach the caller before its deadline, even on a busy machine
+
+
 class PriorityGate:
     """Hands out `capacity` session instances; batches waiting for one go
     highest priority first, FIFO within a priority. (The executors alone would
@@ -76,8 +79,9 @@ class PriorityGate:
         self.waiting = 0
 
     @contextlib.asynccontextmanager
-    async def turn(self, priority: int):
-        """Yields the index of the instance the batch may use."""
+    async def turn(self, priority: int, wait_s: float | None = None):
+        """Yields the index of the instance the batch may use; raises
+        TimeoutError when none came free within `wait_s` (None: no limit)."""
         if self._free and not self._waiting:
             instance = self._free.pop()
         else:
@@ -85,8 +89,8 @@ class PriorityGate:
             heapq.heappush(self._waiting, (-priority, next(self._order), future))
             self._count_waiting(+1)
             try:
-                instance = await future
-            except asyncio.CancelledError:
+                instance = await (future if wait_s is None else asyncio.wait_for(future, max(wait_s, 0.0)))
+            except (asyncio.CancelledError, TimeoutError):
                 if future.done() and not future.cancelled():
                     self._release(future.result())  # it was our turn: hand it on
                 raise
@@ -96,6 +100,13 @@ class PriorityGate:
             yield instance
         finally:
             self._release(instance)
+
+    def busy(self) -> bool:
+        return not self._free or bool(self._waiting)
+
+    def ahead_of(self, priority: int) -> int:
+        """Batches waiting that a new batch of `priority` would wait behind."""
+        return sum(1 for p, _, future in self._waiting if -p >= priority and not future.done())
 
     def _count_waiting(self, change: int) -> None:
         self.waiting += change
@@ -150,6 +161,7 @@ class LoadedVersion:
         self.memory_bytes = memory_bytes
         self.loaded_at = time.time()
         self.gate = PriorityGate(len(instances), metrics.QUEUED.labels(config.name, version))
+        self.run_s = 0.0  # a moving average of how long one batch runs
         self.broken = ""  # why a shard failed; such a version is not ready
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -163,15 +175,37 @@ class LoadedVersion:
     def in_flight(self) -> int:
         return self._in_flight
 
-    async def execute(self, inputs: dict[str, TensorData], outputs: list[str], priority: int) -> list[TensorData]:
-        """Runs one batch on a free instance, VIP batches first; counts as in flight from the call on."""
+    async def execute(self, inputs: dict[str, TensorData], outputs: list[str], priority: int,
+                      time_left_s: float | None = None) -> list[TensorData]:
+        """Runs one batch on a free instance, VIP batches first; counts as in flight from the call on.
+
+        A batch with `time_left_s` that finds every instance busy is refused
+        with RESOURCE_EXHAUSTED at once when the batches ahead of it (each
+        takes about `run_s`) leave it no time to run, and otherwise waits only
+        while it could still finish: it is refused before its deadline, never
+        left to time out. Envoy counts a timeout (504) against the replica and
+        would eject a busy but healthy one; it counts 429 as no failure."""
         self._in_flight += 1
         self._idle.clear()
+        loop = asyncio.get_running_loop()
+        wait_s = None if time_left_s is None else time_left_s - self.run_s - SHED_MARGIN_S
         try:
-            async with self.gate.turn(priority) as index:
+            if wait_s is not None and self.gate.busy():
+                expected_wait_s = (self.gate.ahead_of(priority) + 1) / len(self.instances) * self.run_s
+                if expected_wait_s > wait_s:
+                    raise TimeoutError  # refused now rather than after waiting in vain
+            async with self.gate.turn(priority, wait_s) as index:
                 instance = self.instances[index]
-                return await asyncio.get_running_loop().run_in_executor(
-                    instance.executor, self.run, instance, inputs, outputs)
+                started = loop.time()
+                result = await loop.run_in_executor(instance.executor, self.run, instance, inputs, outputs)
+                self.run_s = 0.8 * self.run_s + 0.2 * (loop.time() - started) if self.run_s else loop.time() - started
+                return result
+        except TimeoutError:
+            metrics.SHED.labels(self.config.name).inc()
+            raise errors.ResourceExhausted(
+                f"model '{self.config.name}' version {self.version} is busy: this batch would not finish before its "
+                f"deadline ({1000 * time_left_s:.0f} ms left, a batch takes about {1000 * self.run_s:.0f} ms); "
+                f"retry shortly", retry_after_ms=max(1, round(1000 * self.run_s))) from None
         except ShardFailed as exc:
             self.broken = str(exc)
             raise errors.Unavailable(f"model '{self.config.name}' version {self.version} lost a tensor-parallel "
@@ -272,7 +306,9 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
         for instance in instances:
             for size in config.warmup_batch_sizes:
                 try:
+                    started = time.perf_counter()
                     loaded.run(instance, warmup_inputs(config, golden, size), [])
+                    loaded.run_s = time.perf_counter() - started  # a first guess at a batch's time
                 except Exception as exc:
                     raise LoadFailed("warmup", f"{config.name} version {version} failed warm-up at batch {size}: "
                                                f"{_first_line(exc)}") from None

@@ -26,6 +26,10 @@ QUEUED = prometheus_client.Gauge(
     "Batches waiting for a free session instance, by model and version: the model server's own queue, "
     "which the Kubernetes autoscaler reads (mesh/kubernetes).",
     ["model", "version"])
+SHED = prometheus_client.Counter(
+    "infermesh_model_shed_batches_total",
+    "Batches refused with RESOURCE_EXHAUSTED because they would have waited past their deadline, by model.",
+    ["model"])
 BATCHES = prometheus_client.Counter(
     "infermesh_model_batches_total", "Batches executed, by model and outcome.", ["model", "outcome"]
 )

@@ -34,7 +34,8 @@ class ModelServerServicer(model_server_pb2_grpc.ModelServerServicer):
         rows = inputs[0].rows if inputs else 0
         with metrics.track(request.model, rows) as record:
             version, outputs = await self._manager.execute(request.model, request.version, inputs, list(request.outputs),
-                                                           priority=request.priority)
+                                                           priority=request.priority,
+                                                           time_left_s=context.time_remaining())
             record(version)
         return model_server_pb2.ExecuteResponse(model=request.model, version=version, outputs=tensors_to_proto(outputs))
 
