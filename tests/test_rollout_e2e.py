@@ -118,4 +118,6 @@ async def test_a_faulty_version_2_is_rolled_back_by_itself(blue_green):
     # fails often enough. Errors and degraded answers stay within that 10%.
     degraded = [a for a in answers if "infermesh_degraded" in a.parameters]
     assert len(degraded) + len(failures) <= 0.10 * (len(answers) + len(failures))
-    assert set(failures) <= {grpc.StatusCode.INTERNAL}
+    # INTERNAL from the faulty batches; UNAVAILABLE once outlier detection has ejected
+    # green's only replica and batches still picked for green find no healthy upstream.
+    assert set(failures) <= {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE}

@@ -204,6 +204,38 @@ def test_gateway_errors_have_their_own_streak():
     assert od.record("h0", "UNAVAILABLE", now=0.0)
 
 
+def test_without_split_mode_a_deadline_run_out_at_the_caller_counts_as_a_504():
+    od = detector(2, max_ejection_percent=50, consecutive_5xx=3)
+    for _ in range(2):
+        od.record("h0", "DEADLINE_EXCEEDED", now=0.0, local_origin=True)
+    assert od.record("h0", "DEADLINE_EXCEEDED", now=0.0, local_origin=True)
+
+
+def test_split_mode_counts_failures_at_the_caller_on_their_own_streak():
+    od = detector(2, max_ejection_percent=50, consecutive_5xx=3, split_local_origin=True, consecutive_local_origin=4)
+    for _ in range(3):  # a busy host's timeouts: no 5xx streak
+        assert not od.record("h0", "DEADLINE_EXCEEDED", now=0.0, local_origin=True)
+    od.record("h0", "RESOURCE_EXHAUSTED", now=0.0)  # any answer from the host resets the local streak
+    for _ in range(3):
+        assert not od.record("h0", "UNAVAILABLE", now=0.0, local_origin=True)
+    assert od.record("h0", "UNAVAILABLE", now=0.0, local_origin=True)  # the fourth in a row
+    od2 = detector(2, max_ejection_percent=50, consecutive_5xx=3, split_local_origin=True)
+    od2.record("h0", "INTERNAL", now=0.0)
+    od2.record("h0", "DEADLINE_EXCEEDED", now=0.0, local_origin=True)  # neither breaks nor extends the 5xx streak
+    od2.record("h0", "INTERNAL", now=0.0)
+    assert od2.record("h0", "INTERNAL", now=0.0)
+
+
+def test_local_origin_failures_need_split_mode_as_istio_says():
+    doc = yaml.safe_load(DESTINATION_RULE)
+    doc["spec"]["trafficPolicy"]["outlierDetection"]["consecutiveLocalOriginFailures"] = 10
+    with pytest.raises(PolicyError, match="needs 'splitExternalLocalOriginErrors: true'"):
+        parse_destination_rule(doc, "dr.yaml")
+    doc["spec"]["trafficPolicy"]["outlierDetection"]["splitExternalLocalOriginErrors"] = True
+    outlier = parse_destination_rule(doc, "dr.yaml").outlier
+    assert outlier.split_local_origin and outlier.consecutive_local_origin == 10
+
+
 def test_destination_rules_give_subsets_and_outlier_policy():
     rule = parse_destination_rule(yaml.safe_load(DESTINATION_RULE), "dr.yaml")
     assert rule.subset_of({"version": "green", "app": "model-server"}) == ["green"]

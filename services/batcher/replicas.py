@@ -218,7 +218,8 @@ class ReplicaSet:
                 code = exc.code()
                 metrics.UPSTREAM.labels(destination.subset, code.name).inc()
                 metrics.UPSTREAM_LATENCY.labels(destination.subset).observe(loop.time() - started)
-                if detector is not None and detector.record(replica.address, code.name, loop.time()):
+                if detector is not None and detector.record(replica.address, code.name, loop.time(),
+                                                            local_origin=_local_origin(exc)):
                     log.warning("replica %s ejected from subset %s after consecutive errors", replica.address,
                                 destination.subset)
                     metrics.EJECTIONS.labels(replica.address).inc()
@@ -276,6 +277,14 @@ def _candidates(replicas: list[Replica], model: str, version: str) -> list[Repli
 # opposed to a status our servers sent.
 TRANSPORT_MARKERS = ("failed to connect", "socket closed", "connection reset", "connection refused", "broken pipe",
                      "goaway", "stream removed", "connect failed")
+
+
+def _local_origin(exc: grpc.aio.AioRpcError) -> bool:
+    """A failure on our side of the call: the connection failed, or our own
+    deadline ran out (gRPC's own "Deadline Exceeded"; a server that sends
+    DEADLINE_EXCEEDED says more than that)."""
+    return _transport_failure(exc) or (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                                       and (exc.details() or "") == "Deadline Exceeded")
 
 
 def _transport_failure(exc: grpc.aio.AioRpcError) -> bool:

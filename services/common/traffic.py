@@ -13,7 +13,9 @@ UNKNOWN, INTERNAL, DATA_LOSS -> 500, UNIMPLEMENTED -> 501, UNAVAILABLE -> 503,
 DEADLINE_EXCEEDED -> 504 are 5xx; of those, 503 and 504 (and 502) are also
 gateway errors. RESOURCE_EXHAUSTED -> 429 and every 4xx-like status count as
 successes for the detector: a busy or a caller's mistake is not an outlier.
-A connection that fails counts as a 503.
+A connection that fails counts as a 503, a deadline that runs out at the
+caller as a 504, unless the DestinationRule sets splitExternalLocalOriginErrors:
+then both count only towards consecutiveLocalOriginFailures (default 5).
 """
 
 from __future__ import annotations
@@ -244,6 +246,11 @@ class OutlierPolicy:
     interval_s: float = 10.0
     base_ejection_s: float = 30.0
     max_ejection_percent: float = 10.0
+    # Envoy's split mode: failures that happen on our side of the call (a
+    # connection that fails, a deadline that runs out while waiting) count on
+    # their own counter instead of as 503/504 from the host.
+    split_local_origin: bool = False
+    consecutive_local_origin: int = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,11 +285,20 @@ def parse_destination_rule(doc: dict, where: str) -> DestinationRule:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise PolicyError(f"{at}: field '{key}' must be an integer >= 0, got {value!r}")
             counts[key] = value
+        split = detection.get("splitExternalLocalOriginErrors", False)
+        local = detection.get("consecutiveLocalOriginFailures", 5)
+        if not isinstance(split, bool):
+            raise PolicyError(f"{at}: field 'splitExternalLocalOriginErrors' must be true or false, got {split!r}")
+        if not isinstance(local, int) or isinstance(local, bool) or local < 0:
+            raise PolicyError(f"{at}: field 'consecutiveLocalOriginFailures' must be an integer >= 0, got {local!r}")
+        if "consecutiveLocalOriginFailures" in detection and local and not split:
+            raise PolicyError(f"{at}: 'consecutiveLocalOriginFailures' needs 'splitExternalLocalOriginErrors: true' "
+                              "(Istio refuses it otherwise)")
         outlier = OutlierPolicy(
             consecutive_5xx=counts["consecutive5xxErrors"], consecutive_gateway=counts["consecutiveGatewayErrors"],
             interval_s=parse_duration(detection.get("interval", "10s"), f"{at}.interval"),
             base_ejection_s=parse_duration(detection.get("baseEjectionTime", "30s"), f"{at}.baseEjectionTime"),
-            max_ejection_percent=float(percent))
+            max_ejection_percent=float(percent), split_local_origin=split, consecutive_local_origin=local)
     return DestinationRule(name, _require(spec, "host", str, f"{where}: spec"), subsets, outlier)
 
 
@@ -293,6 +309,7 @@ def parse_destination_rule(doc: dict, where: str) -> DestinationRule:
 class _Host:
     consecutive_5xx: int = 0
     consecutive_gateway: int = 0
+    consecutive_local: int = 0  # split mode only
     ejections: int = 0  # the ejection-time multiplier
     ejected_at: float | None = None
 
@@ -327,12 +344,27 @@ class OutlierDetector:
     def ejected(self) -> list[str]:
         return sorted(h for h, s in self._hosts.items() if s.ejected_at is not None)
 
-    def record(self, host: str, grpc_code: str, now: float) -> bool:
-        """Counts one answer from `host`; returns whether it got ejected now."""
+    def record(self, host: str, grpc_code: str, now: float, local_origin: bool = False) -> bool:
+        """Counts one outcome of a call to `host`; returns whether it got ejected
+        now. `local_origin`: the failure happened on the caller's side (the
+        connection failed, or the caller's deadline ran out) rather than being
+        an answer the host sent. Envoy maps such a failure to 503/504 unless the
+        policy splits them out, when they count on their own counter; any
+        answer from the host resets that counter."""
         state = self._hosts.get(host)
         if state is None:
             return False
         self.check(now)
+        policy = self.policy
+        if local_origin and policy.split_local_origin:
+            state.consecutive_local += 1
+            if (state.ejected_at is None and policy.consecutive_local_origin
+                    and state.consecutive_local >= policy.consecutive_local_origin):
+                state.consecutive_local = 0
+                return self._eject(state, now)
+            return False
+        if not local_origin:
+            state.consecutive_local = 0
         status = HTTP_STATUS_OF_GRPC.get(grpc_code, 500)
         if status < 500:
             state.consecutive_5xx = state.consecutive_gateway = 0
@@ -341,7 +373,6 @@ class OutlierDetector:
         state.consecutive_gateway = state.consecutive_gateway + 1 if status in GATEWAY_ERRORS else 0
         if state.ejected_at is not None:
             return False
-        policy = self.policy
         if ((policy.consecutive_5xx and state.consecutive_5xx >= policy.consecutive_5xx)
                 or (policy.consecutive_gateway and state.consecutive_gateway >= policy.consecutive_gateway)):
             state.consecutive_5xx = state.consecutive_gateway = 0
