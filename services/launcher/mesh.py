@@ -107,7 +107,7 @@ class Mesh:
         cache_args: tuple[str, ...] = (),
         model_servers: int = 1,
         model_server_labels: tuple[str, ...] = (),
-        model_server_nice: int = 0,
+        model_server_nice: int | tuple[int, ...] = 0,
         ready_timeout_s: float = 120.0,
     ):
         self.models = str(models)
@@ -127,10 +127,11 @@ class Mesh:
         self.model_server_count = model_servers
         # One --labels value per replica (e.g. "version=blue"), as pods of two colours would carry.
         self.model_server_labels = model_server_labels
-        # A niceness for the model servers: on one machine the model takes every
-        # core it can get, and a lower CPU priority leaves more to the router and
-        # batcher under overload. Off by default: measured, it did not bring VIP
-        # latency under overload near its goal (see the README's batcher figures).
+        # A niceness for the model servers (one for all, or one per replica): on
+        # one machine the model takes every core it can get, and a lower CPU
+        # priority for a standard pool leaves cores to the VIP pool, the router
+        # and the batcher under overload (bench/batching.py measures it). Off by
+        # default.
         self.model_server_nice = model_server_nice
         self.ready_timeout_s = ready_timeout_s
         self.processes: dict[str, Process] = {}
@@ -170,7 +171,12 @@ class Mesh:
         argv = [sys.executable, "-m", module, "--host", self.host, *args]
         if module != "services.router":
             argv += ["--metrics-port", "0"]
-        nice = self.model_server_nice if module == "services.model_server" else 0
+        nice = 0
+        if module == "services.model_server":
+            nice = self.model_server_nice
+            if isinstance(nice, tuple):
+                index = int(name.rpartition("-")[2]) if "-" in name else 0
+                nice = nice[index] if index < len(nice) else 0
         process = Process(name, argv, self.log_dir, self.env, nice=nice)
         self.processes[name] = process
         return process
