@@ -29,11 +29,16 @@ $(VENV)/.installed: requirements.lock
 	@echo "$(CURDIR)/gen" >> $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/infermesh.pth
 	@touch $@
 
+# redis-server for the cache and its tests; openssl makes the test API server's
+# service-account key (tests/kube.py).
 system-deps:
-	@command -v redis-server >/dev/null || { \
-	  echo "installing redis-server with apt-get ..."; \
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v openssl >/dev/null || missing="$$missing openssl"; \
+	[ -z "$$missing" ] || { \
+	  echo "installing$$missing with apt-get ..."; \
 	  SUDO=$$( [ $$(id -u) -eq 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; }
 
 ghz: bin/ghz
 
