@@ -1,17 +1,29 @@
 """Several model_server replicas behind one batcher: both get work, and one dying
-under load loses no request."""
+under load loses no request. Behind a service mesh (one address for them all)
+a failed batch does not take the address out, and the catalog merges polls."""
 
 import asyncio
+import collections
+import contextlib
 import signal
 import uuid
 
 import grpc
+import numpy as np
 import pytest
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
+from infermesh.common.v1 import tensor_pb2
 
+from services.batcher.replicas import MESH_HISTORY_POLLS, ReplicaSet, _merge_polls
+from services.common import errors
+from services.common.tensors import from_numpy
 from services.launcher.mesh import Mesh
+from services.model_server.config import ModelServerConfig
+from services.model_server.core import ModelManager
+from services.model_server.server import build_server
 from tests.conftest import metric
 from tests.oip import output_array, text_request
+from tests.test_model_repository import repo  # noqa: F401 - the mlp repository fixture
 
 
 @pytest.fixture
@@ -48,3 +60,62 @@ async def test_both_replicas_get_work_and_one_dying_loses_nothing(two_replicas):
     assert sorted(mesh.dead()) == ["model_server-1"]
     # The batches that were on the dead replica went to the other one.
     assert metric(mesh.metrics_url("batcher"), "infermesh_batcher_retries_total", code="UNAVAILABLE") >= 1
+
+
+# ---------------------------------------------------------------- behind a mesh
+
+
+@contextlib.asynccontextmanager
+async def mlp_server(repository, port: int = 0):
+    manager = ModelManager(str(repository), "cpu", 1, probe_interval_s=0)
+    await manager.start()
+    server, bound, _ = await build_server(ModelServerConfig(model_repository=str(repository)), manager, port=port)
+    try:
+        yield bound
+    finally:
+        await server.stop(0)
+        await manager.close()
+
+
+def mlp_batch() -> list:
+    return [from_numpy("INPUT0", np.ones((2, 64), dtype=np.float32), "FP32")]
+
+
+@pytest.mark.parametrize("behind_mesh", [True, False], ids=["behind a mesh", "own replicas"])
+async def test_a_failed_batch_marks_the_address_unready_only_when_the_batcher_balances_itself(repo, behind_mesh):
+    async with mlp_server(repo) as port:
+        replicas = ReplicaSet((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24, behind_mesh=behind_mesh)  # no poll in the test
+        await replicas.start()
+        assert (await replicas.execute("mlp", "", mlp_batch(), [], 10.0))[0] == "1"
+    with pytest.raises(errors.Unavailable):  # the address answers no more (behind a mesh: a 503 from the sidecar)
+        await replicas.execute("mlp", "", mlp_batch(), [], 10.0)
+    async with mlp_server(repo, port):  # another pod answers at the same address
+        await asyncio.wait_for(replicas._replicas[0].channel.channel_ready(), 30)  # noqa: SLF001 - reconnected
+        if behind_mesh:
+            assert (await replicas.execute("mlp", "", mlp_batch(), [], 10.0))[0] == "1"
+        else:  # its own replica stays out until the next poll says it is back
+            with pytest.raises(errors.Unavailable, match="no ready model_server replica"):
+                await replicas.execute("mlp", "", mlp_batch(), [], 10.0)
+        await replicas.close()
+
+
+def test_behind_a_mesh_the_catalog_is_what_recent_polls_saw():
+    def poll(*versions: str) -> dict:
+        info = tensor_pb2.ModelInfo(name="minilm", versions=list(versions), ready_versions=list(versions))
+        return {"minilm": info}
+
+    history = collections.deque(maxlen=MESH_HISTORY_POLLS)
+    history.extend([poll("1"), poll("2")])  # two polls reached a blue and a green pod
+    assert list(_merge_polls(history)["minilm"].ready_versions) == ["2", "1"]
+    history.extend([poll("2")] * (MESH_HISTORY_POLLS - 1))  # version 1 was unloaded everywhere
+    assert list(_merge_polls(history)["minilm"].ready_versions) == ["2"]
+    history.extend([{}] * MESH_HISTORY_POLLS)
+    assert _merge_polls(history) == {}
+
+
+def test_behind_a_mesh_the_batcher_applies_no_traffic_policy_of_its_own():
+    from services.batcher.config import BatcherConfig
+
+    with pytest.raises(ValueError, match="model_servers_behind_mesh and traffic_policy exclude each other"):
+        BatcherConfig(model_servers=("model-server:8011",), model_servers_behind_mesh=True,
+                      traffic_policy="mesh/istio/model-server-traffic.yaml")

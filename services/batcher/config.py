@@ -34,6 +34,9 @@ class BatcherConfig:
                 "servers (e.g. mesh/istio/model-server.yaml); applied to this hop, reloaded when they change"})
     traffic_host: str = dataclasses.field(default="model-server", metadata={
         "help": "the host those resources are for"})
+    model_servers_behind_mesh: bool = dataclasses.field(default=False, metadata={
+        "help": "the model-server address is a mesh Service whose sidecar balances, retries and ejects "
+                "(Kubernetes with Istio): a failed batch neither marks it unready nor is retried here"})
     max_message_bytes: int = dataclasses.field(default=64 * 1024 * 1024)
     drain_grace_s: float = dataclasses.field(default=10.0)
     log_level: str = dataclasses.field(default="info")
@@ -56,6 +59,9 @@ class BatcherConfig:
         require(self.max_inflight_batches_per_replica >= 1,
                 f"max_inflight_batches_per_replica must be >= 1, got {self.max_inflight_batches_per_replica}")
         require(self.replica_poll_s > 0, f"replica_poll_s must be > 0, got {self.replica_poll_s}")
+        require(not (self.model_servers_behind_mesh and self.traffic_policy),
+                "model_servers_behind_mesh and traffic_policy exclude each other: behind a mesh its sidecars apply "
+                f"the traffic policy (got traffic_policy={self.traffic_policy!r})")
 
     def queue_policy(self) -> QueuePolicy:
         return QueuePolicy({

@@ -3,9 +3,16 @@ ListModels, one RPC per batch to the least-loaded replica, one retry
 elsewhere. Given Istio's VirtualService and DestinationRule files, the same
 hop follows them as Envoy would: a route per batch (the batch's tier is its
 x-user-tier header), one weighted pick of a subset per batch, retries and
-back-off per the route, outlier detection per subset."""
+back-off per the route, outlier detection per subset.
+
+Behind a service mesh (Kubernetes with Istio) the batcher is given one
+address, a Service, and its sidecar balances, retries and ejects: then
+(`behind_mesh`) a failed batch neither marks that address unready nor is
+retried here, and since each poll reaches some pod, the catalog keeps what
+recent polls saw instead of only the last one."""
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
@@ -30,6 +37,7 @@ class Replica:
         self.channel = grpc.aio.insecure_channel(address, options=client_options(max_message_bytes))
         self.stub = model_server_pb2_grpc.ModelServerStub(self.channel)
         self.models: dict[str, object] = {}  # name -> common.v1.ModelInfo
+        self.history: collections.deque = collections.deque(maxlen=MESH_HISTORY_POLLS)  # behind a mesh
         self.labels: dict[str, str] = {}
         self.inflight = 0
         self.ready = False
@@ -39,8 +47,10 @@ class ReplicaSet:
     """Implements batcher.core.Backend over gRPC."""
 
     def __init__(self, addresses: tuple[str, ...], max_inflight_per_replica: int, poll_s: float, max_message_bytes: int,
-                 policy: traffic.PolicyFiles | None = None, rng: random.Random | None = None):
+                 policy: traffic.PolicyFiles | None = None, rng: random.Random | None = None,
+                 behind_mesh: bool = False):
         self._replicas = [Replica(a, max_message_bytes) for a in addresses]
+        self._behind_mesh = behind_mesh
         self._max_inflight = max_inflight_per_replica
         self._poll_s = poll_s
         self._poller: asyncio.Task | None = None
@@ -83,7 +93,13 @@ class ReplicaSet:
         else:
             if not replica.ready:
                 log.info("replica %s ready with models %s", replica.address, [m.name for m in response.models])
-            replica.ready, replica.models = True, {m.name: m for m in response.models}
+            seen = {m.name: m for m in response.models}
+            if self._behind_mesh:  # each poll reached one pod of several: what the last few saw, merged
+                replica.history.append(seen)
+                replica.models = _merge_polls(replica.history)
+            else:
+                replica.models = seen
+            replica.ready = True
             replica.labels = dict(response.labels)
         metrics.REPLICA_READY.labels(replica.address).set(1 if replica.ready else 0)
 
@@ -150,7 +166,7 @@ class ReplicaSet:
                                                           metadata=tier_metadata(priority))
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
-                if code in RETRYABLE:
+                if code in RETRYABLE and not self._behind_mesh:  # behind a mesh its sidecar has retried already
                     replica.ready = False  # until its next poll says otherwise
                     if len(tried) < 2 and deadline - loop.time() > 0:
                         log.warning("batch for %s failed on %s (%s); retrying once elsewhere", model, replica.address, code.name)
@@ -251,6 +267,33 @@ class ReplicaSet:
         if self._poller is not None:
             self._poller.cancel()
         await asyncio.gather(*(r.channel.close() for r in self._replicas))
+
+
+MESH_HISTORY_POLLS = 5  # behind a mesh, the catalog is what this many recent polls saw
+
+
+def _merge_polls(polls) -> dict:
+    """The models of several polls that may have reached different pods: each
+    model as the newest poll that saw it describes it, with the versions every
+    poll saw (pods of two colours serve different versions in a rollout).
+    What no recent poll saw is gone."""
+    merged: dict = {}
+    for seen in polls:  # oldest first
+        for name, info in seen.items():
+            known = merged.get(name)
+            merged[name] = type(info)()
+            merged[name].CopyFrom(info)
+            if known is None:
+                continue
+            for field in ("versions", "ready_versions"):
+                union = sorted(set(getattr(known, field)) | set(getattr(info, field)), key=_version_order,
+                               reverse=True)
+                del getattr(merged[name], field)[:]
+                getattr(merged[name], field).extend(union)
+            for version, revision in known.revisions.items():
+                if version not in merged[name].revisions:
+                    merged[name].revisions[version] = revision
+    return merged
 
 
 def tier_metadata(priority: int) -> tuple[tuple[str, str], ...]:
