@@ -145,6 +145,22 @@ async def test_one_bad_request_does_not_fail_its_batch_neighbours():
     assert backend.batches[0] == [1.0, 13.0, 3.0, 4.0]
 
 
+class RefusingBackend(GatedBackend):
+    """A model server with no room: it refuses every batch, with a retry hint."""
+
+    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
+        self.batches.append(to_numpy(inputs[0])[:, 0].tolist())
+        raise errors.ResourceExhausted("no time left for this batch", retry_after_ms=40)
+
+
+async def test_a_refused_batch_is_answered_as_refused_not_split_into_more_calls():
+    backend = RefusingBackend(max_batch=4)
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100)
+    results = await asyncio.gather(*(submit(batcher, float(v)) for v in range(4)), return_exceptions=True)
+    assert backend.batches == [[0.0, 1.0, 2.0, 3.0]]  # one call: four more would only add to the load
+    assert all(isinstance(r, errors.ResourceExhausted) and r.retry_after_ms == 40 for r in results)
+
+
 async def test_a_request_larger_than_the_batch_size_runs_alone_up_to_the_model_limit():
     backend = GatedBackend(max_batch=4)
     backend.gate.set()

@@ -14,7 +14,7 @@ import pytest
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from infermesh.common.v1 import tensor_pb2
 
-from services.batcher.replicas import MESH_HISTORY_POLLS, ReplicaSet, _merge_polls
+from services.batcher.replicas import MESH_FAILED_POLLS, MESH_HISTORY_POLLS, ReplicaSet, _merge_polls
 from services.common import errors
 from services.common.tensors import from_numpy
 from services.launcher.mesh import Mesh
@@ -97,6 +97,20 @@ async def test_a_failed_batch_marks_the_address_unready_only_when_the_batcher_ba
             with pytest.raises(errors.Unavailable, match="no ready model_server replica"):
                 await replicas.execute("mlp", "", mlp_batch(), [], 10.0)
         await replicas.close()
+
+
+@pytest.mark.parametrize("behind_mesh", [True, False], ids=["behind a mesh", "own replicas"])
+async def test_behind_a_mesh_the_catalog_outlives_a_missed_poll_but_not_a_run_of_them(repo, behind_mesh):
+    async with mlp_server(repo) as port:
+        replicas = ReplicaSet((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24, behind_mesh=behind_mesh)  # polled by hand
+        await replicas.poll_once()
+        assert [m.name for m in replicas.models()] == ["mlp"]
+    for missed in range(1, MESH_FAILED_POLLS + 1):
+        await replicas.poll_once()
+        standing = behind_mesh and missed < MESH_FAILED_POLLS
+        assert [m.name for m in replicas.models()] == (["mlp"] if standing else []), missed
+    assert not replicas._replicas[0].history  # noqa: SLF001 - a pod seen again starts a fresh catalog
+    await replicas.close()
 
 
 def test_behind_a_mesh_the_catalog_is_what_recent_polls_saw():

@@ -400,8 +400,9 @@ class ModelQueue:
             self.batch_policy.observe_batch(sum(counts), loop.time() - now)
             self._completed.append((loop.time(), sum(counts)))
         except errors.InfermeshError as exc:
-            if split_on_error and len(batch) > 1 and not exc.retryable and not isinstance(exc, errors.DeadlineExceeded):
-                # One bad request must not fail its neighbours: run each alone.
+            if split_on_error and len(batch) > 1 and not exc.retryable and not isinstance(exc, SPLIT_NEVER):
+                # One bad request must not fail its neighbours: run each alone. Not when the
+                # model server is out of time or room: one RPC per request would only add load.
                 log.warning("batch of %d for model %s failed (%s); retrying one by one", len(batch), self.model, exc.message)
                 await asyncio.gather(*(self._run_batch([item], split_on_error=False) for item in batch))
                 return
@@ -424,6 +425,9 @@ class ModelQueue:
         self._queued_rows = {level: 0 for level in self._queued_rows}
         if self._batches:
             await asyncio.gather(*self._batches, return_exceptions=True)
+
+
+SPLIT_NEVER = (errors.DeadlineExceeded, errors.ResourceExhausted)
 
 
 def _fail_all(items: list[Pending], error: errors.InfermeshError) -> None:

@@ -9,7 +9,7 @@ Behind a service mesh (Kubernetes with Istio) the batcher is given one
 address, a Service, and its sidecar balances, retries and ejects: then
 (`behind_mesh`) a failed batch neither marks that address unready nor is
 retried here, and since each poll reaches some pod, the catalog keeps what
-recent polls saw instead of only the last one."""
+recent polls saw instead of only the last one, through a failed poll or two."""
 
 import asyncio
 import collections
@@ -28,7 +28,9 @@ from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.tensors import TensorData
 
 log = logging.getLogger(__name__)
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
+# Worth one try on another replica: this one is down, or too busy to finish the
+# batch in time (its RESOURCE_EXHAUSTED comes at once, so the try costs little).
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class Replica:
@@ -41,6 +43,7 @@ class Replica:
         self.labels: dict[str, str] = {}
         self.inflight = 0
         self.ready = False
+        self.failed_polls = 0  # in a row
 
 
 class ReplicaSet:
@@ -87,10 +90,17 @@ class ReplicaSet:
         try:
             response = await replica.stub.ListModels(model_server_pb2.ListModelsRequest(), timeout=max(self._poll_s, 1.0))
         except grpc.aio.AioRpcError as exc:
-            if replica.ready:
-                log.warning("replica %s stopped answering: %s", replica.address, exc.code().name)
-            replica.ready, replica.models = False, {}
+            replica.failed_polls += 1
+            if self._behind_mesh and replica.ready and replica.failed_polls < MESH_FAILED_POLLS:
+                # One pod of several, or the sidecar for a moment, did not answer: the catalog stands.
+                log.warning("model servers behind %s missed a poll (%s)", replica.address, exc.code().name)
+            else:
+                if replica.ready:
+                    log.warning("replica %s stopped answering: %s", replica.address, exc.code().name)
+                replica.ready, replica.models = False, {}
+                replica.history.clear()
         else:
+            replica.failed_polls = 0
             if not replica.ready:
                 log.info("replica %s ready with models %s", replica.address, [m.name for m in response.models])
             seen = {m.name: m for m in response.models}
@@ -167,12 +177,13 @@ class ReplicaSet:
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code in RETRYABLE and not self._behind_mesh:  # behind a mesh its sidecar has retried already
-                    replica.ready = False  # until its next poll says otherwise
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        replica.ready = False  # until its next poll says otherwise; a busy one stays ready
                     if len(tried) < 2 and deadline - loop.time() > 0:
                         log.warning("batch for %s failed on %s (%s); retrying once elsewhere", model, replica.address, code.name)
                         metrics.RETRIES.labels(code.name).inc()
                         continue
-                raise errors.from_code(code.value[0], exc.details() or code.name) from None
+                raise _domain_error(exc) from None
             return response.version, tensors_from_proto(response.outputs)
 
     # ------------------------------------------------------------ Istio semantics
@@ -245,7 +256,7 @@ class ReplicaSet:
                         metrics.RETRIES.labels(code.name).inc()
                         await asyncio.sleep(pause)
                         continue
-                raise errors.from_code(code.value[0], exc.details() or code.name) from None
+                raise _domain_error(exc) from None
             metrics.UPSTREAM.labels(destination.subset, "OK").inc()
             metrics.UPSTREAM_LATENCY.labels(destination.subset).observe(loop.time() - started)
             if detector is not None:
@@ -270,6 +281,7 @@ class ReplicaSet:
 
 
 MESH_HISTORY_POLLS = 5  # behind a mesh, the catalog is what this many recent polls saw
+MESH_FAILED_POLLS = 3  # ... and it stands until this many polls in a row fail
 
 
 def _merge_polls(polls) -> dict:
@@ -320,6 +332,14 @@ def _candidates(replicas: list[Replica], model: str, version: str) -> list[Repli
 # opposed to a status our servers sent.
 TRANSPORT_MARKERS = ("failed to connect", "socket closed", "connection reset", "connection refused", "broken pipe",
                      "goaway", "stream removed", "connect failed")
+
+
+def _domain_error(exc: grpc.aio.AioRpcError) -> errors.InfermeshError:
+    """The model server's status as our error, with its retry hint when it sent
+    one (a refused batch carries `retry-after-ms` in its trailers)."""
+    code = exc.code()
+    retry_ms = next((value for key, value in (exc.trailing_metadata() or ()) if key == "retry-after-ms"), "0")
+    return errors.from_code(code.value[0], exc.details() or code.name, int(retry_ms) if retry_ms.isdigit() else 0)
 
 
 def _local_origin(exc: grpc.aio.AioRpcError) -> bool:
