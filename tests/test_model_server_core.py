@@ -2,9 +2,10 @@
 
 import asyncio
 
+import prometheus_client
 import pytest
 
-from services.model_server.execution import PriorityGate
+from services.model_server.execution import NoTurn, PriorityGate
 
 
 async def test_waiting_batches_run_vip_first_then_in_order():
@@ -68,7 +69,7 @@ async def test_a_waiter_with_a_time_limit_gives_up_and_leaves_the_gate_working()
 
     first = asyncio.create_task(batch("running", until=hold))
     await asyncio.sleep(0)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(NoTurn):
         await batch("in a hurry", wait_s=0)
     after = asyncio.create_task(batch("after"))
     await asyncio.sleep(0)
@@ -76,3 +77,22 @@ async def test_a_waiter_with_a_time_limit_gives_up_and_leaves_the_gate_working()
     hold.set()
     await asyncio.gather(first, after)
     assert ran == ["running", "after"] and gate.waiting == 0
+
+
+async def test_two_loads_of_one_version_add_to_one_queue_gauge():
+    """During a reload the old and the new load of a version share one gauge
+    label: each adds its own waiters instead of overwriting the other's count."""
+    queued = prometheus_client.Gauge("queued_batches", "test", registry=prometheus_client.CollectorRegistry())
+    old, new = PriorityGate(queued=queued), PriorityGate(queued=queued)
+    hold = asyncio.Event()
+
+    async def batch(gate: PriorityGate):
+        async with gate.turn(0):
+            await hold.wait()
+
+    tasks = [asyncio.create_task(batch(gate)) for gate in (old, old, old, new, new)]
+    await asyncio.sleep(0)
+    assert (old.waiting, new.waiting, queued._value.get()) == (2, 1, 3)  # noqa: SLF001
+    hold.set()
+    await asyncio.gather(*tasks)
+    assert queued._value.get() == 0  # noqa: SLF001

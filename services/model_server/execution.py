@@ -66,6 +66,10 @@ def cuda_usable(device: str) -> bool:
 SHED_MARGIN_S = 0.025  # what a refusal needs to reach the caller before its deadline, even on a busy machine
 
 
+class NoTurn(Exception):
+    """No session instance came free within the time a batch could wait."""
+
+
 class PriorityGate:
     """Hands out `capacity` session instances; batches waiting for one go
     highest priority first, FIFO within a priority. (The executors alone would
@@ -80,8 +84,8 @@ class PriorityGate:
 
     @contextlib.asynccontextmanager
     async def turn(self, priority: int, wait_s: float | None = None):
-        """Yields the index of the instance the batch may use; raises
-        TimeoutError when none came free within `wait_s` (None: no limit)."""
+        """Yields the index of the instance the batch may use; raises NoTurn
+        when none came free within `wait_s` (None: no limit)."""
         if self._free and not self._waiting:
             instance = self._free.pop()
         else:
@@ -90,9 +94,11 @@ class PriorityGate:
             self._count_waiting(+1)
             try:
                 instance = await (future if wait_s is None else asyncio.wait_for(future, max(wait_s, 0.0)))
-            except (asyncio.CancelledError, TimeoutError):
+            except (asyncio.CancelledError, TimeoutError) as exc:
                 if future.done() and not future.cancelled():
                     self._release(future.result())  # it was our turn: hand it on
+                if isinstance(exc, TimeoutError):
+                    raise NoTurn from None
                 raise
             finally:
                 self._count_waiting(-1)
@@ -110,8 +116,8 @@ class PriorityGate:
 
     def _count_waiting(self, change: int) -> None:
         self.waiting += change
-        if self._queued is not None:
-            self._queued.set(self.waiting)
+        if self._queued is not None:  # shared by two loads of one version during a reload: add, never set
+            self._queued.inc(change)
 
     def _release(self, instance: int) -> None:
         while self._waiting:
@@ -193,14 +199,14 @@ class LoadedVersion:
             if wait_s is not None and self.gate.busy():
                 expected_wait_s = (self.gate.ahead_of(priority) + 1) / len(self.instances) * self.run_s
                 if expected_wait_s > wait_s:
-                    raise TimeoutError  # refused now rather than after waiting in vain
+                    raise NoTurn  # refused now rather than after waiting in vain
             async with self.gate.turn(priority, wait_s) as index:
                 instance = self.instances[index]
                 started = loop.time()
                 result = await loop.run_in_executor(instance.executor, self.run, instance, inputs, outputs)
                 self.run_s = 0.8 * self.run_s + 0.2 * (loop.time() - started) if self.run_s else loop.time() - started
                 return result
-        except TimeoutError:
+        except NoTurn:  # only a batch with time_left_s waits for a limited time
             metrics.SHED.labels(self.config.name).inc()
             raise errors.ResourceExhausted(
                 f"model '{self.config.name}' version {self.version} is busy: this batch would not finish before its "
