@@ -22,8 +22,9 @@ def istio():
 
 
 @pytest.fixture(scope="module")
-def dev():
-    return manifests.render(manifests.OVERLAYS / "dev")
+def production():
+    """The overlay with the most replicas: a rule about pool sizes must bite there too."""
+    return manifests.render(manifests.OVERLAYS / "production")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.name for p in OVERLAYS])
@@ -48,7 +49,7 @@ def test_the_batcher_applies_the_same_model_server_policy_outside_kubernetes():
     assert {d.subset for d in service.route({"x-user-tier": "standard"}).destinations} == {"blue", "green"}
     # One local model server labelled for both pools serves VIP and standard traffic.
     assert set(rule.subset_of({"version": "blue", "pool": "vip"})) == {"blue", "vip"}
-    assert rule.outlier.max_ejection_percent == 100
+    assert rule.outlier.max_ejection_percent == 50  # one of a subset of two
 
 
 def _find(docs, kind, name):
@@ -136,6 +137,9 @@ MISTAKES = {
         lambda d: _find(d, "HorizontalPodAutoscaler", "model-server-blue")["spec"]["metrics"][0]["pods"]["metric"]
         .update(name="infermesh_queue_length"),
         "Pods metric 'infermesh_queue_length' is not served by prometheus-adapter"),
+    "replica count an autoscaler owns": (
+        lambda d: _find(d, "Deployment", "router")["spec"].update(replicas=2),
+        "Deployment/router: sets spec.replicas though HorizontalPodAutoscaler/router scales it"),
     "scale-down window that flaps": (
         lambda d: _find(d, "HorizontalPodAutoscaler", "router")["spec"]["behavior"]["scaleDown"].update(
             stabilizationWindowSeconds=0),
@@ -146,8 +150,8 @@ MISTAKES = {
 
 
 @pytest.mark.parametrize("mistake", MISTAKES)
-def test_each_check_catches_its_mistake(mistake, dev, istio):
-    docs = copy.deepcopy(dev)
+def test_each_check_catches_its_mistake(mistake, production, istio):
+    docs = copy.deepcopy(production)
     break_it, expected = MISTAKES[mistake]
     break_it(docs)
     for doc in docs:  # appProtocol=None above means "without one"

@@ -20,7 +20,7 @@ rendered by the real kustomize (bin/kustomize, built by `make setup`), then:
   AuthorizationPolicy; routes that carry bidirectional streams have no
   timeout; outlier detection can eject with the pool's fewest replicas;
   autoscalers read metrics that prometheus-adapter serves and our services
-  export; the dashboard's queries name metrics and labels that exist.
+  export, and own the replica count of what they scale; the dashboard's queries name metrics and labels that exist.
 """
 
 from __future__ import annotations
@@ -574,8 +574,12 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
     served = _adapter_metrics(adapter_values)
     for hpa in by_kind.get("HorizontalPodAutoscaler", []):
         target = hpa["spec"]["scaleTargetRef"]
-        if not any(w.name == target["name"] for w in workloads if target["kind"] == "Deployment"):
+        scaled = next((w for w in workloads if target["kind"] == "Deployment" and w.name == target["name"]), None)
+        if scaled is None:
             found.append(f"{name_of(hpa)}: scales {target['kind']}/{target['name']}, which does not exist")
+        elif "replicas" in scaled.doc["spec"]:
+            found.append(f"{name_of(scaled.doc)}: sets spec.replicas though {name_of(hpa)} scales it "
+                         "(every apply would reset the autoscaler's count)")
         for metric in hpa["spec"].get("metrics", []):
             if metric["type"] == "Pods":
                 wanted = metric["pods"]["metric"]["name"]
