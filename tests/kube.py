@@ -32,6 +32,14 @@ class KubeAPI:
             if not (BIN / binary).exists():
                 raise RuntimeError(f"{BIN / binary} is missing: run `make setup`")
         self._stack = contextlib.ExitStack()
+        try:
+            self._begin()
+        except BaseException:  # a server that started must not outlive a failed start
+            self._stack.close()
+            raise
+        return self
+
+    def _begin(self) -> None:
         self.dir = pathlib.Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="kube-")))
         client_port, peer_port, self.port = _free_port(), _free_port(), _free_port()
         etcd_url, peer_url = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
@@ -58,7 +66,6 @@ class KubeAPI:
             "users": [{"name": "admin", "user": {"token": TOKEN}}],
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": "admin"}}]}))
         self.install_istio_crds()
-        return self
 
     def _start(self, name: str, argv: list[str]) -> None:
         log = open(self.dir / f"{name}.log", "wb")

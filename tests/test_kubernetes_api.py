@@ -3,11 +3,13 @@
 server-side dry run with strict field validation (the server's own schemas,
 defaulting and CEL rules), and meshctl patches the live VirtualService."""
 
+import contextlib
 import copy
 import shutil
 import subprocess
 import sys
 
+import prometheus_client
 import pytest
 import yaml
 
@@ -96,8 +98,29 @@ def test_set_weights_and_rollback_change_the_live_virtual_service_and_the_file(k
     assert meshctl(kube, namespace, policy, "rollback", "model-server").returncode == 0
     assert [r.get("weight") for r in live_service(api, namespace)["spec"]["http"][1]["route"]] == [100, 0]
     assert core.weights(policy, "model-server") == {"blue": 100, "green": 0}
-    status = meshctl(kube, namespace, policy, "status", "model-server", "--metrics", "http://127.0.0.1:1/")
-    assert "the live VirtualService" not in status.stderr  # file and cluster agree
+    with metrics_page() as url:
+        status = meshctl(kube, namespace, policy, "status", "model-server", "--metrics", url)
+        assert status.returncode == 0 and status.stderr == "", status.stderr  # file and cluster agree
+        assert [line.split()[:2] for line in status.stdout.splitlines()[1:]] == [["blue", "100"], ["green", "0"]]
+        Cluster(namespace, kubeconfig=str(kube.kubeconfig)).set_weights("model-server", {"blue": 70, "green": 30})
+        status = meshctl(kube, namespace, policy, "status", "model-server", "--metrics", url)
+        assert status.returncode == 0
+        assert ("warning: the live VirtualService has {'blue': 70, 'green': 30}, the file {'blue': 100, 'green': 0}"
+                in status.stderr)
+    status = meshctl(kube, namespace, policy, "status", "model-server", "--metrics", "http://127.0.0.1:1/metrics")
+    assert status.returncode == 2 and "cannot read the batcher's metrics at http://127.0.0.1:1/metrics" in status.stderr
+
+
+@contextlib.contextmanager
+def metrics_page():
+    """A /metrics page with nothing on it yet, as a batcher that just started has."""
+    server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1",
+                                                         registry=prometheus_client.CollectorRegistry())
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/metrics"
+    finally:
+        server.shutdown()
+        thread.join()
 
 
 def test_a_live_change_that_fails_leaves_the_file_as_it_was(kube, live):
@@ -130,4 +153,14 @@ def test_apply_without_a_cluster_says_so(tmp_path):
     done = subprocess.run([sys.executable, "-m", "services.meshctl", "--file", str(policy), "--apply", "--kubeconfig",
                            str(tmp_path / "none"), "promote", "model-server", "green"], capture_output=True, text=True)
     assert done.returncode == 2 and "no Kubernetes cluster to apply to" in done.stderr
+    assert core.weights(policy, "model-server") == {"blue": 100, "green": 0}
+
+
+def test_a_rollout_in_a_cluster_is_refused_before_it_changes_anything(kube, live):
+    """The batcher behind Istio has no per-subset figures: a rollout judged on them
+    would roll back every time, so meshctl says so instead of starting one."""
+    api, namespace, policy = live
+    done = meshctl(kube, namespace, policy, "rollout", "model-server", "green", "--interval-s", "1")
+    assert done.returncode == 2 and "rollout --apply is not supported" in done.stderr
+    assert [r.get("weight") for r in live_service(api, namespace)["spec"]["http"][1]["route"]] == [100, 0]
     assert core.weights(policy, "model-server") == {"blue": 100, "green": 0}

@@ -8,6 +8,7 @@ import pytest
 
 from services.meshctl import __main__ as meshctl
 from services.meshctl import core
+from services.meshctl.live import weight_patch
 
 POLICY = pathlib.Path(__file__).resolve().parent.parent / "mesh" / "istio" / "model-server-traffic.yaml"
 
@@ -74,3 +75,19 @@ def test_judge_fails_an_interval_without_evidence_and_one_over_its_thresholds():
     assert core.judge(start, slow, "green", checks)[0] is False
     failing = scrape(110, 108, [(0.1, 110), (0.5, 110), (1.0, 110)])
     assert "need >= 99.00%" in core.judge(start, failing, "green", checks)[1]
+
+
+def test_a_live_weight_patch_reaches_every_split_route_by_position_even_equal_ones():
+    def split() -> dict:
+        return {"name": "blue-green", "route": [{"destination": {"host": "model-server", "subset": "blue"}, "weight": 100},
+                                                {"destination": {"host": "model-server", "subset": "green"}}]}
+
+    vip = {"name": "vip", "match": [{"headers": {"x-user-tier": {"exact": "vip"}}}],
+           "route": [{"destination": {"host": "model-server", "subset": "vip"}}]}
+    live = {"metadata": {"name": "model-server", "resourceVersion": "7"}, "spec": {"http": [vip, split(), split()]}}
+    ops, old = weight_patch(live, {"blue": 90, "green": 10})
+    assert old == {"blue": 100, "green": 0}
+    assert ops[0] == {"op": "test", "path": "/metadata/resourceVersion", "value": "7"}
+    assert [(op["path"], op["value"]) for op in ops if op["path"].endswith("/weight")] == [
+        ("/spec/http/1/route/0/weight", 90), ("/spec/http/1/route/1/weight", 10),
+        ("/spec/http/2/route/0/weight", 90), ("/spec/http/2/route/1/weight", 10)]

@@ -36,6 +36,13 @@ def _parse_weights(items: list[str]) -> dict[str, int]:
     return wanted
 
 
+def _scrape(url: str) -> dict:
+    try:
+        return scrape(url)
+    except (OSError, ValueError) as exc:  # URLError is an OSError
+        raise core.MeshctlError(f"cannot read the batcher's metrics at {url}: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshctl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     rollout.add_argument("--metrics", help="the batcher's metrics URL (instead of --run-file)")
     args = parser.parse_args(argv)
     try:
+        if args.apply and args.command == "rollout":
+            # Behind Istio the batcher has one Service address and no per-subset figures to judge by.
+            raise core.MeshctlError(
+                "rollout --apply is not supported: in a cluster the canary's figures are Istio's telemetry "
+                "(istio_requests_total by destination_version), which meshctl does not read yet; step the weights "
+                "with set-weights --apply and watch that telemetry, or let Flagger drive the rollout")
         live = None
         if args.apply:
             from services.meshctl.live import Cluster
@@ -82,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             if live is not None and live.weights(args.host) != current:
                 print(f"warning: the live VirtualService has {live.weights(args.host)}, the file {current}",
                       file=sys.stderr)
-            samples = scrape(args.metrics or core.batcher_metrics_url(args.run_file))
+            samples = _scrape(args.metrics or core.batcher_metrics_url(args.run_file))
             print(f"{'subset':<10} {'weight':>6} {'ready':>5} {'batches':>8} {'success':>8} {'p99':>8}")
             for subset, weight in current.items():
                 h = core.subset_health(samples, subset)
@@ -102,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             url = args.metrics or core.batcher_metrics_url(args.run_file)
             checks = core.Checks(args.min_success_rate, args.max_p99_ms / 1000)
             promoted = core.rollout(args.file, args.host, args.canary, args.step, args.max_weight, args.interval_s,
-                                    checks, lambda: scrape(url), time.sleep,
-                                    lambda line: print(line, flush=True), args.threshold, live)
+                                    checks, lambda: _scrape(url), time.sleep,
+                                    lambda line: print(line, flush=True), args.threshold)
             return 0 if promoted else 1
         elif args.command == "rollback":
             target = core.previous_weights(args.file, args.host)

@@ -180,7 +180,7 @@ def judge(before: dict, after: dict, subset: str, checks: Checks) -> tuple[bool,
 
 
 def rollout(path: pathlib.Path, host: str, canary: str, step: int, max_weight: int, interval_s: float,
-            checks: Checks, read_metrics, sleep, say, threshold: int = 1, live=None) -> bool:
+            checks: Checks, read_metrics, sleep, say, threshold: int = 1) -> bool:
     """Flagger's loop: raise the canary's weight by `step` up to `max_weight`,
     judging each interval; after `threshold` failed checks go back to the
     stable subset and return False; after the last step promote the canary."""
@@ -194,7 +194,7 @@ def rollout(path: pathlib.Path, host: str, canary: str, step: int, max_weight: i
     weight = 0
     while weight < max_weight:
         weight = min(weight + step, max_weight)
-        set_weights(path, host, {canary: weight, stable: 100 - weight}, live)
+        set_weights(path, host, {canary: weight, stable: 100 - weight})
         before = read_metrics()
         sleep(interval_s)
         passed, verdict = judge(before, read_metrics(), canary, checks)
@@ -202,10 +202,10 @@ def rollout(path: pathlib.Path, host: str, canary: str, step: int, max_weight: i
         if not passed:
             failed += 1
             if failed >= threshold:
-                set_weights(path, host, {canary: 0, stable: 100}, live)
+                set_weights(path, host, {canary: 0, stable: 100})
                 say(f"rolled back: all traffic to {stable}")
                 return False
             weight -= step  # judge this weight again
-    set_weights(path, host, {canary: 100, stable: 0}, live)
+    set_weights(path, host, {canary: 100, stable: 0})
     say(f"promoted {canary}: all traffic to it")
     return True

@@ -21,14 +21,15 @@ def weight_patch(live: dict, wanted: dict[str, int]) -> tuple[list[dict], dict[s
     """The JSON Patch (RFC 6902) that gives the live VirtualService's weighted
     routes the `wanted` weights and records the old ones for rollback; and the
     old weights."""
-    routes = weighted_routes(live)
-    if not routes:
+    split = [id(http) for http in weighted_routes(live)]
+    if not split:
         raise MeshctlError(f"the live VirtualService {live['metadata']['name']} has no route split between subsets")
     ops: list[dict] = [{"op": "test", "path": "/metadata/resourceVersion",
                         "value": live["metadata"]["resourceVersion"]}]
     old = None
-    for http in routes:
-        i = live["spec"]["http"].index(http)
+    for i, http in enumerate(live["spec"]["http"]):  # by position: two routes may be equal
+        if id(http) not in split:
+            continue
         subsets = [r["destination"].get("subset", "") for r in http["route"]]
         if set(subsets) != set(wanted):
             raise MeshctlError(f"live route {http.get('name', i)} splits between {sorted(subsets)}; give a weight "
