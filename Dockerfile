@@ -20,9 +20,14 @@ WORKDIR /app
 COPY requirements.lock .
 # The services' own imports, at the versions the lock pins (no torch: the
 # sharded GPU path that uses it is for tp_degree > 1 on CUDA; add it there).
+# The CUDA 13 and cuDNN libraries come as wheels (the extras and cuBLAS), so a
+# slim base image serves on a GPU node too: the NVIDIA container runtime
+# mounts only the driver, and the model server loads the rest from
+# site-packages (execution.load_cuda_libraries). kubernetes is for meshctl
+# --apply run in a pod with a service account.
 RUN pip install --no-cache-dir -c requirements.lock \
-      grpcio grpcio-health-checking grpcio-reflection protobuf onnxruntime-gpu tokenizers numpy \
-      redis prometheus-client nvidia-ml-py lmdb zstandard PyYAML ruamel.yaml
+      grpcio grpcio-health-checking grpcio-reflection protobuf "onnxruntime-gpu[cuda,cudnn]" nvidia-cublas \
+      tokenizers numpy redis prometheus-client nvidia-ml-py lmdb zstandard PyYAML ruamel.yaml kubernetes
 COPY --from=build /app/gen gen
 COPY --from=build /app/build/models build/models
 COPY services services

@@ -12,8 +12,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import heapq
+import io
 import itertools
 import logging
 import os
@@ -60,7 +62,24 @@ def cuda_usable(device: str) -> bool:
     wants_cuda = device == "cuda" or (device == "auto" and has_nvidia_gpu())
     if device == "cuda" and "CUDAExecutionProvider" not in available:
         raise RuntimeError(f"device=cuda but ONNX Runtime offers only {available}")
-    return wants_cuda and "CUDAExecutionProvider" in available
+    usable = wants_cuda and "CUDAExecutionProvider" in available
+    if usable:
+        load_cuda_libraries()
+    return usable
+
+
+@functools.cache
+def load_cuda_libraries() -> None:
+    """Loads the CUDA and cuDNN libraries that ONNX Runtime's CUDA provider
+    links against from the nvidia-* wheels (onnxruntime-gpu[cuda,cudnn],
+    nvidia-cublas) before any session asks for it. Those wheels put them in
+    site-packages, where the dynamic loader would never look; without this the
+    CUDA provider fails to load and every session quietly runs on the CPU."""
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):  # ORT reports what it could not load with print()
+        ort.preload_dlls()
+    if said.getvalue().strip():
+        log.warning("loading the CUDA libraries: %s", " ".join(said.getvalue().split()))
 
 
 SHED_MARGIN_S = 0.025  # what a refusal needs to reach the caller before its deadline, even on a busy machine
