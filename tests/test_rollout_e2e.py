@@ -22,6 +22,10 @@ from tests.faulty import faulty_repository
 from tests.oip import text_request
 
 POLICY = pathlib.Path(__file__).resolve().parent.parent / "mesh" / "istio" / "model-server-traffic.yaml"
+# Each weight is judged this long: at 10% and a few dozen batches a second it
+# must be long enough that green surely gets some (1.5 s left it none about
+# once in twenty runs, and "no evidence" fails the check).
+INTERVAL_S = "3"
 
 
 @pytest.fixture
@@ -56,7 +60,7 @@ async def rollout_under_load(mesh, policy, step: int) -> tuple[int, list, list]:
         callers = [asyncio.create_task(caller(stub)) for _ in range(8)]
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "services.meshctl", "--file", str(policy), "rollout", "model-server", "green",
-            "--step", str(step), "--max-weight", "50", "--interval-s", "1.5", "--max-p99-ms", "5000",
+            "--step", str(step), "--max-weight", "50", "--interval-s", INTERVAL_S, "--max-p99-ms", "5000",
             "--metrics", mesh.metrics_url("batcher"), stdout=asyncio.subprocess.PIPE)
         out, _ = await process.communicate()
         await asyncio.sleep(0.6)  # the batcher follows the last edit
@@ -97,7 +101,7 @@ async def test_a_green_that_cannot_serve_is_rolled_back_by_itself(blue_green):
     code, answers, failures = await rollout_under_load(mesh, policy, step=10)
     assert code == 1
     assert core.weights(policy, "model-server") == {"blue": 100, "green": 0}
-    # Only batches picked for green during the first step (10% of traffic for 1.5 s) could fail.
+    # Only batches picked for green during the first step (10% of traffic for 3 s) could fail.
     assert len(failures) <= 0.25 * (len(answers) + len(failures))
     assert set(failures) <= {grpc.StatusCode.UNAVAILABLE}
 
