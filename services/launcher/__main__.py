@@ -53,16 +53,19 @@ def main() -> int:
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
-    print(f"infermesh ready: router gRPC {mesh.router}, metrics {mesh.router_metrics} "
-          f"(Ctrl-C drains and stops)", flush=True)
-    # Where every service listens, for operators' tools (services.cache.admin, ...).
+    # Where every service listens, for operators' tools (services.cache.admin, ...):
+    # written whole before "ready" is said, so whoever waits for that line finds it.
     args.run_file.parent.mkdir(parents=True, exist_ok=True)
-    args.run_file.write_text(json.dumps(
+    partial = args.run_file.with_name(args.run_file.name + ".tmp")
+    partial.write_text(json.dumps(
         {name: p.info.get("grpc") for name, p in mesh.processes.items() if name != "redis"}
         | {"redis": mesh.redis_url,
            "metrics": {name: mesh.metrics_url(name) for name in mesh.processes if name not in ("redis", "router")}
            | {"router": mesh.router_metrics}},
         indent=1))
+    partial.replace(args.run_file)
+    print(f"infermesh ready: router gRPC {mesh.router}, metrics {mesh.router_metrics} "
+          f"(Ctrl-C drains and stops)", flush=True)
     try:
         while not stopping:
             dead = mesh.dead()
