@@ -45,6 +45,32 @@ def test_model_server_gone_means_unavailable_and_not_ready(uncached_mesh):
     assert sorted(uncached_mesh.dead()) == ["model_server"]
 
 
+def test_a_batcher_too_busy_to_answer_a_catalog_poll_keeps_its_models_offered(uncached_mesh):
+    """A stopped batcher (SIGSTOP: what a starved process looks like from outside)
+    misses the router's catalog polls; for a moment that must not withdraw every
+    model, only a run of misses does. The requests sent meanwhile are answered."""
+    batcher = uncached_mesh.processes["batcher"].popen
+    with grpc.insecure_channel(uncached_mesh.router) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert output_array(stub.ModelInfer(text_request(["before"])), "EMBEDDING").shape == (1, 384)
+        batcher.send_signal(signal.SIGSTOP)
+        try:
+            pending = stub.ModelInfer.future(text_request(["while stopped"]), timeout=30)
+            time.sleep(1.5)  # one poll (1 s timeout) missed
+            assert stub.ModelReady(pb.ModelReadyRequest(name="minilm")).ready
+        finally:
+            batcher.send_signal(signal.SIGCONT)
+        assert output_array(pending.result(), "EMBEDDING").shape == (1, 384)
+        batcher.send_signal(signal.SIGSTOP)  # now for longer: three missed polls withdraw the models
+        try:
+            deadline = time.monotonic() + 15
+            while stub.ModelReady(pb.ModelReadyRequest(name="minilm")).ready and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not stub.ModelReady(pb.ModelReadyRequest(name="minilm")).ready
+        finally:
+            batcher.send_signal(signal.SIGCONT)
+
+
 @pytest.fixture
 def tiny_queues(model_repository, tmp_path):
     with Mesh(models=model_repository, cache=False, log_dir=tmp_path,

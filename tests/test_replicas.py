@@ -5,7 +5,9 @@ a failed batch does not take the address out, and the catalog merges polls."""
 import asyncio
 import collections
 import contextlib
+import os
 import signal
+import sys
 import uuid
 
 import grpc
@@ -14,10 +16,10 @@ import pytest
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from infermesh.common.v1 import tensor_pb2
 
-from services.batcher.replicas import MESH_FAILED_POLLS, MESH_HISTORY_POLLS, ReplicaSet, _merge_polls
+from services.batcher.replicas import FAILED_POLLS, MESH_HISTORY_POLLS, ReplicaSet, _merge_polls
 from services.common import errors
 from services.common.tensors import from_numpy
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, Process
 from services.model_server.config import ModelServerConfig
 from services.model_server.core import ModelManager
 from services.model_server.server import build_server
@@ -105,12 +107,46 @@ async def test_behind_a_mesh_the_catalog_outlives_a_missed_poll_but_not_a_run_of
         replicas = ReplicaSet((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24, behind_mesh=behind_mesh)  # polled by hand
         await replicas.poll_once()
         assert [m.name for m in replicas.models()] == ["mlp"]
-    for missed in range(1, MESH_FAILED_POLLS + 1):
+    for missed in range(1, FAILED_POLLS + 1):
         await replicas.poll_once()
-        standing = behind_mesh and missed < MESH_FAILED_POLLS
+        standing = behind_mesh and missed < FAILED_POLLS
         assert [m.name for m in replicas.models()] == (["mlp"] if standing else []), missed
     assert not replicas._replicas[0].history  # noqa: SLF001 - a pod seen again starts a fresh catalog
     await replicas.close()
+
+
+async def test_a_replica_too_busy_to_answer_its_poll_stays_in_service(repo, tmp_path):
+    """A model server whose poll times out (here: stopped with SIGSTOP, as a
+    starved process looks from outside) is not dead: it keeps its place and
+    its batches until several polls in a row fail, so one slow moment under
+    overload does not answer every request with "no ready replica"."""
+    server = Process("model_server", [sys.executable, "-m", "services.model_server", "--host", "127.0.0.1",
+                                      "--metrics-port", "0", "--model-repository", str(repo)], tmp_path, dict(os.environ))
+    try:
+        address = server.wait_ready(60)["grpc"]
+        replicas = ReplicaSet((address,), 4, 1.0, 1 << 24)  # polled by hand; each poll waits 1 s
+        await replicas.poll_once()
+        server.popen.send_signal(signal.SIGSTOP)
+        for missed in range(1, FAILED_POLLS):
+            await replicas.poll_once()
+            assert [m.name for m in replicas.models()] == ["mlp"], missed
+        server.popen.send_signal(signal.SIGCONT)
+        assert (await replicas.execute("mlp", "", mlp_batch(), [], 10.0))[0] == "1"  # it was busy, not gone
+        server.popen.send_signal(signal.SIGSTOP)
+        for _ in range(FAILED_POLLS):
+            await replicas.poll_once()
+        assert replicas.models() == []  # a run of missed polls takes it out
+        server.popen.send_signal(signal.SIGCONT)
+        for _ in range(50):  # the channel reconnects with back-off
+            await replicas.poll_once()
+            if replicas.models():
+                break
+            await asyncio.sleep(0.2)
+        assert [m.name for m in replicas.models()] == ["mlp"]
+        await replicas.close()
+    finally:
+        server.popen.send_signal(signal.SIGCONT)
+        server.stop(10)
 
 
 def test_behind_a_mesh_the_catalog_is_what_recent_polls_saw():

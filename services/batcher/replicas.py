@@ -91,12 +91,16 @@ class ReplicaSet:
             response = await replica.stub.ListModels(model_server_pb2.ListModelsRequest(), timeout=max(self._poll_s, 1.0))
         except grpc.aio.AioRpcError as exc:
             replica.failed_polls += 1
-            if self._behind_mesh and replica.ready and replica.failed_polls < MESH_FAILED_POLLS:
-                # One pod of several, or the sidecar for a moment, did not answer: the catalog stands.
-                log.warning("model servers behind %s missed a poll (%s)", replica.address, exc.code().name)
+            # A replica that is gone (its connection refused) is out at once, unless the address
+            # is a mesh's Service, where the next poll reaches another pod. A slow answer is
+            # not a dead replica: one too busy to answer its poll in time (overload, a long
+            # batch holding its cores) keeps serving until FAILED_POLLS polls in a row fail.
+            gone = _gone(exc) and not self._behind_mesh
+            if replica.ready and not gone and replica.failed_polls < FAILED_POLLS:
+                log.warning("model server %s missed a poll (%s: %s)", replica.address, exc.code().name, exc.details())
             else:
                 if replica.ready:
-                    log.warning("replica %s stopped answering: %s", replica.address, exc.code().name)
+                    log.warning("replica %s stopped answering: %s: %s", replica.address, exc.code().name, exc.details())
                 replica.ready, replica.models = False, {}
                 replica.history.clear()
         else:
@@ -281,7 +285,7 @@ class ReplicaSet:
 
 
 MESH_HISTORY_POLLS = 5  # behind a mesh, the catalog is what this many recent polls saw
-MESH_FAILED_POLLS = 3  # ... and it stands until this many polls in a row fail
+FAILED_POLLS = 3  # polls in a row that fail before a replica is taken out (or, behind a mesh, the catalog dropped)
 
 
 def _merge_polls(polls) -> dict:
@@ -348,6 +352,14 @@ def _local_origin(exc: grpc.aio.AioRpcError) -> bool:
     DEADLINE_EXCEEDED says more than that)."""
     return _transport_failure(exc) or (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                                        and (exc.details() or "") == "Deadline Exceeded")
+
+
+def _gone(exc: grpc.aio.AioRpcError) -> bool:
+    """The replica is not there: nothing listens, or the connection was torn
+    down. A ping or a handshake that timed out is not that: a starved process
+    misses those too."""
+    details = (exc.details() or "").lower()
+    return _transport_failure(exc) and not any(slow in details for slow in ("ping timeout", "keepalive", "timed out"))
 
 
 def _transport_failure(exc: grpc.aio.AioRpcError) -> bool:

@@ -19,6 +19,9 @@ from services.router.core import Catalog, ModelSignature, Spec
 log = logging.getLogger(__name__)
 
 
+FAILED_POLLS = 3  # catalog polls in a row that fail before the router stops offering the batcher's models
+
+
 class BatcherClient:
     """Submits requests over a few multiplexed bidi streams and keeps the catalog fresh."""
 
@@ -39,13 +42,19 @@ class BatcherClient:
         self._poller = asyncio.create_task(self._poll_forever())
 
     async def _poll_forever(self) -> None:
+        missed = 0
         while True:
             try:
                 response = await self._stub.ListModels(batcher_pb2.ListModelsRequest(), timeout=max(self._poll_s, 1.0))
                 self._catalog.replace([_signature(m) for m in response.models])
+                missed = 0
             except grpc.aio.AioRpcError as exc:
-                log.warning("batcher did not list models: %s", exc.code().name)
-                self._catalog.replace([])
+                missed += 1
+                log.warning("batcher did not list models (%d in a row): %s: %s", missed, exc.code().name, exc.details())
+                # A batcher too busy to answer in time still serves: one slow poll must not
+                # turn every request into UNAVAILABLE. (One that is gone fails submits anyway.)
+                if missed >= FAILED_POLLS:
+                    self._catalog.replace([])
             await asyncio.sleep(self._poll_s)
 
     async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
