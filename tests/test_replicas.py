@@ -12,6 +12,7 @@ import uuid
 
 import grpc
 import numpy as np
+import prometheus_client
 import pytest
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from infermesh.common.v1 import tensor_pb2
@@ -81,6 +82,44 @@ async def mlp_server(repository, port: int = 0):
 
 def mlp_batch() -> list:
     return [from_numpy("INPUT0", np.ones((2, 64), dtype=np.float32), "FP32")]
+
+
+@contextlib.asynccontextmanager
+async def busy_mlp_server(repository):
+    """A model server whose only session is taken and whose batches take 5 s:
+    it refuses any batch with a shorter deadline at once, with a retry hint."""
+    manager = ModelManager(str(repository), "cpu", 1, probe_interval_s=0)
+    await manager.start()
+    server, port, _ = await build_server(ModelServerConfig(model_repository=str(repository)), manager, port=0)
+    loaded = manager.resolve("mlp", "")
+    loaded.run_s = 5.0
+    try:
+        async with loaded.gate.turn(0):
+            yield port
+    finally:
+        await server.stop(0)
+        await manager.close()
+
+
+async def test_a_busy_replicas_refusal_goes_once_elsewhere_else_reaches_the_caller_with_its_hint(repo):
+    async with busy_mlp_server(repo) as busy, mlp_server(repo) as free:
+        alone = ReplicaSet((f"127.0.0.1:{busy}",), 4, 60.0, 1 << 24)
+        pair = ReplicaSet((f"127.0.0.1:{busy}", f"127.0.0.1:{free}"), 4, 60.0, 1 << 24)
+        await alone.start()
+        await pair.start()
+        with pytest.raises(errors.ResourceExhausted, match="would not finish before its deadline") as refused:
+            await alone.execute("mlp", "", mlp_batch(), [], 2.0)
+        assert refused.value.retry_after_ms == 5000
+        retries = metric_value("infermesh_batcher_retries_total", code="RESOURCE_EXHAUSTED")
+        assert (await pair.execute("mlp", "", mlp_batch(), [], 2.0))[0] == "1"  # the busy one (first) refused
+        assert metric_value("infermesh_batcher_retries_total", code="RESOURCE_EXHAUSTED") == retries + 1
+        assert all(r.ready for r in pair._replicas)  # noqa: SLF001 - busy is not down
+        await alone.close()
+        await pair.close()
+
+
+def metric_value(name: str, **labels) -> float:
+    return prometheus_client.REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 @pytest.mark.parametrize("behind_mesh", [True, False], ids=["behind a mesh", "own replicas"])

@@ -183,7 +183,9 @@ class ReplicaSet:
                 if code in RETRYABLE and not self._behind_mesh:  # behind a mesh its sidecar has retried already
                     if code == grpc.StatusCode.UNAVAILABLE:
                         replica.ready = False  # until its next poll says otherwise; a busy one stays ready
-                    if len(tried) < 2 and deadline - loop.time() > 0:
+                    # A refusal from a busy replica stands when no other replica could take the batch.
+                    elsewhere = code == grpc.StatusCode.UNAVAILABLE or self._choose(model, version, tried) is not None
+                    if len(tried) < 2 and deadline - loop.time() > 0 and elsewhere:
                         log.warning("batch for %s failed on %s (%s); retrying once elsewhere", model, replica.address, code.name)
                         metrics.RETRIES.labels(code.name).inc()
                         continue
