@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import pathlib
 import signal
 import sys
 import uuid
@@ -18,7 +19,7 @@ from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from infermesh.common.v1 import tensor_pb2
 
 from services.batcher.replicas import FAILED_POLLS, MESH_HISTORY_POLLS, ReplicaSet, _merge_polls
-from services.common import errors
+from services.common import errors, traffic
 from services.common.tensors import from_numpy
 from services.launcher.mesh import Mesh, Process
 from services.model_server.config import ModelServerConfig
@@ -27,6 +28,9 @@ from services.model_server.server import build_server
 from tests.conftest import metric
 from tests.oip import output_array, text_request
 from tests.test_model_repository import repo  # noqa: F401 - the mlp repository fixture
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -116,6 +120,36 @@ async def test_a_busy_replicas_refusal_goes_once_elsewhere_else_reaches_the_call
         assert all(r.ready for r in pair._replicas)  # noqa: SLF001 - busy is not down
         await alone.close()
         await pair.close()
+
+
+async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_of_batches(repo):
+    """The batcher's slots are counted over all replicas; a subset (here: the
+    blue one, a single replica) must still get no more than its own bound,
+    and a batch that waits for room past its deadline is refused."""
+    policy = traffic.PolicyFiles([ROOT / "mesh" / "istio" / "model-server-traffic.yaml"], "model-server")
+    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    await manager.start()
+    config = ModelServerConfig(model_repository=str(repo), labels="version=blue")
+    server, port, _ = await build_server(config, manager, port=0)
+    replicas = ReplicaSet((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24, policy)  # one batch in flight per replica
+    try:
+        await replicas.start()
+        (replica,) = replicas._replicas  # noqa: SLF001
+        loaded = manager.resolve("mlp", "")
+        async with loaded.gate.turn(0):  # the model is busy: the first batch waits at the server
+            first = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0))
+            second = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0))
+            while not replicas._room_waiters:  # noqa: SLF001
+                await asyncio.sleep(0.01)
+            assert replica.inflight == 1  # the second waits here, not in the server's queue
+            with pytest.raises(errors.ResourceExhausted, match="had 1 batches in flight until this batch's deadline"):
+                await replicas.execute("mlp", "", mlp_batch(), [], 0.2)
+        assert [(await call)[0] for call in (first, second)] == ["1", "1"]
+        assert replica.inflight == 0
+    finally:
+        await replicas.close()
+        await server.stop(0)
+        await manager.close()
 
 
 def metric_value(name: str, **labels) -> float:

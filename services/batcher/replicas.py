@@ -60,6 +60,7 @@ class ReplicaSet:
         self._policy = policy
         self._rng = rng or random.Random()
         self._detectors: dict[str, traffic.OutlierDetector] = {}  # per subset, as Envoy has one per subset cluster
+        self._room_waiters: list[asyncio.Future] = []  # batches waiting for a replica under its in-flight bound
 
     async def start(self) -> None:
         await self.poll_once()
@@ -230,14 +231,21 @@ class ReplicaSet:
         if route.timeout_s is not None:  # the route's timeout bounds the call and all its retries
             deadline = min(deadline, loop.time() + route.timeout_s)
         for attempt in range(route.retries.attempts + 1):
-            hosts = [r for r in self._subset_hosts(destination.subset)
-                     if not (detector is not None and detector.is_ejected(r.address, loop.time()))]
-            candidates = _candidates(hosts, model, version)
-            if not candidates:  # Envoy's "no healthy upstream": a 503 in the subset's figures too
-                metrics.UPSTREAM.labels(destination.subset, "UNAVAILABLE").inc()
-                raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset "
-                                         f"'{destination.subset or destination.host}' (route {route.name})")
-            fresh = [r for r in candidates if r.address not in tried] or candidates  # Envoy's previous_hosts
+            while True:
+                hosts = [r for r in self._subset_hosts(destination.subset)
+                         if not (detector is not None and detector.is_ejected(r.address, loop.time()))]
+                candidates = _candidates(hosts, model, version)
+                if not candidates:  # Envoy's "no healthy upstream": a 503 in the subset's figures too
+                    metrics.UPSTREAM.labels(destination.subset, "UNAVAILABLE").inc()
+                    raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset "
+                                             f"'{destination.subset or destination.host}' (route {route.name})")
+                # The bound per replica holds within the subset too: the batcher's slots are
+                # counted over all replicas, and one subset may have far fewer of them.
+                roomy = [r for r in candidates if r.inflight < self._max_inflight]
+                if roomy:
+                    break
+                await self._wait_for_room(model, destination.subset or destination.host, deadline)
+            fresh = [r for r in roomy if r.address not in tried] or roomy  # Envoy's previous_hosts
             replica = min(fresh, key=lambda r: r.inflight)
             tried.add(replica.address)
             left = deadline - loop.time()
@@ -279,6 +287,29 @@ class ReplicaSet:
         finally:
             replica.inflight -= 1
             metrics.INFLIGHT.labels(replica.address).set(replica.inflight)
+            waiting, self._room_waiters = self._room_waiters, []
+            for waiter in waiting:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def _wait_for_room(self, model: str, subset: str, deadline: float) -> None:
+        """Until some batch finishes (any replica: the caller looks again), or
+        RESOURCE_EXHAUSTED when the deadline comes first."""
+        loop = asyncio.get_running_loop()
+        left = deadline - loop.time()
+        waiter = loop.create_future()
+        self._room_waiters.append(waiter)
+        try:
+            if left <= 0:
+                raise TimeoutError
+            await asyncio.wait_for(waiter, left)
+        except TimeoutError:
+            raise errors.ResourceExhausted(
+                f"every replica of subset '{subset}' serving model '{model}' had {self._max_inflight} batches in "
+                f"flight until this batch's deadline; retry shortly", retry_after_ms=100) from None
+        finally:
+            if waiter in self._room_waiters:
+                self._room_waiters.remove(waiter)
 
     async def close(self) -> None:
         if self._poller is not None:
