@@ -146,19 +146,32 @@ async def test_one_bad_request_does_not_fail_its_batch_neighbours():
 
 
 class RefusingBackend(GatedBackend):
-    """A model server with no room: it refuses every batch, with a retry hint."""
+    """A model server with no room: it refuses every batch with a retry hint
+    (hint_ms 0: gRPC's own RESOURCE_EXHAUSTED, e.g. a message over its size limit)."""
+
+    def __init__(self, hint_ms: int, **kwargs):
+        super().__init__(**kwargs)
+        self.hint_ms = hint_ms
 
     async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
         self.batches.append(to_numpy(inputs[0])[:, 0].tolist())
-        raise errors.ResourceExhausted("no time left for this batch", retry_after_ms=40)
+        raise errors.ResourceExhausted("no time left for this batch", retry_after_ms=self.hint_ms)
 
 
 async def test_a_refused_batch_is_answered_as_refused_not_split_into_more_calls():
-    backend = RefusingBackend(max_batch=4)
+    backend = RefusingBackend(40, max_batch=4)
     batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100)
     results = await asyncio.gather(*(submit(batcher, float(v)) for v in range(4)), return_exceptions=True)
     assert backend.batches == [[0.0, 1.0, 2.0, 3.0]]  # one call: four more would only add to the load
     assert all(isinstance(r, errors.ResourceExhausted) and r.retry_after_ms == 40 for r in results)
+
+
+async def test_resource_exhausted_without_a_hint_is_about_the_batch_itself_so_it_is_split():
+    backend = RefusingBackend(0, max_batch=4)
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100)
+    results = await asyncio.gather(*(submit(batcher, float(v)) for v in range(4)), return_exceptions=True)
+    assert backend.batches == [[0.0, 1.0, 2.0, 3.0], [0.0], [1.0], [2.0], [3.0]]  # finds the request at fault
+    assert all(isinstance(r, errors.ResourceExhausted) for r in results)
 
 
 async def test_a_request_larger_than_the_batch_size_runs_alone_up_to_the_model_limit():

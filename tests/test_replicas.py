@@ -122,6 +122,30 @@ async def test_a_busy_replicas_refusal_goes_once_elsewhere_else_reaches_the_call
         await pair.close()
 
 
+async def test_grpcs_own_resource_exhausted_is_not_a_busy_replica_and_is_not_retried(repo):
+    """A batch over a model server's message limit fails there with gRPC's own
+    RESOURCE_EXHAUSTED (no retry hint): another replica would refuse it too."""
+    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    await manager.start()
+    small = ModelServerConfig(model_repository=str(repo), max_message_bytes=4096)
+    servers = [await build_server(small, manager, port=0) for _ in range(2)]
+    replicas = ReplicaSet(tuple(f"127.0.0.1:{port}" for _, port, _ in servers), 4, 60.0, 1 << 24)
+    try:
+        await replicas.start()
+        retries = metric_value("infermesh_batcher_retries_total", code="RESOURCE_EXHAUSTED")
+        with pytest.raises(errors.ResourceExhausted) as refused:
+            await replicas.execute("mlp", "", [from_numpy("INPUT0", np.ones((32, 64), dtype=np.float32), "FP32")], [],
+                                   10.0)
+        assert refused.value.retry_after_ms == 0
+        assert metric_value("infermesh_batcher_retries_total", code="RESOURCE_EXHAUSTED") == retries
+        assert all(r.ready for r in replicas._replicas)  # noqa: SLF001
+    finally:
+        await replicas.close()
+        for server, _, _ in servers:
+            await server.stop(0)
+        await manager.close()
+
+
 async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_of_batches(repo):
     """The batcher's slots are counted over all replicas; a subset (here: the
     blue one, a single replica) must still get no more than its own bound,
@@ -129,7 +153,7 @@ async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_
     policy = traffic.PolicyFiles([ROOT / "mesh" / "istio" / "model-server-traffic.yaml"], "model-server")
     manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
     await manager.start()
-    config = ModelServerConfig(model_repository=str(repo), labels="version=blue")
+    config = ModelServerConfig(model_repository=str(repo), labels="version=blue,pool=vip")  # both tiers here
     server, port, _ = await build_server(config, manager, port=0)
     replicas = ReplicaSet((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24, policy)  # one batch in flight per replica
     try:
@@ -139,17 +163,25 @@ async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_
         async with loaded.gate.turn(0):  # the model is busy: the first batch waits at the server
             first = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0))
             second = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0))
-            while not replicas._room_waiters:  # noqa: SLF001
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(until(lambda: replicas._room_waiters), 10)  # noqa: SLF001
             assert replica.inflight == 1  # the second waits here, not in the server's queue
-            with pytest.raises(errors.ResourceExhausted, match="had 1 batches in flight until this batch's deadline"):
+            with pytest.raises(errors.ResourceExhausted, match="had 1 batches in flight until this batch could no "
+                                                               "longer finish before its deadline"):
                 await replicas.execute("mlp", "", mlp_batch(), [], 0.2)
-        assert [(await call)[0] for call in (first, second)] == ["1", "1"]
+            # A VIP batch has a slot of its own: it goes to the server's VIP-first gate.
+            vip = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0, priority=1))
+            await asyncio.wait_for(until(lambda: replica.inflight == 2), 10)
+        assert [(await call)[0] for call in (first, second, vip)] == ["1", "1", "1"]
         assert replica.inflight == 0
     finally:
         await replicas.close()
         await server.stop(0)
         await manager.close()
+
+
+async def until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
 
 
 def metric_value(name: str, **labels) -> float:
@@ -205,9 +237,12 @@ async def test_a_replica_too_busy_to_answer_its_poll_stays_in_service(repo, tmp_
             assert [m.name for m in replicas.models()] == ["mlp"], missed
         server.popen.send_signal(signal.SIGCONT)
         assert (await replicas.execute("mlp", "", mlp_batch(), [], 10.0))[0] == "1"  # it was busy, not gone
+        await replicas.poll_once()  # answered: the count of missed polls starts again
         server.popen.send_signal(signal.SIGSTOP)
-        for _ in range(FAILED_POLLS):
+        for _ in range(FAILED_POLLS - 1):
             await replicas.poll_once()
+        assert [m.name for m in replicas.models()] == ["mlp"]
+        await replicas.poll_once()
         assert replicas.models() == []  # a run of missed polls takes it out
         server.popen.send_signal(signal.SIGCONT)
         for _ in range(50):  # the channel reconnects with back-off

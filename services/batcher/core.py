@@ -400,7 +400,7 @@ class ModelQueue:
             self.batch_policy.observe_batch(sum(counts), loop.time() - now)
             self._completed.append((loop.time(), sum(counts)))
         except errors.InfermeshError as exc:
-            if split_on_error and len(batch) > 1 and not exc.retryable and not isinstance(exc, SPLIT_NEVER):
+            if split_on_error and len(batch) > 1 and not exc.retryable and not _no_time_or_room(exc):
                 # One bad request must not fail its neighbours: run each alone. Not when the
                 # model server is out of time or room: one RPC per request would only add load.
                 log.warning("batch of %d for model %s failed (%s); retrying one by one", len(batch), self.model, exc.message)
@@ -427,7 +427,12 @@ class ModelQueue:
             await asyncio.gather(*self._batches, return_exceptions=True)
 
 
-SPLIT_NEVER = (errors.DeadlineExceeded, errors.ResourceExhausted)
+def _no_time_or_room(exc: errors.InfermeshError) -> bool:
+    """Out of time, or refused by a busy model server (its refusals carry a retry
+    hint; gRPC's own RESOURCE_EXHAUSTED, e.g. an oversized message, does not, and
+    splitting the batch is what isolates the request that caused it)."""
+    return isinstance(exc, errors.DeadlineExceeded) or (
+        isinstance(exc, errors.ResourceExhausted) and exc.retry_after_ms > 0)
 
 
 def _fail_all(items: list[Pending], error: errors.InfermeshError) -> None:

@@ -28,9 +28,10 @@ from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.tensors import TensorData
 
 log = logging.getLogger(__name__)
-# Worth one try on another replica: this one is down, or too busy to finish the
-# batch in time (its RESOURCE_EXHAUSTED comes at once, so the try costs little).
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Worth one try on another replica: this one is down (UNAVAILABLE), or too busy to
+# finish the batch in time (a refusal: RESOURCE_EXHAUSTED with a retry-after-ms
+# hint; gRPC's own RESOURCE_EXHAUSTED, e.g. a message over the size limit, is no
+# reason to try elsewhere). See _retry_elsewhere.
 
 
 class Replica:
@@ -61,6 +62,7 @@ class ReplicaSet:
         self._rng = rng or random.Random()
         self._detectors: dict[str, traffic.OutlierDetector] = {}  # per subset, as Envoy has one per subset cluster
         self._room_waiters: list[asyncio.Future] = []  # batches waiting for a replica under its in-flight bound
+        self._rpc_s = 0.0  # a moving average of how long a batch's Execute takes
 
     async def start(self) -> None:
         await self.poll_once()
@@ -175,13 +177,14 @@ class ReplicaSet:
                 raise errors.Unavailable(
                     f"no ready model_server replica serves model '{model}'" + (f" version {version}" if version else ""))
             tried.add(replica.address)
+            started = loop.time()
             try:
                 with self._inflight(replica):
                     response = await replica.stub.Execute(request, timeout=max(deadline - loop.time(), 0.001),
                                                           metadata=tier_metadata(priority))
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
-                if code in RETRYABLE and not self._behind_mesh:  # behind a mesh its sidecar has retried already
+                if _retry_elsewhere(exc) and not self._behind_mesh:  # behind a mesh its sidecar has retried already
                     if code == grpc.StatusCode.UNAVAILABLE:
                         replica.ready = False  # until its next poll says otherwise; a busy one stays ready
                     # A refusal from a busy replica stands when no other replica could take the batch.
@@ -191,7 +194,11 @@ class ReplicaSet:
                         metrics.RETRIES.labels(code.name).inc()
                         continue
                 raise _domain_error(exc) from None
+            self._observe_rpc(loop.time() - started)
             return response.version, tensors_from_proto(response.outputs)
+
+    def _observe_rpc(self, seconds: float) -> None:
+        self._rpc_s = 0.8 * self._rpc_s + 0.2 * seconds if self._rpc_s else seconds
 
     # ------------------------------------------------------------ Istio semantics
 
@@ -240,11 +247,15 @@ class ReplicaSet:
                     raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset "
                                              f"'{destination.subset or destination.host}' (route {route.name})")
                 # The bound per replica holds within the subset too: the batcher's slots are
-                # counted over all replicas, and one subset may have far fewer of them.
-                roomy = [r for r in candidates if r.inflight < self._max_inflight]
+                # counted over all replicas, and one subset may have far fewer of them. A VIP
+                # batch may go one over it, as it has a slot of its own per replica (core.SlotPool):
+                # where one replica serves both tiers, it then waits at the model server's
+                # VIP-first gate instead of behind standard batches here.
+                limit = self._max_inflight + (1 if priority >= 1 else 0)
+                roomy = [r for r in candidates if r.inflight < limit]
                 if roomy:
                     break
-                await self._wait_for_room(model, destination.subset or destination.host, deadline)
+                await self._wait_for_room(model, destination.subset or destination.host, limit, deadline)
             fresh = [r for r in roomy if r.address not in tried] or roomy  # Envoy's previous_hosts
             replica = min(fresh, key=lambda r: r.inflight)
             tried.add(replica.address)
@@ -273,6 +284,7 @@ class ReplicaSet:
                 raise _domain_error(exc) from None
             metrics.UPSTREAM.labels(destination.subset, "OK").inc()
             metrics.UPSTREAM_LATENCY.labels(destination.subset).observe(loop.time() - started)
+            self._observe_rpc(loop.time() - started)
             if detector is not None:
                 detector.record(replica.address, "OK", loop.time())
             return response.version, tensors_from_proto(response.outputs)
@@ -292,11 +304,12 @@ class ReplicaSet:
                 if not waiter.done():
                     waiter.set_result(None)
 
-    async def _wait_for_room(self, model: str, subset: str, deadline: float) -> None:
+    async def _wait_for_room(self, model: str, subset: str, limit: int, deadline: float) -> None:
         """Until some batch finishes (any replica: the caller looks again), or
-        RESOURCE_EXHAUSTED when the deadline comes first."""
+        RESOURCE_EXHAUSTED once the batch could no longer run before its
+        deadline: refused while the caller still has time to hear it."""
         loop = asyncio.get_running_loop()
-        left = deadline - loop.time()
+        left = deadline - loop.time() - self._rpc_s - REFUSE_MARGIN_S
         waiter = loop.create_future()
         self._room_waiters.append(waiter)
         try:
@@ -305,8 +318,9 @@ class ReplicaSet:
             await asyncio.wait_for(waiter, left)
         except TimeoutError:
             raise errors.ResourceExhausted(
-                f"every replica of subset '{subset}' serving model '{model}' had {self._max_inflight} batches in "
-                f"flight until this batch's deadline; retry shortly", retry_after_ms=100) from None
+                f"every replica of subset '{subset}' serving model '{model}' had {limit} batches in flight "
+                f"until this batch could no longer finish before its deadline; retry shortly",
+                retry_after_ms=max(1, round(1000 * self._rpc_s))) from None
         finally:
             if waiter in self._room_waiters:
                 self._room_waiters.remove(waiter)
@@ -371,12 +385,25 @@ TRANSPORT_MARKERS = ("failed to connect", "socket closed", "connection reset", "
                      "goaway", "stream removed", "connect failed")
 
 
+REFUSE_MARGIN_S = 0.025  # what a refusal needs to reach the caller before its deadline
+
+
+def _retry_hint_ms(exc: grpc.aio.AioRpcError) -> int:
+    value = next((value for key, value in (exc.trailing_metadata() or ()) if key == "retry-after-ms"), "")
+    return int(value) if value.isdigit() else 0
+
+
+def _retry_elsewhere(exc: grpc.aio.AioRpcError) -> bool:
+    """Down, or refused for being busy (our servers' refusals carry a retry hint)."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE or (
+        exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _retry_hint_ms(exc) > 0)
+
+
 def _domain_error(exc: grpc.aio.AioRpcError) -> errors.InfermeshError:
     """The model server's status as our error, with its retry hint when it sent
     one (a refused batch carries `retry-after-ms` in its trailers)."""
     code = exc.code()
-    retry_ms = next((value for key, value in (exc.trailing_metadata() or ()) if key == "retry-after-ms"), "0")
-    return errors.from_code(code.value[0], exc.details() or code.name, int(retry_ms) if retry_ms.isdigit() else 0)
+    return errors.from_code(code.value[0], exc.details() or code.name, _retry_hint_ms(exc))
 
 
 def _local_origin(exc: grpc.aio.AioRpcError) -> bool:
