@@ -77,6 +77,16 @@ def test_judge_fails_an_interval_without_evidence_and_one_over_its_thresholds():
     assert "need >= 99.00%" in core.judge(start, failing, "green", checks)[1]
 
 
+def test_a_rollout_whose_metrics_cannot_be_read_rolls_back_instead_of_stopping_half_way(policy, capsys):
+    done = meshctl.main(["--file", str(policy), "rollout", "model-server", "green", "--step", "10",
+                         "--interval-s", "0", "--metrics", "http://127.0.0.1:1/metrics"])
+    said = capsys.readouterr().out.splitlines()
+    assert done == 1
+    assert said[0].startswith("green at 10%: cannot read the batcher's metrics at http://127.0.0.1:1/metrics")
+    assert said[0].endswith(": FAILED") and said[1] == "rolled back: all traffic to blue"
+    assert core.weights(policy, "model-server") == {"blue": 100, "green": 0}
+
+
 def test_a_live_weight_patch_reaches_every_split_route_by_position_even_equal_ones():
     def split() -> dict:
         return {"name": "blue-green", "route": [{"destination": {"host": "model-server", "subset": "blue"}, "weight": 100},

@@ -15,6 +15,7 @@ from the batcher of the mesh described in var/run/mesh.json.
 """
 
 import argparse
+import http.client
 import pathlib
 import sys
 import time
@@ -39,7 +40,7 @@ def _parse_weights(items: list[str]) -> dict[str, int]:
 def _scrape(url: str) -> dict:
     try:
         return scrape(url)
-    except (OSError, ValueError) as exc:  # URLError is an OSError
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # URLError is an OSError
         raise core.MeshctlError(f"cannot read the batcher's metrics at {url}: {exc}") from None
 
 

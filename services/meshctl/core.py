@@ -195,9 +195,12 @@ def rollout(path: pathlib.Path, host: str, canary: str, step: int, max_weight: i
     while weight < max_weight:
         weight = min(weight + step, max_weight)
         set_weights(path, host, {canary: weight, stable: 100 - weight})
-        before = read_metrics()
-        sleep(interval_s)
-        passed, verdict = judge(before, read_metrics(), canary, checks)
+        try:
+            before = read_metrics()
+            sleep(interval_s)
+            passed, verdict = judge(before, read_metrics(), canary, checks)
+        except MeshctlError as exc:  # no figures is no evidence: a failed check, never a rollout left half done
+            passed, verdict = False, str(exc)
         say(f"{canary} at {weight}%: {verdict}: {'ok' if passed else 'FAILED'}")
         if not passed:
             failed += 1
