@@ -17,6 +17,9 @@ except OSError as exc:
     print(exc)
 else:
     print("loaded")
+# What the provider opens later rather than links: cuDNN, cuFFT, NVRTC.
+maps = pathlib.Path("/proc/self/maps").read_text()
+print(" ".join(sorted({{name for name in ("libcudnn.so.9", "libcufft.so", "libnvrtc.so") if name in maps}})))
 """
 
 
@@ -24,11 +27,12 @@ def probe(preload: str) -> str:
     done = subprocess.run([sys.executable, "-c", PROBE.format(preload=preload)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    return done.stdout.strip().splitlines()
 
 
 def test_the_cuda_provider_finds_all_its_libraries_but_the_driver():
-    found = probe("from services.model_server.execution import load_cuda_libraries; load_cuda_libraries()")
+    found, opened = probe("from services.model_server.execution import load_cuda_libraries; load_cuda_libraries()")
     # On a GPU machine the driver is there too and the provider loads.
     assert found == "loaded" or found.startswith("libcuda.so.1:"), found
+    assert opened == "libcudnn.so.9 libcufft.so libnvrtc.so"
 
