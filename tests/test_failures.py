@@ -95,7 +95,7 @@ async def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint_and_vip
     for error in rejected:
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert ("the standard queue of model 'minilm' is full (2 requests waiting)" in error.details()
-                or "is refusing standard requests for about" in error.details())
+                or "is refusing standard requests that cannot wait" in error.details())
         assert int(dict(error.trailing_metadata())["retry-after-ms"]) >= 10
     assert all(isinstance(r, pb.ModelInferResponse) for r in results[12:]), "VIP has a queue of its own"
     # Refused by the batcher's full queue, or by the router itself while the batcher's hint lasted.

@@ -96,9 +96,38 @@ async def test_after_a_full_queue_the_router_refuses_that_tier_itself_for_the_hi
     router = make_router(batcher)
     with pytest.raises(errors.ResourceExhausted, match="is full"):
         await router.infer(distinct_request(1))
-    with pytest.raises(errors.ResourceExhausted, match="refusing standard requests for about") as info:
+    with pytest.raises(errors.ResourceExhausted, match="refusing standard requests that cannot wait") as info:
         await router.infer(distinct_request(2))
     assert 10 <= info.value.retry_after_ms <= 300
     assert batcher.calls == [0]  # the second never reached the batcher
     assert (await router.infer(distinct_request(3, tier=1))).outputs  # VIP is not held back
     assert batcher.calls == [0, 1]
+
+
+class DeadlineBatcher:
+    """Refuses standard requests that cannot wait 500 ms, saying by how much
+    they fall short, as the batcher's deadline-aware admission does."""
+
+    def __init__(self):
+        self.calls: list[float] = []
+
+    async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+        self.calls.append(timeout_s)
+        if timeout_s < 0.5:
+            raise errors.ResourceExhausted("would miss its deadline", retry_after_ms=int(1000 * (0.5 - timeout_s)))
+        return version, [from_numpy("OUTPUT0", np.ones((1, 64), np.float32))]
+
+
+def timed_request(i: int, timeout_s: float) -> InferRequest:
+    return InferRequest("mlp", "", "", [from_numpy("INPUT0", np.full((1, 64), i, np.float32))], [], 0, timeout_s)
+
+
+async def test_one_impatient_callers_refusal_does_not_turn_away_callers_with_time_to_wait():
+    batcher = DeadlineBatcher()
+    router = make_router(batcher)
+    with pytest.raises(errors.ResourceExhausted, match="would miss its deadline"):
+        await router.infer(timed_request(1, 0.1))
+    with pytest.raises(errors.ResourceExhausted, match="cannot wait about 500 ms"):
+        await router.infer(timed_request(2, 0.2))  # no more patient: refused here, not sent
+    assert (await router.infer(timed_request(3, 5.0))).outputs  # has the time: goes through
+    assert len(batcher.calls) == 2

@@ -127,8 +127,9 @@ class Router:
         # many callers wait on it.
         self._running: dict[tuple[bytes, int], asyncio.Task] = {}
         self._waiting: dict[tuple[bytes, int], int] = {}
-        # (model, tier) -> loop time until which the batcher asked us to hold off.
-        self._shedding: dict[tuple[str, int], float] = {}
+        # (model, tier) -> (loop time until which the batcher asked us to hold off,
+        # the time a request must be able to wait to be worth sending meanwhile).
+        self._shedding: dict[tuple[str, int], tuple[float, float]] = {}
 
     def signature(self, model: str, version: str = "") -> tuple[ModelSignature, str]:
         """The model's signature and the concrete version a request would use."""
@@ -309,20 +310,25 @@ class Router:
         remaining = deadline - now
         if remaining <= 0:
             raise errors.DeadlineExceeded(f"request for model '{model}' reached its deadline before it could be queued")
-        shed_until = self._shedding.get((model, tier), 0.0)
-        if now < shed_until:
-            # The batcher said this level is full until then: refuse here, before
-            # the request costs the batcher anything.
+        shed_until, needs_s = self._shedding.get((model, tier), (0.0, 0.0))
+        if now < shed_until and remaining < needs_s:
+            # The batcher refused this level lately, and this request has no more time
+            # than the refused one would have needed: refuse it here, before it costs
+            # the batcher anything. A request with more time still goes through.
             metrics.SHED.labels(TIER_NAMES[tier]).inc()
             retry_ms = max(10, int(1000 * (shed_until - now)))
             raise errors.ResourceExhausted(
-                f"model '{model}' is refusing {TIER_NAMES[tier]} requests for about {retry_ms} ms more: its queue is "
-                f"full; retry after about {retry_ms} ms", retry_after_ms=retry_ms)
+                f"model '{model}' is refusing {TIER_NAMES[tier]} requests that cannot wait about "
+                f"{1000 * needs_s:.0f} ms (this one has {1000 * remaining:.0f} ms) for about {retry_ms} ms more: its "
+                f"queue is full; retry after about {retry_ms} ms", retry_after_ms=retry_ms)
         try:
             return await self._batcher.submit(model, version, inputs, outputs, tier, remaining)
         except errors.ResourceExhausted as exc:
             if exc.retry_after_ms:
-                self._shedding[(model, tier)] = now + min(exc.retry_after_ms, MAX_SHED_MS) / 1000
+                # The hint is how long until a place frees, or how much time this request
+                # lacked: a request then needs about its own time plus the hint.
+                self._shedding[(model, tier)] = (now + min(exc.retry_after_ms, MAX_SHED_MS) / 1000,
+                                                 remaining + exc.retry_after_ms / 1000)
             raise
 
 
