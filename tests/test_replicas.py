@@ -113,7 +113,8 @@ async def test_a_busy_replicas_refusal_goes_once_elsewhere_else_reaches_the_call
         await pair.start()
         with pytest.raises(errors.ResourceExhausted, match="would not finish before its deadline") as refused:
             await alone.execute("mlp", "", mlp_batch(), [], 2.0)
-        assert refused.value.retry_after_ms == 5000
+        # It lacked about 8 s: 5 s for the batch ahead and 5 s of its own, with 2 s left.
+        assert 7900 <= refused.value.retry_after_ms <= 8100
         retries = metric_value("infermesh_batcher_retries_total", code="RESOURCE_EXHAUSTED")
         assert (await pair.execute("mlp", "", mlp_batch(), [], 2.0))[0] == "1"  # the busy one (first) refused
         assert metric_value("infermesh_batcher_retries_total", code="RESOURCE_EXHAUSTED") == retries + 1

@@ -95,21 +95,22 @@ class PriorityGate:
     be FIFO: a VIP batch would wait behind every standard batch already sent.)"""
 
     def __init__(self, capacity: int = 1, queued=None):
+        self._capacity = capacity
         self._free = list(range(capacity))
-        self._waiting: list[tuple[int, int, asyncio.Future]] = []
+        self._waiting: list[tuple[int, int, asyncio.Future, int]] = []  # (-priority, order, turn, rows)
         self._order = itertools.count()
         self._queued = queued  # a gauge of the batches waiting, if any
         self.waiting = 0
 
     @contextlib.asynccontextmanager
-    async def turn(self, priority: int, wait_s: float | None = None):
-        """Yields the index of the instance the batch may use; raises NoTurn
-        when none came free within `wait_s` (None: no limit)."""
+    async def turn(self, priority: int, wait_s: float | None = None, rows: int = 1):
+        """Yields the index of the instance the batch (of `rows` rows) may use;
+        raises NoTurn when none came free within `wait_s` (None: no limit)."""
         if self._free and not self._waiting:
             instance = self._free.pop()
         else:
             future = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._waiting, (-priority, next(self._order), future))
+            heapq.heappush(self._waiting, (-priority, next(self._order), future, rows))
             self._count_waiting(+1)
             try:
                 instance = await (future if wait_s is None else asyncio.wait_for(future, max(wait_s, 0.0)))
@@ -129,9 +130,12 @@ class PriorityGate:
     def busy(self) -> bool:
         return not self._free or bool(self._waiting)
 
-    def ahead_of(self, priority: int) -> int:
-        """Batches waiting that a new batch of `priority` would wait behind."""
-        return sum(1 for p, _, future in self._waiting if -p >= priority and not future.done())
+    def in_use(self) -> int:
+        return self._capacity - len(self._free)
+
+    def rows_ahead_of(self, priority: int) -> list[int]:
+        """The sizes of the waiting batches that a new batch of `priority` would wait behind."""
+        return [rows for p, _, future, rows in self._waiting if -p >= priority and not future.done()]
 
     def _count_waiting(self, change: int) -> None:
         self.waiting += change
@@ -140,7 +144,7 @@ class PriorityGate:
 
     def _release(self, instance: int) -> None:
         while self._waiting:
-            _, _, future = heapq.heappop(self._waiting)
+            _, _, future, _ = heapq.heappop(self._waiting)
             if not future.done():
                 future.set_result(instance)
                 return
@@ -186,7 +190,9 @@ class LoadedVersion:
         self.memory_bytes = memory_bytes
         self.loaded_at = time.time()
         self.gate = PriorityGate(len(instances), metrics.QUEUED.labels(config.name, version))
-        self.run_s = 0.0  # a moving average of how long one batch runs
+        self.run_s = 0.0  # a moving average of how long one batch runs, whatever its size
+        self.run_s_by_size: dict[int, float] = {}  # ... and per batch size, rounded up to a power of two
+        self._running: dict[int, tuple[float, int]] = {}  # instance -> (loop time it started, rows)
         self.broken = ""  # why a shard failed; such a version is not ready
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -205,32 +211,46 @@ class LoadedVersion:
         """Runs one batch on a free instance, VIP batches first; counts as in flight from the call on.
 
         A batch with `time_left_s` that finds every instance busy is refused
-        with RESOURCE_EXHAUSTED at once when the batches ahead of it (each
-        takes about `run_s`) leave it no time to run, and otherwise waits only
-        while it could still finish: it is refused before its deadline, never
-        left to time out. Envoy counts a timeout (504) against the replica and
-        would eject a busy but healthy one; it counts 429 as no failure."""
+        with RESOURCE_EXHAUSTED at once when the batches running and waiting
+        ahead of it leave it no time to run, and otherwise waits only while it
+        could still finish: it is refused before its deadline, never left to
+        time out. Envoy counts a timeout (504) against the replica and would
+        eject a busy but healthy one; it counts 429 as no failure. Times are
+        estimated per batch size (estimate_s): a VIP batch of one text and a
+        standard batch of 32 differ tenfold."""
         self._in_flight += 1
         self._idle.clear()
         loop = asyncio.get_running_loop()
-        wait_s = None if time_left_s is None else time_left_s - self.run_s - SHED_MARGIN_S
+        rows = next(iter(inputs.values())).rows if inputs else 1
+        own_s = self.estimate_s(rows)
+        wait_s = None if time_left_s is None else time_left_s - own_s - SHED_MARGIN_S
+        retry_s = own_s
         try:
             if wait_s is not None and self.gate.busy():
-                expected_wait_s = (self.gate.ahead_of(priority) + 1) / len(self.instances) * self.run_s
+                now = loop.time()
+                running_s = sum(max(self.estimate_s(n) - (now - t), 0.0) for t, n in self._running.values())
+                running_s += max(self.gate.in_use() - len(self._running), 0) * own_s  # held, size unknown
+                queued_s = sum(self.estimate_s(n) for n in self.gate.rows_ahead_of(priority))
+                expected_wait_s = (running_s + queued_s) / len(self.instances)
                 if expected_wait_s > wait_s:
+                    retry_s = expected_wait_s - wait_s  # how much time it lacked
                     raise NoTurn  # refused now rather than after waiting in vain
-            async with self.gate.turn(priority, wait_s) as index:
+            async with self.gate.turn(priority, wait_s, rows) as index:
                 instance = self.instances[index]
                 started = loop.time()
-                result = await loop.run_in_executor(instance.executor, self.run, instance, inputs, outputs)
-                self.run_s = 0.8 * self.run_s + 0.2 * (loop.time() - started) if self.run_s else loop.time() - started
+                self._running[index] = (started, rows)
+                try:
+                    result = await loop.run_in_executor(instance.executor, self.run, instance, inputs, outputs)
+                finally:
+                    del self._running[index]
+                self._observe(rows, loop.time() - started)
                 return result
         except NoTurn:  # only a batch with time_left_s waits for a limited time
             metrics.SHED.labels(self.config.name).inc()
             raise errors.ResourceExhausted(
                 f"model '{self.config.name}' version {self.version} is busy: this batch would not finish before its "
-                f"deadline ({1000 * time_left_s:.0f} ms left, a batch takes about {1000 * self.run_s:.0f} ms); "
-                f"retry shortly", retry_after_ms=max(1, round(1000 * self.run_s))) from None
+                f"deadline ({1000 * time_left_s:.0f} ms left, a batch of {rows} takes about {1000 * own_s:.0f} ms); "
+                f"retry shortly", retry_after_ms=max(1, round(1000 * retry_s))) from None
         except ShardFailed as exc:
             self.broken = str(exc)
             raise errors.Unavailable(f"model '{self.config.name}' version {self.version} lost a tensor-parallel "
@@ -239,6 +259,23 @@ class LoadedVersion:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
+
+    def estimate_s(self, rows: int) -> float:
+        """How long a batch of `rows` rows runs: what batches of its size took
+        lately, else the nearest size measured (scaled up for a larger batch,
+        never down: small batches are not proportionally quicker), else the
+        average over all sizes (seeded at warm-up)."""
+        size = metrics.size_class(rows)
+        if size in self.run_s_by_size or not self.run_s_by_size:
+            return self.run_s_by_size.get(size, self.run_s)
+        nearest = min(self.run_s_by_size, key=lambda known: abs(known.bit_length() - size.bit_length()))
+        return self.run_s_by_size[nearest] * max(size / nearest, 1.0)
+
+    def _observe(self, rows: int, seconds: float) -> None:
+        self.run_s = 0.8 * self.run_s + 0.2 * seconds if self.run_s else seconds
+        size = metrics.size_class(rows)
+        known = self.run_s_by_size.get(size)
+        self.run_s_by_size[size] = seconds if known is None else 0.8 * known + 0.2 * seconds
 
     def run(self, instance: Instance, inputs: dict[str, TensorData], outputs: list[str]) -> list[TensorData]:
         """Runs one batch synchronously on one instance (call it in that instance's executor)."""

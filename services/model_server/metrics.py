@@ -64,9 +64,14 @@ GPU_MEMORY = prometheus_client.Gauge(
     "infermesh_gpu_memory_used_bytes", "GPU memory in use, by device (NVML).", ["device"])
 
 
+def size_class(rows: int) -> int:
+    """A batch size rounded up to a power of two: few classes, each of similar cost."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
 def batch_label(rows: int) -> str:
-    """The batch size rounded up to a power of two, so the label has few values."""
-    return str(1 << max(rows - 1, 0).bit_length())
+    """The batch size as a label with few values (its size class)."""
+    return str(size_class(rows))
 
 
 @contextlib.contextmanager
