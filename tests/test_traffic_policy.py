@@ -286,5 +286,8 @@ def test_an_ejected_host_comes_back_even_when_nothing_is_recorded():
 def test_durations():
     assert parse_duration("250ms", "x") == 0.25 and parse_duration("10s", "x") == 10.0
     assert parse_duration("1.5s", "x") == 1.5 and parse_duration("2m", "x") == 120.0
+    assert parse_duration("1m30s", "x") == 90.0 and parse_duration("500us", "x") == 0.0005  # Go's grammar, as Istio's
     with pytest.raises(PolicyError):
         parse_duration("10", "x")
+    with pytest.raises(PolicyError):
+        parse_duration("1m 30s", "x")

@@ -35,7 +35,10 @@ import re
 import subprocess
 import sys
 
+import grpc
 import yaml
+
+from services.common.traffic import GRPC_RETRY_ON, HTTP_RETRY_ON, PolicyError, parse_duration
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KUSTOMIZE = ROOT / "bin" / "kustomize"
@@ -194,31 +197,20 @@ def _cel_problems(schema: dict, value, where: str) -> list[str]:
 # ---------------------------------------------------------------- Istio's rules in code
 
 # Envoy's retry_on values that Istio accepts, besides HTTP status codes.
-ISTIO_RETRY_ON = {"5xx", "gateway-error", "reset", "reset-before-request", "connect-failure", "retriable-4xx",
-                  "refused-stream", "retriable-status-codes", "retriable-headers", "envoy-ratelimited",
-                  "http3-post-connect-failure", "cancelled", "deadline-exceeded", "internal",
-                  "resource-exhausted", "unavailable"}
-GRPC_STATUS_NAMES = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-                     "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
-                     "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"}
+ISTIO_RETRY_ON = HTTP_RETRY_ON | set(GRPC_RETRY_ON)  # the tokens Istio accepts, as the local policy reads them
+GRPC_STATUS_NAMES = {code.name for code in grpc.StatusCode}
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~A-Za-z0-9]+$")
-DURATION = re.compile(r"^(\d+(\.\d+)?(h|m|s|ms|us|µs|ns))+$")
 HTTP_STATUS = set(range(100, 104)) | set(range(200, 209)) | {226} | set(range(300, 309)) \
     | set(range(400, 419)) | set(range(421, 427)) | {428, 429, 431, 451} | set(range(500, 509)) | {510, 511}
 
 
-def duration_s(text) -> float | None:
-    """Seconds of a protobuf-JSON/Go duration string, None if it is not one."""
-    if not isinstance(text, str) or not DURATION.match(text):
-        return None
-    units = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-    return sum(float(n) * units[u] for n, _, u in re.findall(r"(\d+(\.\d+)?)(h|ms|us|µs|ns|m|s)", text))
-
-
 def _duration_problem(value, where: str) -> list[str]:
-    seconds = duration_s(value)
-    if seconds is None:
+    if not isinstance(value, str):
+        return [f"{where}: {value!r} is not a duration"]
+    try:
+        seconds = parse_duration(value, where)
+    except PolicyError:
         return [f"{where}: {value!r} is not a duration"]
     if seconds < 1e-3:
         return [f"{where}: {value!r} is shorter than 1ms"]

@@ -49,13 +49,16 @@ class PolicyError(ValueError):
     """A VirtualService or DestinationRule that cannot be applied; names file and field."""
 
 
+DURATION_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+DURATION_PART = r"(\d+(?:\.\d+)?)(h|ms|us|µs|ns|m|s)"
+
+
 def parse_duration(value, where: str) -> float:
-    """Istio durations: '10s', '250ms', '1.5s', '1m', '1h' -> seconds."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", str(value).strip())
-    if not match:
+    """Istio durations, Go's grammar: '10s', '250ms', '1.5s', '1m30s', '1h' -> seconds."""
+    text = str(value).strip()
+    if not re.fullmatch(f"(?:{DURATION_PART})+", text):
         raise PolicyError(f"{where}: {value!r} is not a duration such as '250ms', '10s' or '1m'")
-    number, unit = float(match.group(1)), match.group(2)
-    return number * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
+    return sum(float(number) * DURATION_UNITS[unit] for number, unit in re.findall(DURATION_PART, text))
 
 
 # ---------------------------------------------------------------- VirtualService
