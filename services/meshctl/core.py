@@ -42,13 +42,18 @@ def weighted_routes(service) -> list:
     return [http for http in service["spec"]["http"] if len(http.get("route", [])) > 1]
 
 
+def route_weights(http) -> dict[str, int]:
+    """One route's weights, by subset."""
+    return {r["destination"].get("subset", ""): int(r.get("weight", 0)) for r in http["route"]}
+
+
 def weights(path: pathlib.Path, host: str) -> dict[str, int]:
     """The weights of the first weighted route, by subset."""
     documents = list(_yaml().load_all(path.read_text()))
     routes = weighted_routes(_virtual_service(documents, host))
     if not routes:
         raise MeshctlError(f"the VirtualService for {host!r} has no route split between subsets")
-    return {r["destination"].get("subset", ""): int(r.get("weight", 0)) for r in routes[0]["route"]}
+    return route_weights(routes[0])
 
 
 def set_weights(path: pathlib.Path, host: str, wanted: dict[str, int], live=None) -> dict[str, int]:
@@ -70,7 +75,7 @@ def set_weights(path: pathlib.Path, host: str, wanted: dict[str, int], live=None
             raise MeshctlError(f"route {http.get('name', '?')} splits between {sorted(subsets)}; give a weight for "
                                f"each of them (got {sorted(wanted)})")
         if old is None:
-            old = {r["destination"].get("subset", ""): int(r.get("weight", 0)) for r in http["route"]}
+            old = route_weights(http)
         for destination in http["route"]:
             destination["weight"] = wanted[destination["destination"].get("subset", "")]
     if old is None:

@@ -12,7 +12,7 @@ import json
 import os
 import pathlib
 
-from services.meshctl.core import PREVIOUS, MeshctlError, weighted_routes
+from services.meshctl.core import PREVIOUS, MeshctlError, route_weights, weighted_routes
 
 GROUP, VERSION, PLURAL = "networking.istio.io", "v1", "virtualservices"
 
@@ -35,7 +35,7 @@ def weight_patch(live: dict, wanted: dict[str, int]) -> tuple[list[dict], dict[s
             raise MeshctlError(f"live route {http.get('name', i)} splits between {sorted(subsets)}; give a weight "
                                f"for each of them (got {sorted(wanted)})")
         if old is None:
-            old = {r["destination"].get("subset", ""): int(r.get("weight", 0)) for r in http["route"]}
+            old = route_weights(http)
         for j, subset in enumerate(subsets):
             at = f"/spec/http/{i}/route/{j}"
             ops.append({"op": "test", "path": f"{at}/destination/subset", "value": subset})
@@ -90,8 +90,7 @@ class Cluster:
 
     def weights(self, host: str) -> dict[str, int]:
         routes = weighted_routes(self.virtual_service(host))
-        return {r["destination"].get("subset", ""): int(r.get("weight", 0)) for r in routes[0]["route"]} if routes \
-            else {}
+        return route_weights(routes[0]) if routes else {}
 
     def set_weights(self, host: str, wanted: dict[str, int]) -> dict[str, int]:
         live = self.virtual_service(host)
