@@ -19,9 +19,10 @@ from inference import grpc_predict_v2_pb2 as oip
 from inference import grpc_predict_v2_pb2_grpc as oip_grpc
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
+from services.common import errors
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.tensors import from_numpy, to_numpy
-from services.model_server import execution, metrics
+from services.model_server import metrics
 from services.model_server.config import ModelServerConfig
 from services.model_server.core import ControlMode, ModelManager
 from services.model_server.repository import ConfigError, load_config
@@ -415,7 +416,7 @@ async def test_a_batch_that_would_wait_past_its_deadline_is_refused_before_it(re
     replica) instead of left to time out (504: counted, and a busy replica ejected)."""
     # A wider margin than the 25 ms default: on a loaded test machine the refusal
     # must still beat the caller's own deadline for this test to see it.
-    monkeypatch.setattr(execution, "SHED_MARGIN_S", 0.2)
+    monkeypatch.setattr(errors, "REFUSAL_MARGIN_S", 0.2)
     async with model_server(repo) as running:
         loaded = running.manager.resolve("mlp", "")
         shed_before = metrics.SHED.labels("mlp")._value.get()  # noqa: SLF001
@@ -448,7 +449,7 @@ async def test_a_large_batch_is_judged_by_its_own_size_not_by_the_average_batch(
     async with model_server(repo) as running:
         loaded = running.manager.resolve("mlp", "")
         loaded.run_s = 0.01  # the average over all sizes
-        loaded.run_s_by_size = {1: 0.01, execution.metrics.size_class(len(ROWS)): 0.5}
+        loaded.run_s_by_size = {1: 0.01, metrics.size_class(len(ROWS)): 0.5}
         request = model_server_pb2.ExecuteRequest(model="mlp", inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")]))
         async with loaded.gate.turn(0):  # a batch of unknown size runs: assumed as large as this one
             started = asyncio.get_running_loop().time()

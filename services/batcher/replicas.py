@@ -138,11 +138,7 @@ class ReplicaSet:
                     if known is not None and known != revision:  # replicas hold different files as one version
                         revision = "+".join(sorted(set(known.split("+")) | {revision}))
                     merged[name].revisions[version] = revision
-                for field in ("versions", "ready_versions"):
-                    union = sorted(set(getattr(merged[name], field)) | set(getattr(info, field)), key=_version_order,
-                                   reverse=True)
-                    del getattr(merged[name], field)[:]
-                    getattr(merged[name], field).extend(union)
+                _add_versions(merged[name], info)
         return [merged[name] for name in sorted(merged)]
 
     def limits(self, model: str) -> ModelLimits | None:
@@ -238,24 +234,7 @@ class ReplicaSet:
         if route.timeout_s is not None:  # the route's timeout bounds the call and all its retries
             deadline = min(deadline, loop.time() + route.timeout_s)
         for attempt in range(route.retries.attempts + 1):
-            while True:
-                hosts = [r for r in self._subset_hosts(destination.subset)
-                         if not (detector is not None and detector.is_ejected(r.address, loop.time()))]
-                candidates = _candidates(hosts, model, version)
-                if not candidates:  # Envoy's "no healthy upstream": a 503 in the subset's figures too
-                    metrics.UPSTREAM.labels(destination.subset, "UNAVAILABLE").inc()
-                    raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset "
-                                             f"'{destination.subset or destination.host}' (route {route.name})")
-                # The bound per replica holds within the subset too: the batcher's slots are
-                # counted over all replicas, and one subset may have far fewer of them. A VIP
-                # batch may go one over it, as it has a slot of its own per replica (core.SlotPool):
-                # where one replica serves both tiers, it then waits at the model server's
-                # VIP-first gate instead of behind standard batches here.
-                limit = self._max_inflight + (1 if priority >= 1 else 0)
-                roomy = [r for r in candidates if r.inflight < limit]
-                if roomy:
-                    break
-                await self._wait_for_room(model, destination.subset or destination.host, limit, deadline)
+            roomy = await self._hosts_with_room(route, destination, detector, model, version, priority, deadline)
             fresh = [r for r in roomy if r.address not in tried] or roomy  # Envoy's previous_hosts
             replica = min(fresh, key=lambda r: r.inflight)
             tried.add(replica.address)
@@ -290,6 +269,31 @@ class ReplicaSet:
             return response.version, tensors_from_proto(response.outputs)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
+    async def _hosts_with_room(self, route, destination, detector, model: str, version: str, priority: int,
+                               deadline: float) -> list[Replica]:
+        """The healthy hosts of the destination's subset that serve the version
+        and are under their in-flight bound, waiting for room if need be.
+
+        The bound per replica holds within the subset: the batcher's slots are
+        counted over all replicas, and one subset may have far fewer of them. A
+        VIP batch may go one over it, as it has a slot of its own per replica
+        (core.SlotPool): where one replica serves both tiers, it then waits at
+        the model server's VIP-first gate instead of behind standard batches here."""
+        loop = asyncio.get_running_loop()
+        limit = self._max_inflight + (1 if priority >= 1 else 0)
+        while True:
+            hosts = [r for r in self._subset_hosts(destination.subset)
+                     if not (detector is not None and detector.is_ejected(r.address, loop.time()))]
+            candidates = _candidates(hosts, model, version)
+            if not candidates:  # Envoy's "no healthy upstream": a 503 in the subset's figures too
+                metrics.UPSTREAM.labels(destination.subset, "UNAVAILABLE").inc()
+                raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset "
+                                         f"'{destination.subset or destination.host}' (route {route.name})")
+            roomy = [r for r in candidates if r.inflight < limit]
+            if roomy:
+                return roomy
+            await self._wait_for_room(model, destination.subset or destination.host, limit, deadline)
+
     @contextlib.contextmanager
     def _inflight(self, replica: Replica):
         replica.inflight += 1
@@ -309,7 +313,7 @@ class ReplicaSet:
         RESOURCE_EXHAUSTED once the batch could no longer run before its
         deadline: refused while the caller still has time to hear it."""
         loop = asyncio.get_running_loop()
-        left = deadline - loop.time() - self._rpc_s - REFUSE_MARGIN_S
+        left = deadline - loop.time() - self._rpc_s - errors.REFUSAL_MARGIN_S
         waiter = loop.create_future()
         self._room_waiters.append(waiter)
         try:
@@ -348,15 +352,19 @@ def _merge_polls(polls) -> dict:
             merged[name].CopyFrom(info)
             if known is None:
                 continue
-            for field in ("versions", "ready_versions"):
-                union = sorted(set(getattr(known, field)) | set(getattr(info, field)), key=_version_order,
-                               reverse=True)
-                del getattr(merged[name], field)[:]
-                getattr(merged[name], field).extend(union)
+            _add_versions(merged[name], known)
             for version, revision in known.revisions.items():
                 if version not in merged[name].revisions:
                     merged[name].revisions[version] = revision
     return merged
+
+
+def _add_versions(into, other) -> None:
+    """Gives the ModelInfo `into` the versions and ready versions of `other` too, newest first."""
+    for field in ("versions", "ready_versions"):
+        union = sorted(set(getattr(into, field)) | set(getattr(other, field)), key=_version_order, reverse=True)
+        del getattr(into, field)[:]
+        getattr(into, field).extend(union)
 
 
 def tier_metadata(priority: int) -> tuple[tuple[str, str], ...]:
@@ -385,25 +393,17 @@ TRANSPORT_MARKERS = ("failed to connect", "socket closed", "connection reset", "
                      "goaway", "stream removed", "connect failed")
 
 
-REFUSE_MARGIN_S = 0.025  # what a refusal needs to reach the caller before its deadline
-
-
-def _retry_hint_ms(exc: grpc.aio.AioRpcError) -> int:
-    value = next((value for key, value in (exc.trailing_metadata() or ()) if key == "retry-after-ms"), "")
-    return int(value) if value.isdigit() else 0
-
-
 def _retry_elsewhere(exc: grpc.aio.AioRpcError) -> bool:
     """Down, or refused for being busy (our servers' refusals carry a retry hint)."""
     return exc.code() == grpc.StatusCode.UNAVAILABLE or (
-        exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _retry_hint_ms(exc) > 0)
+        exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and errors.retry_after_ms(exc.trailing_metadata()) > 0)
 
 
 def _domain_error(exc: grpc.aio.AioRpcError) -> errors.InfermeshError:
     """The model server's status as our error, with its retry hint when it sent
     one (a refused batch carries `retry-after-ms` in its trailers)."""
     code = exc.code()
-    return errors.from_code(code.value[0], exc.details() or code.name, _retry_hint_ms(exc))
+    return errors.from_code(code.value[0], exc.details() or code.name, errors.retry_after_ms(exc.trailing_metadata()))
 
 
 def _local_origin(exc: grpc.aio.AioRpcError) -> bool:

@@ -38,6 +38,19 @@ class NotFound(InfermeshError):
     code_name = "NOT_FOUND"
 
 
+# A refusal's retry hint travels as this trailer (gRPC status) or the Error message's
+# field (stream); the refusing side leaves this much of the caller's time for the
+# refusal itself to arrive, even on a busy machine.
+RETRY_AFTER_METADATA = "retry-after-ms"
+REFUSAL_MARGIN_S = 0.025
+
+
+def retry_after_ms(trailing_metadata) -> int:
+    """The retry hint a status carried in its trailers, 0 without one."""
+    value = next((value for key, value in (trailing_metadata or ()) if key == RETRY_AFTER_METADATA), "")
+    return int(value) if value.isdigit() else 0
+
+
 class ResourceExhausted(InfermeshError):
     """RESOURCE_EXHAUSTED: a queue is full or a request too large; Envoy does not
     count it as a server failure, so busy replicas are not ejected. A queue

@@ -134,7 +134,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if isinstance(exc, errors.InfermeshError):
             code, message = status_code(exc), exc.message
             if getattr(exc, "retry_after_ms", 0):
-                context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
+                context.set_trailing_metadata(((errors.RETRY_AFTER_METADATA, str(exc.retry_after_ms)),))
         elif isinstance(exc, asyncio.CancelledError):
             self._record(method, "CANCELLED", started)
             raise exc

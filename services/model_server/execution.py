@@ -82,9 +82,6 @@ def load_cuda_libraries() -> None:
         log.warning("loading the CUDA libraries: %s", " ".join(said.getvalue().split()))
 
 
-SHED_MARGIN_S = 0.025  # what a refusal needs to reach the caller before its deadline, even on a busy machine
-
-
 class NoTurn(Exception):
     """No session instance came free within the time a batch could wait."""
 
@@ -223,7 +220,7 @@ class LoadedVersion:
         loop = asyncio.get_running_loop()
         rows = next(iter(inputs.values())).rows if inputs else 1
         own_s = self.estimate_s(rows)
-        wait_s = None if time_left_s is None else time_left_s - own_s - SHED_MARGIN_S
+        wait_s = None if time_left_s is None else time_left_s - own_s - errors.REFUSAL_MARGIN_S
         retry_s = own_s
         try:
             if wait_s is not None and self.gate.busy():
