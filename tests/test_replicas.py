@@ -35,9 +35,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def two_replicas(model_repository, tmp_path):
-    with Mesh(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2,
+    with Mesh(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2, model_server_nice=(0, 3),
               batcher_args=("--replica-poll-s", "0.2", "--max-batch-size", "4")) as mesh:
         yield mesh
+
+
+def test_each_replica_runs_at_its_own_cpu_priority(two_replicas):
+    """The launcher's per-replica niceness (bench/batching.py runs a standard pool
+    at a lower priority than the VIP pool this way)."""
+    priorities = [os.getpriority(os.PRIO_PROCESS, two_replicas.processes[f"model_server-{i}"].popen.pid)
+                  for i in range(2)]
+    assert [p - os.getpriority(os.PRIO_PROCESS, 0) for p in priorities] == [0, 3]
 
 
 def batches_run(mesh, name: str) -> float:

@@ -146,7 +146,8 @@ class Mesh:
             servers = [
                 self._spawn(f"model_server-{i}" if self.model_server_count > 1 else "model_server", "services.model_server",
                             ["--model-repository", self.models, *self.model_server_args,
-                             *(["--labels", self.model_server_labels[i]] if i < len(self.model_server_labels) else [])])
+                             *(["--labels", self.model_server_labels[i]] if i < len(self.model_server_labels) else [])],
+                            nice=self._model_server_nice(i))
                 for i in range(self.model_server_count)
             ]
             addresses = ",".join(p.wait_ready(self.ready_timeout_s)["grpc"] for p in servers)
@@ -167,16 +168,16 @@ class Mesh:
             raise
         return self
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> Process:
+    def _model_server_nice(self, index: int) -> int:
+        nice = self.model_server_nice
+        if isinstance(nice, tuple):
+            return nice[index] if index < len(nice) else 0
+        return nice
+
+    def _spawn(self, name: str, module: str, args: list[str], nice: int = 0) -> Process:
         argv = [sys.executable, "-m", module, "--host", self.host, *args]
         if module != "services.router":
             argv += ["--metrics-port", "0"]
-        nice = 0
-        if module == "services.model_server":
-            nice = self.model_server_nice
-            if isinstance(nice, tuple):
-                index = int(name.rpartition("-")[2]) if "-" in name else 0
-                nice = nice[index] if index < len(nice) else 0
         process = Process(name, argv, self.log_dir, self.env, nice=nice)
         self.processes[name] = process
         return process
