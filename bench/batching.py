@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from bench.report import machine, progress, pyplot, write
+from bench.report import machine, progress, pyplot, save_figure, write
 from bench.workload import InProcessMinilm, ghz_unique_template, texts
 from services.launcher.mesh import Mesh
 
@@ -229,9 +229,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
     right.legend(fontsize=8)
     right.set_ylabel("p99 latency, ms")
     right.set_title("overload isolation")
-    fig.suptitle(f"{report['machine']}; medians of {report['runs']} runs", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, report)
 
 
 if __name__ == "__main__":

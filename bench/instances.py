@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from bench.batching import ghz
-from bench.report import machine, progress, pyplot, write
+from bench.report import machine, progress, pyplot, save_figure, write
 from services.launcher.mesh import Mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -145,9 +145,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
         axis.legend(fontsize=8)
     left.set_title("throughput")
     right.set_title("tail latency")
-    fig.suptitle(f"minilm session instances; {report['machine']}; medians of {report['runs']} runs", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, report, "minilm session instances")
 
 
 if __name__ == "__main__":

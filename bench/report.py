@@ -27,6 +27,13 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: pathlib.Path, report: dict, what: str = "") -> None:
+    """Titles a benchmark's figure with the machine and the number of runs, and writes it."""
+    fig.suptitle(f"{what + '; ' if what else ''}{report['machine']}; medians of {report['runs']} runs", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def write(out: pathlib.Path, name: str, report: dict, markdown: str,
           plot: Callable[[dict, pathlib.Path], None] | None = None) -> None:
     """out/name.json, out/name.md and (given a plot) out/name.png; prints the Markdown."""

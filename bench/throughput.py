@@ -19,7 +19,7 @@ import tempfile
 import time
 
 
-from bench.report import machine, progress, pyplot, write
+from bench.report import machine, progress, pyplot, save_figure, write
 from bench.workload import InProcessMinilm, ghz_unique_template, texts
 from services.launcher.mesh import Mesh
 
@@ -168,9 +168,7 @@ def plot(report: dict, levels: list[int], path: pathlib.Path) -> None:
     right.set_ylabel("latency, ms")
     right.set_title("mesh latency")
     right.legend(fontsize=8)
-    fig.suptitle(f"{report['machine']}; medians of {report['runs']} runs", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, report)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import tempfile
 import time
 
 from bench.batching import ghz
-from bench.report import machine, progress, pyplot, write
+from bench.report import machine, progress, pyplot, save_figure, write
 from services.launcher.mesh import Mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -97,9 +97,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
     ax.set_ylabel("p99 latency, ms")
     ax.set_title("tidal ramp: p99 per phase and batch policy")
     ax.legend()
-    fig.suptitle(f"{report['machine']}; medians of {report['runs']} runs", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, report)
 
 
 if __name__ == "__main__":
