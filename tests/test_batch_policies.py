@@ -23,6 +23,8 @@ def test_latency_profile_learns_per_bucket_and_scales_to_unseen_sizes():
     profile.observe(32, 0.100)
     # 16 is as near to 8 as to 32; the tie goes to the bucket learned first (8), scaled x2.
     assert profile.estimate(16) == pytest.approx(0.100)
+    assert profile.estimate(2) == pytest.approx(0.0125)  # scaled down by rows ...
+    assert profile.estimate(2, shrink=False) == pytest.approx(0.050)  # ... or, cautiously, not below its nearest
 
 
 def test_arrival_rate_decays_with_time():

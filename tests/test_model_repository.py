@@ -437,7 +437,8 @@ async def test_a_batch_that_would_wait_past_its_deadline_is_refused_before_it(re
 async def test_run_times_are_estimated_per_batch_size(repo):
     async with model_server(repo) as running:
         loaded = running.manager.resolve("mlp", "")
-        loaded.run_s_by_size = {1: 0.01, 32: 0.3}
+        for rows, seconds in ((1, 0.01), (32, 0.3)):
+            loaded.profile.observe(rows, seconds)
         assert [loaded.estimate_s(rows) for rows in (1, 20, 32)] == [0.01, 0.3, 0.3]
         assert loaded.estimate_s(64) == 0.6  # from the nearest size measured, scaled up
         assert loaded.estimate_s(2) == 0.02
@@ -448,8 +449,8 @@ async def test_a_large_batch_is_judged_by_its_own_size_not_by_the_average_batch(
     behind a running one is still refused at once when its own size says so."""
     async with model_server(repo) as running:
         loaded = running.manager.resolve("mlp", "")
-        loaded.run_s = 0.01  # the average over all sizes
-        loaded.run_s_by_size = {1: 0.01, metrics.size_class(len(ROWS)): 0.5}
+        for rows, seconds in ((1, 0.01), (len(ROWS), 0.5)):
+            loaded.profile.observe(rows, seconds)
         request = model_server_pb2.ExecuteRequest(model="mlp", inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")]))
         async with loaded.gate.turn(0):  # a batch of unknown size runs: assumed as large as this one
             started = asyncio.get_running_loop().time()

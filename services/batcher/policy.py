@@ -17,6 +17,8 @@ import dataclasses
 import math
 from typing import Protocol
 
+from services.common.latency import LatencyProfile
+
 
 @dataclasses.dataclass(frozen=True)
 class QueueView:
@@ -61,34 +63,6 @@ class ArrivalRate:
         if self._last is not None:
             self._rate *= math.exp(-max(now - self._last, 0.0) / self._tau_s)
         self._last = now
-
-
-class LatencyProfile:
-    """Seconds per batch, learned online per power-of-two bucket of rows."""
-
-    def __init__(self, alpha: float = 0.2):
-        self._alpha = alpha
-        self._seconds: dict[int, float] = {}
-
-    @staticmethod
-    def bucket(rows: int) -> int:
-        return 1 << max(rows - 1, 0).bit_length()
-
-    def observe(self, rows: int, seconds: float) -> None:
-        key = self.bucket(rows)
-        old = self._seconds.get(key)
-        self._seconds[key] = seconds if old is None else (1 - self._alpha) * old + self._alpha * seconds
-
-    def estimate(self, rows: int) -> float | None:
-        """The learned time of a batch of `rows`; from the nearest bucket, scaled
-        by rows, when its own is still unknown; None before any batch ran."""
-        if not self._seconds:
-            return None
-        key = self.bucket(rows)
-        if key in self._seconds:
-            return self._seconds[key]
-        nearest = min(self._seconds, key=lambda k: abs(math.log2(k) - math.log2(key)))
-        return self._seconds[nearest] * key / nearest
 
 
 class FixedPolicy:

@@ -26,6 +26,7 @@ import numpy as np
 import onnxruntime as ort
 
 from services.common import errors
+from services.common.latency import LatencyProfile
 from services.common.tensors import NUMPY_DTYPES, TensorData, from_numpy, to_numpy
 from services.model_server import metrics
 from services.model_server.repository import Golden, ModelConfig, version_fingerprint
@@ -187,8 +188,8 @@ class LoadedVersion:
         self.memory_bytes = memory_bytes
         self.loaded_at = time.time()
         self.gate = PriorityGate(len(instances), metrics.QUEUED.labels(config.name, version))
-        self.run_s = 0.0  # a moving average of how long one batch runs, whatever its size
-        self.run_s_by_size: dict[int, float] = {}  # ... and per batch size, rounded up to a power of two
+        self.run_s = 0.0  # a first guess at a batch's time, from warm-up, until batches have run
+        self.profile = LatencyProfile()  # what batches took, per size class
         self._running: dict[int, tuple[float, int]] = {}  # instance -> (loop time it started, rows)
         self.broken = ""  # why a shard failed; such a version is not ready
         self._in_flight = 0
@@ -240,7 +241,7 @@ class LoadedVersion:
                     result = await loop.run_in_executor(instance.executor, self.run, instance, inputs, outputs)
                 finally:
                     del self._running[index]
-                self._observe(rows, loop.time() - started)
+                self.profile.observe(rows, loop.time() - started)
                 return result
         except NoTurn:  # only a batch with time_left_s waits for a limited time
             metrics.SHED.labels(self.config.name).inc()
@@ -260,19 +261,9 @@ class LoadedVersion:
     def estimate_s(self, rows: int) -> float:
         """How long a batch of `rows` rows runs: what batches of its size took
         lately, else the nearest size measured (scaled up for a larger batch,
-        never down: small batches are not proportionally quicker), else the
-        average over all sizes (seeded at warm-up)."""
-        size = metrics.size_class(rows)
-        if size in self.run_s_by_size or not self.run_s_by_size:
-            return self.run_s_by_size.get(size, self.run_s)
-        nearest = min(self.run_s_by_size, key=lambda known: abs(known.bit_length() - size.bit_length()))
-        return self.run_s_by_size[nearest] * max(size / nearest, 1.0)
-
-    def _observe(self, rows: int, seconds: float) -> None:
-        self.run_s = 0.8 * self.run_s + 0.2 * seconds if self.run_s else seconds
-        size = metrics.size_class(rows)
-        known = self.run_s_by_size.get(size)
-        self.run_s_by_size[size] = seconds if known is None else 0.8 * known + 0.2 * seconds
+        never down), else the warm-up's guess."""
+        learned = self.profile.estimate(rows, shrink=False)
+        return self.run_s if learned is None else learned
 
     def run(self, instance: Instance, inputs: dict[str, TensorData], outputs: list[str]) -> list[TensorData]:
         """Runs one batch synchronously on one instance (call it in that instance's executor)."""

@@ -5,6 +5,8 @@ import time
 
 import prometheus_client
 
+from services.common.latency import size_class
+
 INFERENCE_LATENCY = prometheus_client.Histogram(
     "infermesh_model_inference_duration_seconds",
     "Time to run one batch on the model, by model, version and batch size (rounded up to a power of two).",
@@ -62,11 +64,6 @@ GPU_UTILIZATION = prometheus_client.Gauge(
     "infermesh_gpu_utilization_ratio", "GPU busy share over NVML's last sample period, by device.", ["device"])
 GPU_MEMORY = prometheus_client.Gauge(
     "infermesh_gpu_memory_used_bytes", "GPU memory in use, by device (NVML).", ["device"])
-
-
-def size_class(rows: int) -> int:
-    """A batch size rounded up to a power of two: few classes, each of similar cost."""
-    return 1 << max(rows - 1, 0).bit_length()
 
 
 def batch_label(rows: int) -> str:
