@@ -66,16 +66,18 @@ build/istio/customresourcedefinitions.gen.yaml: $(VENV)/.installed
 # and etcd built from the versions tools/kube/go.mod pins. The first build
 # compiles about 2,000 packages (several minutes on two cores).
 kube-test-server: bin/kube-apiserver bin/etcd
+# go build -v names every package it compiles: show errors, and a count every 250.
+GO_PROGRESS := awk '/^\#/ || /\.go:/ {print; fflush(); next} {n++} n % 250 == 0 {print "  ... " n " packages compiled"; fflush()}'
 
 bin/kube-apiserver: tools/kube/go.mod tools/kube/go.sum
 	@echo "building kube-apiserver from k8s.io/kubernetes (tools/kube) for the tests ..."
 	@set -o pipefail; cd tools/kube && go build -v -o ../../bin/kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver 2>&1 \
-	  | awk '/^#/ || /\.go:/ {print; fflush(); next} {n++} n % 250 == 0 {print "  ... " n " packages compiled"; fflush()}'
+	  | $(GO_PROGRESS)
 
 bin/etcd: tools/kube/go.mod tools/kube/go.sum
 	@echo "building etcd (tools/kube) for the tests ..."
 	@set -o pipefail; cd tools/kube && go build -v -o ../../bin/etcd go.etcd.io/etcd/server/v3 2>&1 \
-	  | awk '/^#/ || /\.go:/ {print; fflush(); next} {n++} n % 250 == 0 {print "  ... " n " packages compiled"; fflush()}'
+	  | $(GO_PROGRESS)
 
 stubs: gen/.stamp
 
