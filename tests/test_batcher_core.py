@@ -378,11 +378,31 @@ async def test_a_request_that_would_wait_past_its_deadline_is_refused_at_once():
     await asyncio.gather(*(batcher.submit("m", "1", row(float(i)), []) for i in range(5)))  # learn ~100 rows/s
     backlog = [submit(batcher, float(i), timeout_s=30) for i in range(40)]  # ~0.4 s of work
     await settle()
-    with pytest.raises(errors.ResourceExhausted, match="past this request's deadline in 50 ms") as info:
+    with pytest.raises(errors.ResourceExhausted, match="of the 50 ms left before this request's deadline") as info:
         await batcher.submit("m", "1", row(99.0), [], timeout_s=0.05)
     assert info.value.retry_after_ms > 100
     vip = await batcher.submit("m", "1", row(7.0), [], priority=VIP, timeout_s=0.2)  # nothing ahead at VIP
     assert float(to_numpy(vip[1][0])[0, 0]) == 14.0
+    await asyncio.gather(*backlog)
+
+
+@pytest.mark.parametrize("share, admitted", [(1.0, True), (0.5, False)])
+async def test_admission_keeps_a_share_of_the_deadline_as_margin(share, admitted):
+    """About 0.4 s of work ahead and 0.6 s left: enough on average, but not with
+    half the time kept back for a rate that is only an estimate."""
+    backend = TimedBackend(0.01, max_batch=1)
+    policy = QueuePolicy.uniform(1000, 30, admission_share=share)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
+    await asyncio.gather(*(batcher.submit("m", "1", row(float(i)), []) for i in range(5)))  # learn ~100 rows/s
+    backlog = [submit(batcher, float(i), timeout_s=30) for i in range(40)]
+    await settle()
+    late = submit(batcher, 99.0, timeout_s=0.6)
+    await settle()
+    if admitted:
+        assert float(to_numpy((await late)[1][0])[0, 0]) == 198.0
+    else:
+        with pytest.raises(errors.ResourceExhausted, match="more than 50% of the 600 ms left"):
+            await late
     await asyncio.gather(*backlog)
 
 

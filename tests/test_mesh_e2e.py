@@ -180,7 +180,7 @@ async def test_requests_that_cannot_make_their_deadline_never_reach_the_model(st
     await asyncio.gather(*flood_tasks)
     after = refused()
     if info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        assert "past this request's deadline" in info.value.details()
+        assert "left before this request's deadline" in info.value.details()
         assert after["would_miss_deadline"] == before["would_miss_deadline"] + 1
     else:
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

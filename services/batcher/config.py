@@ -22,6 +22,9 @@ class BatcherConfig:
     vip_default_timeout_ms: float = dataclasses.field(default=30_000, metadata={"help": "longest a VIP request waits unless its deadline is sooner (0: no limit)"})
     standard_default_timeout_ms: float = dataclasses.field(default=30_000, metadata={"help": "longest a standard request waits unless its deadline is sooner (0: no limit)"})
     standard_aging_ms: float = dataclasses.field(default=1000, metadata={"help": "once a standard request waits this long, VIP-led batches alternate with standard-led ones"})
+    admission_share: float = dataclasses.field(default=0.5, metadata={
+        "help": "a request with a deadline is refused at once (RESOURCE_EXHAUSTED) when the work queued and "
+                "running ahead of it would fill more than this share of its time left"})
     batch_policy: str = dataclasses.field(default="fixed", metadata={"help": "fixed, baseline or adaptive (services/batcher/policy.py)"})
     vip_latency_target_ms: float = dataclasses.field(default=200, metadata={"help": "adaptive policy: VIP latency target"})
     standard_latency_target_ms: float = dataclasses.field(default=1000, metadata={"help": "adaptive policy: standard latency target"})
@@ -56,6 +59,7 @@ class BatcherConfig:
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("vip_default_timeout_ms", "standard_default_timeout_ms", "standard_aging_ms"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        require(0 < self.admission_share <= 1, f"admission_share must be in (0, 1], got {self.admission_share}")
         require(self.max_inflight_batches_per_replica >= 1,
                 f"max_inflight_batches_per_replica must be >= 1, got {self.max_inflight_batches_per_replica}")
         require(self.replica_poll_s > 0, f"replica_poll_s must be > 0, got {self.replica_poll_s}")
@@ -67,7 +71,7 @@ class BatcherConfig:
         return QueuePolicy({
             VIP: LevelPolicy(self.vip_max_queue_size, self.vip_default_timeout_ms / 1000),
             STANDARD: LevelPolicy(self.standard_max_queue_size, self.standard_default_timeout_ms / 1000),
-        }, aging_s=self.standard_aging_ms / 1000)
+        }, aging_s=self.standard_aging_ms / 1000, admission_share=self.admission_share)
 
     def latency_targets_s(self) -> dict[int, float]:
         return {VIP: self.vip_latency_target_ms / 1000, STANDARD: self.standard_latency_target_ms / 1000}

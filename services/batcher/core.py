@@ -34,7 +34,8 @@ VIP = 1
 STANDARD = 0
 PRIORITIES = (STANDARD, VIP)
 LENGTH_WINDOW = 128  # how far into a level length-aware batching looks for a similar request
-RATE_WINDOW_S = 5.0  # the completions that estimate a queue's service rate
+RATE_WINDOW_S = 5.0  # the completions that estimate a queue's service rate: the last few seconds' ...
+RATE_BATCHES = 8  # ... and of those at most the last few batches, so that the rate follows a change of load
 
 
 LEVEL_NAMES = {VIP: "vip", STANDARD: "standard"}
@@ -55,10 +56,16 @@ class QueuePolicy:
     # Once a standard request has waited this long, VIP-led batches alternate
     # with standard-led ones: a steady VIP stream cannot starve standard traffic.
     aging_s: float = 1.0
+    # Deadline-aware admission lets the work ahead of a request fill at most
+    # this share of its time left; the rest absorbs the error of a rate
+    # measured on a busy machine, so that what is admitted is served.
+    admission_share: float = 0.5
 
     @classmethod
-    def uniform(cls, max_queue_size: int, default_timeout_s: float, aging_s: float = 1.0) -> "QueuePolicy":
-        return cls({level: LevelPolicy(max_queue_size, default_timeout_s) for level in PRIORITIES}, aging_s)
+    def uniform(cls, max_queue_size: int, default_timeout_s: float, aging_s: float = 1.0,
+                admission_share: float = 0.5) -> "QueuePolicy":
+        return cls({level: LevelPolicy(max_queue_size, default_timeout_s) for level in PRIORITIES}, aging_s,
+                   admission_share)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +162,8 @@ class ModelQueue:
         self._default_timeout_s = default_timeout_s
         self._batch_seconds = 0.05  # running estimate of one batch's time, for retry hints
         self._inflight_rows = 0  # rows of batches sent and not yet answered
-        self._completed: collections.deque[tuple[float, int]] = collections.deque()  # (time, rows) of recent batches
+        # (time, rows) of recent batches; the oldest only marks where the span starts
+        self._completed: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_BATCHES + 1)
         self._length_aware = length_aware
         self._last_led = STANDARD  # the level of the request that led the last batch
         self.batch_policy = batch_policy if batch_policy is not None else FixedPolicy(max_batch_size, max_delay_s)
@@ -197,19 +205,22 @@ class ModelQueue:
             self._task = asyncio.create_task(self._run(), name=f"batcher-{self.model}-{self.version}")
 
     def rows_per_second(self, now: float) -> float | None:
-        """Rows this queue completed per second over the last few seconds; None
-        until enough batches have finished to tell."""
+        """Rows this queue completed per second over its last few batches (a
+        rate measured before a surge of load would overstate it); None until
+        enough batches have finished to tell."""
         while self._completed and now - self._completed[0][0] > RATE_WINDOW_S:
             self._completed.popleft()
         if len(self._completed) < 3:
             return None
         span = max(now - self._completed[0][0], self._batch_seconds)
-        return sum(rows for _, rows in self._completed) / span
+        return sum(rows for _, rows in itertools.islice(self._completed, 1, None)) / span
 
     def _admit(self, item: Pending, level_name: str) -> None:
         """Deadline-aware admission: a request that would wait in the queue past
         its deadline is refused now, in microseconds, instead of timing out
-        later having held a place. Only with a real backlog and a measured rate."""
+        later having held a place; "past" with a margin (admission_share), as
+        the rate is an average and a loaded machine's batches vary severalfold.
+        Only with a real backlog and a measured rate."""
         if item.deadline is None:
             return
         ahead = sum(rows for level, rows in self._queued_rows.items() if level >= item.priority)
@@ -223,14 +234,15 @@ class ModelQueue:
             return
         wait_s = ahead / rate
         left_s = item.deadline - item.enqueued
-        if wait_s > left_s:
+        allowed_s = self._policy.admission_share * left_s
+        if wait_s > allowed_s:
             metrics.REJECTIONS.labels(self.model, level_name, "would_miss_deadline").inc()
-            retry_ms = max(10, int(1000 * (wait_s - left_s)))
+            retry_ms = max(10, int(1000 * (wait_s - allowed_s)))
             raise errors.ResourceExhausted(
                 f"model '{self.model}' has {ahead} rows to finish up to this request at {level_name} priority or "
-                f"above (queued, running, its own), about "
-                f"{1000 * wait_s:.0f} ms of work, past this request's deadline in {1000 * left_s:.0f} ms; "
-                f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
+                f"above (queued, running, its own), about {1000 * wait_s:.0f} ms of work, more than "
+                f"{self._policy.admission_share:.0%} of the {1000 * left_s:.0f} ms left before this request's "
+                f"deadline; retry after about {retry_ms} ms", retry_after_ms=retry_ms)
 
     async def _run(self) -> None:
         while True:
