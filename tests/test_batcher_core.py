@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from services.batcher.core import STANDARD, VIP, Batcher, LevelPolicy, ModelLimits, QueuePolicy
+from services.batcher.core import STANDARD, VIP, Batcher, LevelPolicy, ModelLimits, QueuePolicy, ServiceRate
 from services.common import errors
 from services.common.tensors import from_numpy, to_numpy
 
@@ -404,6 +404,29 @@ async def test_admission_keeps_a_share_of_the_deadline_as_margin(share, admitted
         with pytest.raises(errors.ResourceExhausted, match="more than 50% of the 600 ms left"):
             await late
     await asyncio.gather(*backlog)
+
+
+def test_the_service_rate_counts_busy_time_only_and_follows_the_last_few_batches():
+    rate = ServiceRate()
+    clock = 0.0
+    for _ in range(4):  # batches of 10 rows, 0.1 s each, one after another: 100 rows/s
+        rate.started(clock)
+        clock += 0.1
+        rate.finished(clock, 10)
+    assert rate.rows_per_second(clock) == pytest.approx(100)
+    clock += 30.0  # idle: no demand, which is not slowness
+    assert rate.rows_per_second(clock) == pytest.approx(100)
+    rate.started(clock)
+    rate.started(clock)  # two in flight at once: busy time counts once
+    clock += 0.1
+    rate.finished(clock, 10)
+    rate.finished(clock, None)  # a failed batch completes nothing
+    assert rate.rows_per_second(clock) == pytest.approx(40 / 0.4)
+    for _ in range(9):  # the machine slows down: 0.4 s per batch; the rate follows within 8 batches
+        rate.started(clock)
+        clock += 0.4
+        rate.finished(clock, 10)
+    assert rate.rows_per_second(clock) == pytest.approx(25)
 
 
 async def test_queued_row_counts_follow_every_way_out_of_the_queue():

@@ -34,7 +34,7 @@ VIP = 1
 STANDARD = 0
 PRIORITIES = (STANDARD, VIP)
 LENGTH_WINDOW = 128  # how far into a level length-aware batching looks for a similar request
-RATE_WINDOW_S = 5.0  # the completions that estimate a queue's service rate: the last few seconds' ...
+RATE_WINDOW_S = 5.0  # the completions that estimate a queue's service rate: the last few busy seconds' ...
 RATE_BATCHES = 8  # ... and of those at most the last few batches, so that the rate follows a change of load
 
 
@@ -106,6 +106,48 @@ class SlotPool:
         self._changed.set()
 
 
+class ServiceRate:
+    """Rows one lane's batches complete per second of busy time: time with no
+    batch in flight is not counted, as no demand is not slowness. (Counting it,
+    a pause in traffic made the model look slow, admission then refused
+    requests, the router shed more, traffic paused again: a loop.)"""
+
+    def __init__(self):
+        self._busy_s = 0.0  # busy time accumulated before the current busy period
+        self._busy_since = 0.0
+        self._running = 0
+        # (busy clock, rows) of recent batches; the oldest only marks where the span starts
+        self._completed: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_BATCHES + 1)
+
+    def busy_clock(self, now: float) -> float:
+        return self._busy_s + (now - self._busy_since if self._running else 0.0)
+
+    def started(self, now: float) -> None:
+        if not self._running:
+            self._busy_since = now
+        self._running += 1
+
+    def finished(self, now: float, rows: int | None) -> None:
+        """A batch ended; `rows` it completed, None when it failed."""
+        if rows is not None:
+            self._completed.append((self.busy_clock(now), rows))
+        self._running -= 1
+        if not self._running:
+            self._busy_s += now - self._busy_since
+
+    def rows_per_second(self, now: float) -> float | None:
+        """Over the last few batches within the last RATE_WINDOW_S of busy time
+        (a rate measured before a surge of load would overstate it); None
+        until enough batches have finished to tell."""
+        clock = self.busy_clock(now)
+        while self._completed and clock - self._completed[0][0] > RATE_WINDOW_S:
+            self._completed.popleft()
+        if len(self._completed) < 3:
+            return None
+        span = clock - self._completed[0][0]
+        return sum(rows for _, rows in itertools.islice(self._completed, 1, None)) / span if span > 0 else None
+
+
 class Backend(Protocol):
     """Where batches run: the model_server replicas."""
 
@@ -161,9 +203,11 @@ class ModelQueue:
         self._slots = slots
         self._default_timeout_s = default_timeout_s
         self._batch_seconds = 0.05  # running estimate of one batch's time, for retry hints
-        self._inflight_rows = 0  # rows of batches sent and not yet answered
-        # (time, rows) of recent batches; the oldest only marks where the span starts
-        self._completed: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_BATCHES + 1)
+        # Per lane (the level a batch goes out at: the model servers run VIP batches
+        # first, and a VIP pool may run them): rows sent and not yet answered, and
+        # how fast that lane's batches complete.
+        self._inflight_rows = {VIP: 0, STANDARD: 0}
+        self.service_rates = {VIP: ServiceRate(), STANDARD: ServiceRate()}
         self._length_aware = length_aware
         self._last_led = STANDARD  # the level of the request that led the last batch
         self.batch_policy = batch_policy if batch_policy is not None else FixedPolicy(max_batch_size, max_delay_s)
@@ -204,17 +248,6 @@ class ModelQueue:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"batcher-{self.model}-{self.version}")
 
-    def rows_per_second(self, now: float) -> float | None:
-        """Rows this queue completed per second over its last few batches (a
-        rate measured before a surge of load would overstate it); None until
-        enough batches have finished to tell."""
-        while self._completed and now - self._completed[0][0] > RATE_WINDOW_S:
-            self._completed.popleft()
-        if len(self._completed) < 3:
-            return None
-        span = max(now - self._completed[0][0], self._batch_seconds)
-        return sum(rows for _, rows in itertools.islice(self._completed, 1, None)) / span
-
     def _admit(self, item: Pending, level_name: str) -> None:
         """Deadline-aware admission: a request that would wait in the queue past
         its deadline is refused now, in microseconds, instead of timing out
@@ -226,10 +259,10 @@ class ModelQueue:
         ahead = sum(rows for level, rows in self._queued_rows.items() if level >= item.priority)
         # A standard request also waits for the batches already at the model
         # servers (execution is not preemptive); a VIP one has its own lane there.
-        ahead += item.rows + (self._inflight_rows if item.priority < VIP else 0)
+        ahead += item.rows + (self._inflight_rows[STANDARD] if item.priority < VIP else 0)
         if ahead <= self.batch_size:
             return
-        rate = self.rows_per_second(item.enqueued)
+        rate = self.service_rates[item.priority].rows_per_second(item.enqueued)
         if rate is None:
             return
         wait_s = ahead / rate
@@ -403,14 +436,16 @@ class ModelQueue:
         metrics.BATCH_ROWS.labels(self.model).observe(sum(counts))
         for item in batch:
             metrics.QUEUE_WAIT.labels(self.model, LEVEL_NAMES[item.priority]).observe(now - item.enqueued)
-        self._inflight_rows += sum(counts)
+        lead = max(item.priority for item in batch)  # the model server runs VIP batches first
+        self._inflight_rows[lead] += sum(counts)
+        self.service_rates[lead].started(now)
+        completed = None
         try:
-            lead = max(item.priority for item in batch)  # the model server runs VIP batches first
             version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout, 0.001),
                                                            priority=lead)
             self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * (loop.time() - now)
             self.batch_policy.observe_batch(sum(counts), loop.time() - now)
-            self._completed.append((loop.time(), sum(counts)))
+            completed = sum(counts)
         except errors.InfermeshError as exc:
             if split_on_error and len(batch) > 1 and not exc.retryable and not _no_time_or_room(exc):
                 # One bad request must not fail its neighbours: run each alone. Not when the
@@ -421,7 +456,8 @@ class ModelQueue:
             _fail_all(batch, exc)
             return
         finally:
-            self._inflight_rows -= sum(counts)
+            self._inflight_rows[lead] -= sum(counts)
+            self.service_rates[lead].finished(loop.time(), completed)
         parts = {out.name: split_rows(out, counts) for out in outputs}
         for i, item in enumerate(batch):
             if not item.future.done():
