@@ -1,5 +1,6 @@
-"""What every benchmark shares: progress lines, the machine's description, and
-writing a report as JSON, Markdown and a plot side by side."""
+"""What every benchmark shares: progress lines, the machine's description,
+quantiles of a service's histograms, and writing a report as JSON, Markdown
+and a plot side by side."""
 
 import json
 import os
@@ -43,3 +44,24 @@ def write(out: pathlib.Path, name: str, report: dict, markdown: str,
     if plot is not None:
         plot(report, out / f"{name}.png")
     print(markdown)
+
+
+def bucket_quantile(before: dict, after: dict, name: str, q: float, **labels) -> float:
+    """The q-quantile of what a Prometheus histogram `name` counted between two
+    scrapes (services.common.metrics.scrape), as the upper bound of the bucket
+    it falls in (seconds); NaN when nothing was counted."""
+    def counts(scraped: dict) -> dict[float, float]:
+        out: dict[float, float] = {}
+        for (sample, pairs), value in scraped.items():
+            found = dict(pairs)
+            if sample == name + "_bucket" and all(found.get(k) == v for k, v in labels.items()):
+                bound = float(found["le"])
+                out[bound] = out.get(bound, 0.0) + value
+        return out
+
+    now, then = counts(after), counts(before)
+    cumulative = sorted((bound, now[bound] - then.get(bound, 0.0)) for bound in now)
+    if not cumulative or cumulative[-1][1] <= 0:
+        return float("nan")
+    total = cumulative[-1][1]
+    return next(bound for bound, count in cumulative if count >= q * total)

@@ -222,7 +222,8 @@ async def test_every_service_serves_health_reflection_and_metrics(mesh, service)
 def test_metrics_cover_requests_latency_queue_batches_and_cache(mesh):
     assert metric(mesh.router_metrics, "infermesh_router_requests_total", model="minilm", code="OK") > 0
     assert metric(mesh.router_metrics, "infermesh_router_requests_total", code="INVALID_ARGUMENT") > 0
-    assert metric(mesh.router_metrics, "infermesh_router_request_duration_seconds_count", model="minilm") > 0
+    assert metric(mesh.router_metrics, "infermesh_router_request_duration_seconds_count", model="minilm", code="OK") > 0
+    assert metric(mesh.router_metrics, "infermesh_router_request_duration_seconds_count", code="INVALID_ARGUMENT") > 0
     batcher = mesh.metrics_url("batcher")
     assert metric(batcher, "infermesh_batcher_batch_size_count", model="minilm") > 0
     assert ("infermesh_batcher_queue_length", (("level", "standard"), ("model", "minilm"))) in scrape(batcher)

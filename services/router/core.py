@@ -166,7 +166,7 @@ class Router:
             model = request.model if self.catalog.get(request.model) else "unknown"
             tier = TIER_NAMES[request.tier]
             metrics.REQUESTS.labels(model, tier, code).inc()
-            metrics.LATENCY.labels(model, tier).observe(time.perf_counter() - started)
+            metrics.LATENCY.labels(model, tier, code).observe(time.perf_counter() - started)
 
     async def _infer(self, request: InferRequest) -> InferResult:
         """Through the model's circuit breaker when it has a fallback: while the

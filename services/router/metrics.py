@@ -6,8 +6,9 @@ REQUESTS = prometheus_client.Counter(
     "infermesh_router_requests_total", "Inference requests answered, by model, tier and gRPC status code.",
     ["model", "tier", "code"])
 LATENCY = prometheus_client.Histogram(
-    "infermesh_router_request_duration_seconds", "Time to answer an inference request, by model and tier.",
-    ["model", "tier"],
+    "infermesh_router_request_duration_seconds",
+    "Time to answer an inference request, by model, tier and gRPC status code (a refusal's time is its own).",
+    ["model", "tier", "code"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 CACHE = prometheus_client.Counter(
     "infermesh_router_cache_lookups_total",

@@ -1,0 +1,39 @@
+"""The benchmarks' reading of a service's histograms, against a real
+prometheus_client registry served over HTTP."""
+
+import math
+
+import prometheus_client
+import pytest
+
+from bench.report import bucket_quantile
+from services.common.metrics import scrape
+
+
+@pytest.fixture
+def served():
+    registry = prometheus_client.CollectorRegistry()
+    histogram = prometheus_client.Histogram("t_seconds", "test", ["code"], buckets=(0.001, 0.005, 0.01, 0.1),
+                                            registry=registry)
+    server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        yield histogram, f"http://127.0.0.1:{server.server_port}/metrics"
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+def test_quantiles_count_only_what_happened_between_the_two_scrapes(served):
+    histogram, url = served
+    for _ in range(100):
+        histogram.labels("OK").observe(0.05)  # before: must not count
+    before = scrape(url)
+    for seconds in [0.0005] * 98 + [0.008, 0.008]:
+        histogram.labels("OK").observe(seconds)
+    histogram.labels("UNAVAILABLE").observe(0.5)  # another label: must not count
+    after = scrape(url)
+    assert bucket_quantile(before, after, "t_seconds", 0.5, code="OK") == 0.001
+    assert bucket_quantile(before, after, "t_seconds", 0.98, code="OK") == 0.001
+    assert bucket_quantile(before, after, "t_seconds", 0.99, code="OK") == 0.01
+    assert bucket_quantile(before, after, "t_seconds", 0.99, code="UNAVAILABLE") == math.inf
+    assert math.isnan(bucket_quantile(after, after, "t_seconds", 0.99, code="OK"))
