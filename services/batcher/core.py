@@ -284,7 +284,9 @@ class ModelQueue:
                 await self._arrived.wait()
             slot = await self._slots.acquire(lambda: bool(self._levels[VIP]))
             try:
-                batch = await self._collect()
+                # A slot reserved for VIP work carries a VIP-led batch, even when aged
+                # standard requests are due a turn: theirs comes with a general slot.
+                batch = await self._collect(vip_only=slot == "reserved")
             except BaseException:
                 self._slots.release(slot)
                 raise
@@ -366,7 +368,7 @@ class ModelQueue:
         item.future.set_exception(errors.DeadlineExceeded(
             f"request for model '{self.model}' waited {waited_ms:.1f} ms in the queue, past its deadline; it was not run"))
 
-    async def _collect(self) -> list[Pending]:
+    async def _collect(self, vip_only: bool = False) -> list[Pending]:
         loop = asyncio.get_running_loop()
         batch: list[Pending] = []
         rows = 0
@@ -377,7 +379,7 @@ class ModelQueue:
             # ones it would run as long as any standard batch, and VIP latency
             # under a standard overload would be a full batch's time.
             vip_led = bool(batch) and batch[0].priority == VIP
-            item = self._take(size - rows, alone=not batch, near_length=near, vip_only=vip_led)
+            item = self._take(size - rows, alone=not batch, near_length=near, vip_only=vip_only or vip_led)
             if item is not None:
                 if not batch:
                     size, dispatch_by = self._plan(item)
