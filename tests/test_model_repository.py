@@ -8,6 +8,7 @@ import json
 import pathlib
 import shutil
 import sys
+import threading
 
 import grpc
 import numpy as np
@@ -335,6 +336,33 @@ async def test_the_correctness_probe_withdraws_readiness_on_drift(repo):
         golden_file.write_text(truth)
         await ms.manager.probe_all()
         assert await ms.ready() and await ms.health_of("mlp") == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_batch_arriving_during_the_probe_waits_for_one_probe_row_not_the_whole_probe(repo):
+    """Execution is not preemptive, so the golden probe runs a row at a time at
+    the lowest priority: a caller's batch that arrives while it runs goes next."""
+    async with model_server(repo) as ms:
+        loaded = ms.manager.resolve("mlp", "")
+        real_run, first_row_running, release = loaded.run, threading.Event(), threading.Event()
+        order = []
+
+        def run(instance, inputs, outputs):  # holds the probe's first row until the caller's batch waits
+            order.append(next(iter(inputs.values())).rows)
+            if len(order) == 1:
+                first_row_running.set()
+                release.wait(10)
+            return real_run(instance, inputs, outputs)
+
+        loaded.run = run
+        probe = asyncio.create_task(ms.manager.probe_all())
+        await asyncio.get_running_loop().run_in_executor(None, first_row_running.wait, 10)
+        caller = asyncio.create_task(ms.execute(rows=np.ones((8, 64), dtype=np.float32)))
+        while loaded.gate.waiting == 0:
+            await asyncio.sleep(0.001)
+        release.set()
+        await asyncio.gather(probe, caller)
+        assert order == [1, 8] + [1] * (len(ROWS) - 1)
+        assert await ms.ready()  # and the probe, run in pieces, still passes
 
 
 async def test_poll_mode_follows_the_repository_and_refuses_rpc_control(repo):
