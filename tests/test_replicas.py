@@ -46,6 +46,10 @@ def test_each_replica_runs_at_its_own_cpu_priority(two_replicas):
     priorities = [os.getpriority(os.PRIO_PROCESS, two_replicas.processes[f"model_server-{i}"].popen.pid)
                   for i in range(2)]
     assert [p - os.getpriority(os.PRIO_PROCESS, 0) for p in priorities] == [0, 3]
+    if os.path.exists("/proc/self/autogroup"):  # the kernel schedules sessions as groups: theirs counts
+        groups = [pathlib.Path(f"/proc/{two_replicas.processes[f'model_server-{i}'].popen.pid}/autogroup").read_text()
+                  for i in range(2)]
+        assert [int(g.split("nice")[1]) for g in groups] == [0, 3]
 
 
 def batches_run(mesh, name: str) -> float:

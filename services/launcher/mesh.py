@@ -27,6 +27,19 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _lower_priority(nice: int) -> None:
+    """Lowers this process's CPU priority by `nice`. Where the kernel schedules
+    each session as a group (autogroup, on by default in many distributions),
+    a process's own niceness only ranks it within its session, and every
+    service here is a session of its own: the session's niceness is set too."""
+    os.nice(nice)
+    try:
+        with open("/proc/self/autogroup", "w") as autogroup:
+            autogroup.write(str(nice))
+    except OSError:
+        pass  # no autogroup scheduling here: the process's niceness is what counts
+
+
 class MeshError(RuntimeError):
     """A service did not come up; the message carries the tail of its log."""
 
@@ -44,7 +57,7 @@ class Process:
         def prepare() -> None:
             _die_with_parent()
             if nice:
-                os.nice(nice)
+                _lower_priority(nice)
 
         self.popen = subprocess.Popen(argv, stdout=stdout, stderr=stderr, cwd=ROOT, env=env,
                                       start_new_session=True, preexec_fn=prepare)
