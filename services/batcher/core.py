@@ -207,7 +207,7 @@ class ModelQueue:
         # first, and a VIP pool may run them): rows sent and not yet answered, and
         # how fast that lane's batches complete.
         self._inflight_rows = {VIP: 0, STANDARD: 0}
-        self.service_rates = {VIP: ServiceRate(), STANDARD: ServiceRate()}
+        self._service_rates = {VIP: ServiceRate(), STANDARD: ServiceRate()}
         self._length_aware = length_aware
         self._last_led = STANDARD  # the level of the request that led the last batch
         self.batch_policy = batch_policy if batch_policy is not None else FixedPolicy(max_batch_size, max_delay_s)
@@ -262,7 +262,7 @@ class ModelQueue:
         ahead += item.rows + (self._inflight_rows[STANDARD] if item.priority < VIP else 0)
         if ahead <= self.batch_size:
             return
-        rate = self.service_rates[item.priority].rows_per_second(item.enqueued)
+        rate = self._service_rates[item.priority].rows_per_second(item.enqueued)
         if rate is None:
             return
         wait_s = ahead / rate
@@ -440,7 +440,7 @@ class ModelQueue:
             metrics.QUEUE_WAIT.labels(self.model, LEVEL_NAMES[item.priority]).observe(now - item.enqueued)
         lead = max(item.priority for item in batch)  # the model server runs VIP batches first
         self._inflight_rows[lead] += sum(counts)
-        self.service_rates[lead].started(now)
+        self._service_rates[lead].started(now)
         completed = None
         try:
             version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout, 0.001),
@@ -459,7 +459,7 @@ class ModelQueue:
             return
         finally:
             self._inflight_rows[lead] -= sum(counts)
-            self.service_rates[lead].finished(loop.time(), completed)
+            self._service_rates[lead].finished(loop.time(), completed)
         parts = {out.name: split_rows(out, counts) for out in outputs}
         for i, item in enumerate(batch):
             if not item.future.done():
