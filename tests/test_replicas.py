@@ -52,6 +52,16 @@ def test_each_replica_runs_at_its_own_cpu_priority(two_replicas):
         assert [int(g.split("nice")[1]) for g in groups] == [0, 3]
 
 
+def test_local_replicas_split_the_cores_between_them(two_replicas):
+    """As pods split a node's cores by their CPU requests: each taking them all,
+    two model servers' ONNX Runtime threads would outnumber the cores."""
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    for i in range(2):
+        argv = pathlib.Path(f"/proc/{two_replicas.processes[f'model_server-{i}'].popen.pid}/cmdline").read_bytes()
+        args = argv.decode().split("\0")
+        assert args[args.index("--intra-op-threads") + 1] == share
+
+
 def batches_run(mesh, name: str) -> float:
     return metric(mesh.metrics_url(name), "infermesh_model_batches_total", model="minilm", outcome="ok")
 

@@ -158,7 +158,7 @@ class Mesh:
                 self.start_redis()
             servers = [
                 self._spawn(f"model_server-{i}" if self.model_server_count > 1 else "model_server", "services.model_server",
-                            ["--model-repository", self.models, *self.model_server_args,
+                            ["--model-repository", self.models, *self._core_share(), *self.model_server_args,
                              *(["--labels", self.model_server_labels[i]] if i < len(self.model_server_labels) else [])],
                             nice=self._model_server_nice(i))
                 for i in range(self.model_server_count)
@@ -180,6 +180,16 @@ class Mesh:
             self.stop()
             raise
         return self
+
+    def _core_share(self) -> list[str]:
+        """Several model servers on one machine split its cores, as pods do a
+        node's by their CPU requests: each taking them all, their ONNX Runtime
+        threads would outnumber the cores (a thread of a parallel operator
+        then waits for one that lost its core). Unless the caller chose."""
+        if self.model_server_count == 1 or any(a.startswith("--intra-op-threads") for a in self.model_server_args):
+            return []
+        cores = len(os.sched_getaffinity(0))
+        return ["--intra-op-threads", str(max(1, cores // self.model_server_count))]
 
     def _model_server_nice(self, index: int) -> int:
         nice = self.model_server_nice

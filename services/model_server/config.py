@@ -15,7 +15,7 @@ class ModelServerConfig:
     port: int = dataclasses.field(default=0, metadata={"help": "gRPC port, 0 picks a free one"})
     metrics_port: int = dataclasses.field(default=0, metadata={"help": "Prometheus port, 0 picks a free one"})
     device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu or cuda"})
-    intra_op_threads: int = dataclasses.field(default=0, metadata={"help": "ORT intra-op threads, 0 = one per core"})
+    intra_op_threads: int = dataclasses.field(default=0, metadata={"help": "ORT intra-op threads, 0 = one per core this process may run on"})
     model_control_mode: str = dataclasses.field(default="explicit", metadata={
         "help": "none: models fixed at startup; explicit: load/unload by RPC; poll: follow the repository on disk"})
     load_models: str = dataclasses.field(default="*", metadata={
@@ -50,7 +50,7 @@ class ModelServerConfig:
 
     @property
     def threads(self) -> int:
-        return self.intra_op_threads or os.cpu_count() or 1
+        return self.intra_op_threads or len(os.sched_getaffinity(0)) or 1
 
     @property
     def label_map(self) -> dict[str, str]:
