@@ -131,3 +131,46 @@ async def test_one_impatient_callers_refusal_does_not_turn_away_callers_with_tim
         await router.infer(timed_request(2, 0.2))  # no more patient: refused here, not sent
     assert (await router.infer(timed_request(3, 5.0))).outputs  # has the time: goes through
     assert len(batcher.calls) == 2
+
+
+async def test_a_shed_level_is_refused_in_the_callers_own_step():
+    """No task and no turn of the event loop: under overload every refusal that
+    waits for the loop waits behind all the other work queued there."""
+    router = make_router(FullBatcher())
+    with pytest.raises(errors.ResourceExhausted, match="is full"):
+        await router.infer(distinct_request(1))
+    step = router.infer(distinct_request(2)).__await__()
+    with pytest.raises(errors.ResourceExhausted, match="refusing standard requests"):
+        step.send(None)  # the first step of the call already answers
+
+
+class GatedBatcher:
+    """Holds input 1 until the gate opens; refuses every other standard request as a full queue does."""
+
+    def __init__(self):
+        self.gate = asyncio.Event()
+        self.calls: list[float] = []
+
+    async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+        value = float(np.frombuffer(inputs[0].data, np.float32)[0])
+        self.calls.append(value)
+        if value != 1:
+            raise errors.ResourceExhausted("the standard queue of model 'mlp' is full", retry_after_ms=300)
+        await self.gate.wait()
+        return version, [from_numpy("OUTPUT0", np.ones((1, 64), np.float32))]
+
+
+async def test_while_a_level_is_shed_a_caller_still_joins_an_identical_running_request():
+    batcher = GatedBatcher()
+    router = make_router(batcher)
+    running = asyncio.create_task(router.infer(distinct_request(1)))
+    while not batcher.calls:
+        await asyncio.sleep(0)
+    with pytest.raises(errors.ResourceExhausted, match="is full"):
+        await router.infer(distinct_request(2))
+    joined = asyncio.create_task(router.infer(distinct_request(1)))  # costs the batcher nothing more
+    with pytest.raises(errors.ResourceExhausted, match="refusing standard requests"):
+        await router.infer(distinct_request(3))
+    batcher.gate.set()
+    assert (await running).outputs == (await joined).outputs
+    assert batcher.calls == [1, 2]

@@ -174,7 +174,9 @@ class Router:
         sig = self.catalog.get(request.model)
         if sig is None or not sig.fallback or request.version or request.model == sig.fallback:
             return await self._infer_primary(request)
-        breaker = self._breakers.setdefault(sig.name, Breaker(self._breaker_policy))
+        breaker = self._breakers.get(sig.name)
+        if breaker is None:  # not setdefault: a Breaker is not free to build, and this runs per request
+            breaker = self._breakers[sig.name] = Breaker(self._breaker_policy)
         loop = asyncio.get_running_loop()
         if not breaker.allows(loop.time()):
             self._publish_breaker(sig.name, breaker)
@@ -253,6 +255,10 @@ class Router:
             if joined:
                 metrics.CACHE.labels("shared").inc()
             else:
+                if self._cache is None or self._bypass.is_bypassed(flight.model):
+                    # Nothing to look up first: a shed level is refused right here, in the
+                    # caller's own step, not one turn of the event loop later in a task.
+                    self._refuse_if_shed(flight.model, flight.tier, flight.deadline)
                 task = asyncio.create_task(self._resolve(flight))
                 self._running[key] = task
                 task.add_done_callback(lambda done, key=key: self._finished(key, done))
@@ -310,17 +316,7 @@ class Router:
         remaining = deadline - now
         if remaining <= 0:
             raise errors.DeadlineExceeded(f"request for model '{model}' reached its deadline before it could be queued")
-        shed_until, needs_s = self._shedding.get((model, tier), (0.0, 0.0))
-        if now < shed_until and remaining < needs_s:
-            # The batcher refused this level lately, and this request has no more time
-            # than the refused one would have needed: refuse it here, before it costs
-            # the batcher anything. A request with more time still goes through.
-            metrics.SHED.labels(TIER_NAMES[tier]).inc()
-            retry_ms = max(10, int(1000 * (shed_until - now)))
-            raise errors.ResourceExhausted(
-                f"model '{model}' is refusing {TIER_NAMES[tier]} requests that cannot wait about "
-                f"{1000 * needs_s:.0f} ms (this one has {1000 * remaining:.0f} ms) for about {retry_ms} ms more: its "
-                f"queue is full; retry after about {retry_ms} ms", retry_after_ms=retry_ms)
+        self._refuse_if_shed(model, tier, deadline)
         try:
             return await self._batcher.submit(model, version, inputs, outputs, tier, remaining)
         except errors.ResourceExhausted as exc:
@@ -330,6 +326,22 @@ class Router:
                 self._shedding[(model, tier)] = (now + min(exc.retry_after_ms, MAX_SHED_MS) / 1000,
                                                  remaining + exc.retry_after_ms / 1000)
             raise
+
+    def _refuse_if_shed(self, model: str, tier: int, deadline: float) -> None:
+        """The batcher refused this level lately, and this request has no more time
+        than the refused one would have needed: refuse it here, before it costs the
+        batcher anything. A request with more time still goes through."""
+        now = asyncio.get_running_loop().time()
+        shed_until, needs_s = self._shedding.get((model, tier), (0.0, 0.0))
+        remaining = deadline - now
+        if now >= shed_until or remaining >= needs_s:
+            return
+        metrics.SHED.labels(TIER_NAMES[tier]).inc()
+        retry_ms = max(10, int(1000 * (shed_until - now)))
+        raise errors.ResourceExhausted(
+            f"model '{model}' is refusing {TIER_NAMES[tier]} requests that cannot wait about "
+            f"{1000 * needs_s:.0f} ms (this one has {1000 * remaining:.0f} ms) for about {retry_ms} ms more: its "
+            f"queue is full; retry after about {retry_ms} ms", retry_after_ms=retry_ms)
 
 
 @dataclasses.dataclass(frozen=True)
