@@ -22,6 +22,7 @@ from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
 from services.common import errors
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
+from services.common.latency import LatencyProfile
 from services.common.tensors import from_numpy, to_numpy
 from services.model_server import metrics
 from services.model_server.config import ModelServerConfig
@@ -503,3 +504,64 @@ async def test_a_batch_with_no_time_for_the_queue_ahead_is_refused_at_once(repo)
         # The hint is the time it lacked: 400 ms ahead, 400 ms of its own, under 600 ms left (less the margin).
         hint = int(dict(refused.value.trailing_metadata())["retry-after-ms"])
         assert 200 <= hint <= 300, hint
+
+
+def _recording_runs(loaded):
+    """Makes `loaded` record (first value, rows) of each run and hold the first run
+    until released; returns (order, first_running, release)."""
+    real_run, first_running, release = loaded.run, threading.Event(), threading.Event()
+    order = []
+
+    def run(instance, inputs, outputs):
+        tensor = next(iter(inputs.values()))
+        order.append((float(to_numpy(tensor).reshape(-1)[0]), tensor.rows))
+        if len(order) == 1:
+            first_running.set()
+            release.wait(10)
+        return real_run(instance, inputs, outputs)
+
+    loaded.run = run
+    return order, first_running, release
+
+
+def _mlp(value: float, rows: int) -> list:
+    return [from_numpy("INPUT0", np.full((rows, 64), value, dtype=np.float32), "FP32")]
+
+
+async def test_while_vip_batches_come_a_standard_batch_runs_in_slices_and_a_vip_batch_goes_between(repo):
+    """A VIP batch waits for one slice of the running standard batch, not all of it;
+    a standard batch that came later does not cut in; the answer is the whole batch's."""
+    async with model_server(repo, slice_s=0.025) as ms:
+        loaded = ms.manager.resolve("mlp", "")
+        whole = (await ms.manager.execute("mlp", "", _mlp(3.0, 4), []))[1][0]  # no VIP yet: one run of 4
+        loaded.profile = LatencyProfile()
+        for rows, seconds in ((2, 0.02), (4, 0.04)):  # slices of 2 rows fit in 25 ms, 4 rows do not
+            loaded.profile.observe(rows, seconds)
+        await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1)  # VIP traffic, lately
+        sliced_before = metrics.SLICED.labels("mlp")._value.get()  # noqa: SLF001
+        aside_before = metrics.STEPPED_ASIDE.labels("mlp")._value.get()  # noqa: SLF001
+        order, first_running, release = _recording_runs(loaded)
+        standard = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), []))
+        await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
+        later = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(5.0, 4), []))
+        vip = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1))
+        while loaded.gate.waiting < 2:
+            await asyncio.sleep(0.001)
+        release.set()
+        (_, outputs), _, _ = await asyncio.gather(standard, later, vip)
+        assert order == [(3.0, 2), (9.0, 1), (3.0, 2), (5.0, 2), (5.0, 2)]
+        np.testing.assert_allclose(to_numpy(outputs[0]), to_numpy(whole), rtol=1e-6)
+        assert metrics.SLICED.labels("mlp")._value.get() == sliced_before + 2  # noqa: SLF001
+        assert metrics.STEPPED_ASIDE.labels("mlp")._value.get() == aside_before + 1  # noqa: SLF001
+
+
+async def test_without_vip_batches_lately_a_standard_batch_runs_whole(repo):
+    async with model_server(repo, slice_s=0.025) as ms:
+        loaded = ms.manager.resolve("mlp", "")
+        loaded.profile = LatencyProfile()
+        for rows, seconds in ((2, 0.02), (4, 0.04)):
+            loaded.profile.observe(rows, seconds)
+        order, _, release = _recording_runs(loaded)
+        release.set()
+        await ms.manager.execute("mlp", "", _mlp(3.0, 4), [])
+        assert order == [(3.0, 4)]

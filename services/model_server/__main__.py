@@ -19,7 +19,7 @@ async def serve(config: ModelServerConfig) -> None:
         config.model_repository, config.device, config.threads,
         control_mode=ControlMode(config.model_control_mode), startup_models=config.startup_models,
         rollback_grace_s=config.rollback_grace_s, probe_interval_s=config.probe_interval_s,
-        poll_interval_s=config.repository_poll_s, on_readiness=readiness,
+        poll_interval_s=config.repository_poll_s, on_readiness=readiness, slice_s=config.slice_ms / 1000,
     )
     await manager.start()
     sampler = asyncio.create_task(gpu.sample_forever(config.gpu_sample_s)) if has_nvidia_gpu() else None

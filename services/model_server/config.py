@@ -25,6 +25,9 @@ class ModelServerConfig:
         "help": "how long a replaced version stays loaded for instant rollback"})
     probe_interval_s: float = dataclasses.field(default=30.0, metadata={
         "help": "seconds between golden-probe correctness checks of serving versions; 0 turns them off"})
+    slice_ms: float = dataclasses.field(default=0.0, metadata={
+        "help": "while VIP batches come, run a standard batch in slices of about this long, so a VIP batch waits "
+                "for one slice instead of the whole batch; 0 = whole batches"})
     labels: str = dataclasses.field(default="", metadata={
         "help": "comma-separated key=value labels a DestinationRule subset selects, e.g. version=blue"})
     gpu_sample_s: float = dataclasses.field(default=5.0, metadata={"help": "seconds between NVML samples when a GPU is present"})
@@ -43,6 +46,7 @@ class ModelServerConfig:
         require(self.repository_poll_s > 0, f"repository_poll_s must be > 0, got {self.repository_poll_s}")
         require(self.rollback_grace_s >= 0, f"rollback_grace_s must be >= 0, got {self.rollback_grace_s}")
         require(self.probe_interval_s >= 0, f"probe_interval_s must be >= 0, got {self.probe_interval_s}")
+        require(self.slice_ms >= 0, f"slice_ms must be >= 0, got {self.slice_ms}")
         require(self.gpu_sample_s > 0, f"gpu_sample_s must be > 0, got {self.gpu_sample_s}")
         require(bool(self.startup_models), "load_models must name at least one model or '*'")
         require(all("=" in item for item in self.labels.split(",") if item.strip()),

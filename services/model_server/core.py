@@ -83,8 +83,9 @@ class ModelManager:
     def __init__(self, repository: str, device: str = "auto", threads: int = 1, *,
                  control_mode: ControlMode = ControlMode.EXPLICIT, startup_models: tuple[str, ...] = ("*",),
                  rollback_grace_s: float = 600.0, probe_interval_s: float = 30.0, poll_interval_s: float = 5.0,
-                 on_readiness: Callable[[str, bool], None] | None = None):
+                 on_readiness: Callable[[str, bool], None] | None = None, slice_s: float = 0.0):
         self._repository = pathlib.Path(repository)
+        self._slice_s = slice_s
         self._use_cuda = cuda_usable(device)
         self._threads = threads
         self._mode = control_mode
@@ -175,6 +176,7 @@ class ModelManager:
                         continue
                     loaded = await loop.run_in_executor(
                         None, load_version, config, version, self._use_cuda, self._threads, golden)
+                    loaded.slice_s = self._slice_s
                     loaded_now.append(loaded)
                     fresh[version] = loaded
             except LoadFailed as exc:

@@ -27,7 +27,7 @@ import onnxruntime as ort
 
 from services.common import errors
 from services.common.latency import LatencyProfile
-from services.common.tensors import NUMPY_DTYPES, TensorData, from_numpy, to_numpy
+from services.common.tensors import NUMPY_DTYPES, TensorData, concat_rows, from_numpy, split_rows, to_numpy
 from services.model_server import metrics
 from services.model_server.repository import Golden, ModelConfig, version_fingerprint
 from services.model_server.shards import ShardedSession, ShardError, ShardFailed
@@ -35,6 +35,7 @@ from services.model_server.shards import ShardedSession, ShardError, ShardFailed
 log = logging.getLogger(__name__)
 
 TEXT_FEEDS = ("input_ids", "attention_mask", "token_type_ids")
+HIGHER_PRIORITY_MEMORY_S = 10.0  # how long one batch of a priority makes lower ones run in slices
 OPTIMIZATION = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -87,6 +88,15 @@ class NoTurn(Exception):
     """No session instance came free within the time a batch could wait."""
 
 
+@dataclasses.dataclass
+class Hold:
+    """An instance held by one batch (PriorityGate.hold)."""
+
+    priority: int
+    order: int  # its place among batches of its priority, kept when it steps aside
+    index: int | None  # None while it has stepped aside
+
+
 class PriorityGate:
     """Hands out `capacity` session instances; batches waiting for one go
     highest priority first, FIFO within a priority. (The executors alone would
@@ -104,11 +114,19 @@ class PriorityGate:
     async def turn(self, priority: int, wait_s: float | None = None, rows: int = 1):
         """Yields the index of the instance the batch (of `rows` rows) may use;
         raises NoTurn when none came free within `wait_s` (None: no limit)."""
+        async with self.hold(priority, wait_s, rows) as held:
+            yield held.index
+
+    @contextlib.asynccontextmanager
+    async def hold(self, priority: int, wait_s: float | None = None, rows: int = 1):
+        """As turn, but yields a Hold: a batch run in slices may step aside
+        between two of them (Hold.step_aside), and the instance it holds may change."""
+        order = next(self._order)
         if self._free and not self._waiting:
             instance = self._free.pop()
         else:
             future = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._waiting, (-priority, next(self._order), future, rows))
+            heapq.heappush(self._waiting, (-priority, order, future, rows))
             self._count_waiting(+1)
             try:
                 instance = await (future if wait_s is None else asyncio.wait_for(future, max(wait_s, 0.0)))
@@ -120,10 +138,38 @@ class PriorityGate:
                 raise
             finally:
                 self._count_waiting(-1)
+        held = Hold(priority, order, instance)
         try:
-            yield instance
+            yield held
         finally:
-            self._release(instance)
+            if held.index is not None:
+                self._release(held.index)
+
+    async def step_aside(self, held: Hold, rows: int) -> bool:
+        """Between two slices of a batch: if a batch of a higher priority waits, hands
+        it the instance and waits for one again, ahead of every batch of its own
+        priority that came later (its place in line is kept). Returns whether it
+        stepped aside."""
+        if not self.waiting_above(held.priority):
+            return False
+        future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (-held.priority, held.order, future, rows))
+        self._count_waiting(+1)
+        index, held.index = held.index, None
+        self._release(index)  # to the higher batch: it is first in line
+        try:
+            held.index = await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self._release(future.result())
+            raise
+        finally:
+            self._count_waiting(-1)
+        return True
+
+    def waiting_above(self, priority: int) -> bool:
+        """Whether a batch of a higher priority than `priority` waits for an instance."""
+        return any(-p > priority and not future.done() for p, _, future, _ in self._waiting)
 
     def busy(self) -> bool:
         return not self._free or bool(self._waiting)
@@ -190,7 +236,9 @@ class LoadedVersion:
         self.gate = PriorityGate(len(instances), metrics.QUEUED.labels(config.name, version))
         self.run_s = 0.0  # a first guess at a batch's time, from warm-up, until batches have run
         self.profile = LatencyProfile()  # what batches took, per size class
-        self._running: dict[int, tuple[float, int]] = {}  # instance -> (loop time it started, rows)
+        self._running: dict[int, tuple[float, int]] = {}  # instance -> (loop time it started, rows left)
+        self.slice_s = 0.0  # the longest slice a batch runs in while higher priorities come; 0: whole batches
+        self._seen_at: dict[int, float] = {}  # priority -> loop time its latest batch arrived
         self.broken = ""  # why a shard failed; such a version is not ready
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -233,16 +281,20 @@ class LoadedVersion:
                 if expected_wait_s > wait_s:
                     retry_s = expected_wait_s - wait_s  # how much time it lacked
                     raise NoTurn  # refused now rather than after waiting in vain
-            async with self.gate.turn(priority, wait_s, rows) as index:
-                instance = self.instances[index]
-                started = loop.time()
-                self._running[index] = (started, rows)
-                try:
-                    result = await loop.run_in_executor(instance.executor, self.run, instance, inputs, outputs)
-                finally:
-                    del self._running[index]
-                self.profile.observe(rows, loop.time() - started)
-                return result
+            counts = self._slice_counts(rows, priority, loop.time())
+            if len(counts) == 1:
+                async with self.gate.hold(priority, wait_s, rows) as held:
+                    return await self._run_on(held.index, inputs, outputs, rows, rows)
+            metrics.SLICED.labels(self.config.name).inc()
+            pieces = [dict(zip(inputs, parts)) for parts in zip(*(split_rows(t, counts) for t in inputs.values()))]
+            results, left = [], rows
+            async with self.gate.hold(priority, wait_s, counts[0]) as held:
+                for i, (piece, count) in enumerate(zip(pieces, counts)):
+                    if i and await self.gate.step_aside(held, count):
+                        metrics.STEPPED_ASIDE.labels(self.config.name).inc()
+                    results.append(await self._run_on(held.index, piece, outputs, count, left))
+                    left -= count
+            return [concat_rows(list(parts)) for parts in zip(*results)]
         except NoTurn:  # only a batch with time_left_s waits for a limited time
             metrics.SHED.labels(self.config.name).inc()
             raise errors.ResourceExhausted(
@@ -257,6 +309,34 @@ class LoadedVersion:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
+
+    async def _run_on(self, index: int, inputs: dict[str, TensorData], outputs: list[str], rows: int,
+                      left: int) -> list[TensorData]:
+        """Runs `rows` rows on instance `index`; `left` is what the batch still has to run, these included."""
+        loop = asyncio.get_running_loop()
+        instance = self.instances[index]
+        started = loop.time()
+        self._running[index] = (started, left)
+        try:
+            result = await loop.run_in_executor(instance.executor, self.run, instance, inputs, outputs)
+        finally:
+            del self._running[index]
+        self.profile.observe(rows, loop.time() - started)
+        return result
+
+    def _slice_counts(self, rows: int, priority: int, now: float) -> list[int]:
+        """The slices to run a batch in: the whole batch, unless slice_s is set and
+        batches of a higher priority came lately; then slices the latency profile
+        says take at most slice_s, so that such a batch waits for one slice at
+        most instead of the whole batch (execution itself is not preemptive)."""
+        self._seen_at[priority] = now
+        if self.slice_s <= 0 or rows == 1 or not any(
+                level > priority and now - seen < HIGHER_PRIORITY_MEMORY_S for level, seen in self._seen_at.items()):
+            return [rows]
+        size = rows
+        while size > 1 and self.estimate_s(size) > self.slice_s:
+            size = (size + 1) // 2
+        return [min(size, rows - start) for start in range(0, rows, size)]
 
     def estimate_s(self, rows: int) -> float:
         """How long a batch of `rows` rows runs: what batches of its size took

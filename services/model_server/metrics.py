@@ -28,6 +28,13 @@ QUEUED = prometheus_client.Gauge(
     "Batches waiting for a free session instance, by model and version: the model server's own queue, "
     "which the Kubernetes autoscaler reads (mesh/kubernetes).",
     ["model", "version"])
+SLICED = prometheus_client.Counter(
+    "infermesh_model_sliced_batches_total",
+    "Batches run in slices (--slice-ms) because batches of a higher priority came lately, by model.", ["model"])
+STEPPED_ASIDE = prometheus_client.Counter(
+    "infermesh_model_stepped_aside_total",
+    "Times a sliced batch let a waiting batch of a higher priority run between two of its slices, by model.",
+    ["model"])
 SHED = prometheus_client.Counter(
     "infermesh_model_shed_batches_total",
     "Batches refused with RESOURCE_EXHAUSTED because they would have waited past their deadline, by model.",
