@@ -1,6 +1,6 @@
 """What every benchmark shares: progress lines, the machine's description,
-quantiles of a service's histograms, and writing a report as JSON, Markdown
-and a plot side by side."""
+quantiles of a service's histograms, the share of the CPU a hypervisor took,
+and writing a report as JSON, Markdown and a plot side by side."""
 
 import json
 import os
@@ -16,6 +16,26 @@ def progress(message: str) -> None:
 
 def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def cpu_times(stat: pathlib.Path = pathlib.Path("/proc/stat")) -> list[int] | None:
+    """The machine's CPU time so far, in ticks: user, nice, system, idle, iowait, irq,
+    softirq, steal (the first line of /proc/stat); None where there is no such file."""
+    try:
+        fields = stat.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    return [int(v) for v in fields[1:9]]
+
+
+def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+    """The share of the CPU time between two cpu_times() that the hypervisor gave to
+    other guests (steal): on a shared virtual machine the part of every figure that
+    the benchmark did not control."""
+    if before is None or after is None:
+        return None
+    spent = [b - a for a, b in zip(before, after)]
+    return spent[7] / sum(spent) if sum(spent) else 0.0
 
 
 def pyplot():

@@ -6,7 +6,7 @@ import math
 import prometheus_client
 import pytest
 
-from bench.report import bucket_quantile
+from bench.report import bucket_quantile, cpu_times, steal_share
 from services.common.metrics import scrape
 
 
@@ -37,3 +37,23 @@ def test_quantiles_count_only_what_happened_between_the_two_scrapes(served):
     assert bucket_quantile(before, after, "t_seconds", 0.99, code="OK") == 0.01
     assert bucket_quantile(before, after, "t_seconds", 0.99, code="UNAVAILABLE") == math.inf
     assert math.isnan(bucket_quantile(after, after, "t_seconds", 0.99, code="OK"))
+
+
+def test_steal_is_the_hypervisors_share_of_the_cpu_time_between_two_readings(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 0 0 0 50 0 0\ncpu0 1 2 3\n")
+    before = cpu_times(stat)
+    stat.write_text("cpu  160 0 70 900 0 0 0 70 0 0\ncpu0 1 2 3\n")
+    assert steal_share(before, cpu_times(stat)) == 20 / 200
+    assert steal_share(before, before) == 0.0
+    assert cpu_times(tmp_path / "missing") is None and steal_share(None, before) is None
+
+
+def test_this_machines_cpu_times_read_and_only_grow():
+    before = cpu_times()
+    if before is None:
+        pytest.skip("no /proc/stat here")
+    sum(i * i for i in range(200_000))
+    after = cpu_times()
+    assert len(before) == 8 and all(b >= a for a, b in zip(before, after)) and sum(after) > sum(before)
+    assert 0.0 <= steal_share(before, after) <= 1.0

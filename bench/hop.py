@@ -1,0 +1,181 @@
+"""What one gRPC hop costs on this machine: the floor under every service of the mesh.
+
+Every request crosses Python gRPC servers (router, batcher, model server), and
+under overload most of the router's answers are refusals. This measures, side by
+side in one run, at the rates the overload benchmark drives:
+
+- a bare grpc.aio server (reflection only, no interceptor, no metrics) that
+  answers at once: OK, or RESOURCE_EXHAUSTED with a retry hint as a shed
+  refusal is sent;
+- the router of a running mesh refusing a model it does not serve (NOT_FOUND):
+  its cheapest refusal, the same work as a shed one up to the status (parse,
+  metadata, lookup, metrics).
+
+For each: the server process's own CPU time per call (from /proc, all its
+threads) and the latency ghz sees, and the share of the CPU the hypervisor gave
+to other guests meanwhile.
+
+    .venv/bin/python -m bench.hop --runs 3
+
+Writes bench/results/hop.{json,md,png}.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.report import cpu_times, machine, progress, pyplot, save_figure, steal_share, write
+from bench.workload import ghz_unique_template
+from services.launcher.mesh import Mesh
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GHZ = ROOT / "bin" / "ghz"
+RATES = (150, 300, 600)  # the overload's standard rate at the saturation measured here, and either side of it
+TARGETS = ("bare_ok", "bare_refused", "router_refused")
+LABELS = {"bare_ok": "bare grpc.aio: OK", "bare_refused": "bare grpc.aio: RESOURCE_EXHAUSTED",
+          "router_refused": "router: NOT_FOUND"}
+REFUSE = "refuse"  # the model name the bare server refuses
+
+
+def serve_bare() -> None:
+    """The bare server: prints its port, then serves until killed."""
+    import grpc
+    from inference import grpc_predict_v2_pb2 as pb
+    from inference import grpc_predict_v2_pb2_grpc as pb_grpc
+
+    from services.common import errors
+    from services.common.serving import add_health_and_reflection
+
+    class Bare(pb_grpc.GRPCInferenceServiceServicer):
+        async def ModelInfer(self, request, context):
+            if request.model_name == REFUSE:
+                context.set_trailing_metadata(((errors.RETRY_AFTER_METADATA, "100"),))
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is full; retry after about 100 ms")
+            return pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+
+    async def main():
+        server = grpc.aio.server()
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Bare(), server)
+        add_health_and_reflection(server, [pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(port, flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def process_cpu_s(pid: int) -> float:
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(address: str, pid: int, model: str, rate: int, seconds: float) -> dict:
+    total = int(rate * seconds)
+    argv = [str(GHZ), "--insecure", "--call", "inference.GRPCInferenceService.ModelInfer",
+            "-d", ghz_unique_template("hop", model), "--total", str(total), "--concurrency", "64",
+            "--connections", "4", "--rps", str(rate), "--timeout", "10s", "--format", "json", address]
+    cpu_before, machine_before = process_cpu_s(pid), cpu_times()
+    report = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600).stdout)
+    cpu_after, machine_after = process_cpu_s(pid), cpu_times()
+    latencies = sorted(d["latency"] / 1e6 for d in report["details"])
+    return {"rate": rate, "sent_rps": report["rps"], "codes": report["statusCodeDistribution"],
+            "cpu_us_per_call": 1e6 * (cpu_after - cpu_before) / len(latencies),
+            "p50_ms": latencies[len(latencies) // 2], "p99_ms": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "steal": steal_share(machine_before, machine_after)}
+
+
+def summarise(runs: list[dict]) -> dict:
+    med = statistics.median
+    summary = {}
+    for target in TARGETS:
+        for rate in RATES:
+            cells = [r[target][str(rate)] for r in runs]
+            summary[f"{target}@{rate}"] = {key: med(c[key] for c in cells) for key in ("cpu_us_per_call", "p50_ms", "p99_ms")}
+    steals = [c["steal"] for r in runs for t in TARGETS for c in r[t].values() if c["steal"] is not None]
+    return {"machine": machine(), "command": "python -m bench.hop " + " ".join(sys.argv[1:]), "runs": len(runs),
+            "date": time.strftime("%Y-%m-%d"), "rates": list(RATES), "summary": summary,
+            "steal_median": med(steals) if steals else None, "steal_max": max(steals) if steals else None, "raw": runs}
+
+
+def markdown(report: dict) -> str:
+    s = report["summary"]
+    steal = ("" if report["steal_median"] is None else
+             f" The hypervisor took {report['steal_median']:.0%} of the CPU at the median measurement "
+             f"(at most {report['steal_max']:.0%}).")
+    lines = [f"Machine: {report['machine']}. Command: `{report['command']}`. Medians of {report['runs']} runs on "
+             f"{report['date']}; ghz at 64 workers, open rate.{steal}", "",
+             "| server, answer | rate (requests/s) | server CPU per call | p50 | p99 |", "|---|---|---|---|---|"]
+    for target in TARGETS:
+        for rate in report["rates"]:
+            cell = s[f"{target}@{rate}"]
+            lines.append(f"| {LABELS[target]} | {rate} | {cell['cpu_us_per_call']:.0f} µs | {cell['p50_ms']:.2f} ms "
+                         f"| {cell['p99_ms']:.2f} ms |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    plt = pyplot()
+    fig, (cpu, latency) = plt.subplots(1, 2, figsize=(10, 4))
+    rates = report["rates"]
+    for target in TARGETS:
+        cells = [report["summary"][f"{target}@{rate}"] for rate in rates]
+        cpu.plot(rates, [c["cpu_us_per_call"] for c in cells], marker="o", label=LABELS[target])
+        line, = latency.plot(rates, [c["p99_ms"] for c in cells], marker="o", label=f"{LABELS[target]} p99")
+        latency.plot(rates, [c["p50_ms"] for c in cells], marker=".", linestyle="--", color=line.get_color())
+    cpu.set(xlabel="requests/s", ylabel="server CPU per call (µs)", title="CPU time per call", ylim=(0, None))
+    latency.set(xlabel="requests/s", ylabel="ms (dashed: p50; dotted: 5 ms)", title="latency as ghz sees it", ylim=(0, None))
+    latency.axhline(5, color="grey", linewidth=0.8, linestyle=":")
+    cpu.legend(fontsize=7)
+    save_figure(fig, path, report, "one gRPC hop")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=8.0, help="length of each measurement")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bare_server:
+        serve_bare()
+        return 0
+    bare = subprocess.Popen([sys.executable, "-m", "bench.hop", "--bare-server"], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        bare_address = f"127.0.0.1:{int(bare.stdout.readline())}"
+        with Mesh(models=ROOT / "build" / "models", cache=False,
+                  log_dir=pathlib.Path(tempfile.mkdtemp(prefix="infermesh-hop-"))) as mesh:
+            router_pid = mesh.processes["router"].popen.pid
+            plan = {"bare_ok": (bare_address, bare.pid, "minilm"), "bare_refused": (bare_address, bare.pid, REFUSE),
+                    "router_refused": (mesh.router, router_pid, "no-such-model")}
+            for target, (address, pid, model) in plan.items():  # warm each path once
+                measure(address, pid, model, 100, 1)
+            runs = []
+            for run in range(args.runs):
+                result = {target: {} for target in TARGETS}
+                for rate in RATES:
+                    for target in TARGETS:
+                        address, pid, model = plan[target]
+                        cell = result[target][str(rate)] = measure(address, pid, model, rate, args.seconds)
+                        progress(f"run {run + 1}/{args.runs}: {target} at {rate}/s: "
+                                 f"{cell['cpu_us_per_call']:.0f} µs CPU per call, p50 {cell['p50_ms']:.2f} ms, "
+                                 f"p99 {cell['p99_ms']:.2f} ms, {cell['codes']}")
+                runs.append(result)
+    finally:
+        bare.kill()
+        bare.wait()
+    report = summarise(runs)
+    write(args.out, "hop", report, markdown(report), plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
