@@ -8,11 +8,14 @@ B. Overload isolation: standard traffic at 2x the mesh's saturation rate plus
    alone; no VIP request rejected; excess standard requests rejected in under
    5 ms instead of timing out. The standard load is open loop (ghz has enough
    workers to keep its rate while every request waits its full deadline), and
-   what the mesh still serves of it is reported beside the saturation rate. Measured twice, side by side: one model server
-   for everything (make run's layout), and the Kubernetes layout on one
-   machine: a VIP pool of its own (mesh/istio's x-user-tier route) beside the
-   standard pool, which runs at a lower CPU priority (nice 10) as a pod with
-   smaller CPU requests would get less of a shared node.
+   what the mesh still serves of it is reported beside the saturation rate.
+   Measured on three layouts side by side: one model server for everything
+   (make run's layout); the same with --slice-ms, so that a VIP batch waits for
+   one slice of a running standard batch instead of all of it; and the
+   Kubernetes layout on one machine: a VIP pool of its own (mesh/istio's
+   x-user-tier route) beside the standard pool, which runs at a lower CPU
+   priority (nice 10) as a pod with smaller CPU requests would get less of a
+   shared node. The CPU the hypervisor took meanwhile is reported with each run.
 
     .venv/bin/python -m bench.batching --runs 3
 
@@ -30,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from bench.report import bucket_quantile, machine, progress, pyplot, save_figure, write
+from bench.report import bucket_quantile, cpu_times, machine, progress, pyplot, save_figure, steal_share, write
 from bench.workload import InProcessMinilm, ghz_unique_template, texts
 from services.common.metrics import scrape
 from services.launcher.mesh import Mesh
@@ -39,6 +42,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 GHZ = ROOT / "bin" / "ghz"
 MODEL = ROOT / "build" / "models" / "minilm" / "1"
 STANDARD_TIMEOUT_S = 2  # the overload's standard callers' deadline
+SLICE_MS = 30  # the sliced layout's --slice-ms (a scratch A/B of 30 and 60 ms favoured 30)
+LAYOUTS = {  # overload layouts: report key -> column title
+    "one": "one model server",
+    "sliced": f"one model server, --slice-ms {SLICE_MS}",
+    "pools": "VIP pool + standard pool (nice 10)",
+}
 
 
 
@@ -90,14 +99,18 @@ def main() -> int:
     with Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / "on") as on, \
             Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / "off",
                  batcher_args=("--max-batch-size", "1")) as off, \
+            Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / "sliced",
+                 model_server_args=("--slice-ms", str(SLICE_MS))) as sliced, \
             Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / "pools", model_servers=2,
                  model_server_labels=("version=blue", "pool=vip"), model_server_nice=(10, 0),
                  batcher_args=("--traffic-policy", str(policy))) as pools:
-        progress("meshes up (batching on, batching off, VIP pool); warming up")
-        for mesh in (on, off, pools):
+        progress("meshes up (batching on, batching off, sliced, VIP pool); warming up")
+        for mesh in (on, off, sliced, pools):
             ghz(mesh.router, "warm", 200, 16)
-        ghz(pools.router, "warmvip", 100, 8, vip=True)
+        for mesh in (sliced, pools):
+            ghz(mesh.router, "warmvip", 100, 8, vip=True)
         for run in range(args.runs):
+            run_started = cpu_times()
             r = {"ort": in_process(args.seconds / 3, seed=run)}
             guess = int(args.seconds * 160)
             r["on"] = ghz(on.router, f"on{run}", guess, 64)
@@ -107,14 +120,15 @@ def main() -> int:
             # One model server, which is also the standard pool's size.
             r["saturation"] = ghz(on.router, f"sat{run}", int(args.seconds * 250), 256)
             saturation = r["saturation"]["rps"]
-            for layout, mesh in (("one", on), ("pools", pools)):
+            for layout, mesh in (("one", on), ("sliced", sliced), ("pools", pools)):
                 r[layout] = overload(mesh, f"{layout}{run}", saturation, args.seconds)
+            r["steal"] = steal_share(run_started, cpu_times())
             runs.append(r)
             ort_gain = max(r["ort"].values()) / r["ort"][1]
             mesh_gain = r["on"]["rps"] / r["off"]["rps"]
             progress(f"run {run + 1}/{args.runs}: ORT x{ort_gain:.2f}, mesh x{mesh_gain:.2f} "
                      f"(keeps {(mesh_gain - 1) / (ort_gain - 1):.0%})")
-            for layout in ("one", "pools"):
+            for layout in LAYOUTS:
                 o = r[layout]
                 progress(f"  {layout}: VIP p99 {o['vip_alone']['p99_ms']:.0f} -> {o['vip_loaded']['p99_ms']:.0f} ms, "
                          f"VIP rejected {o['vip_loaded']['count'] - o['vip_loaded']['ok']}; standard "
@@ -131,7 +145,7 @@ def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
     # Open loop: enough ghz workers that the rate holds even while every request waits out
     # its 2 s deadline (with fewer, ghz sends only as fast as answers come back).
     workers = int(2 * saturation * STANDARD_TIMEOUT_S * 1.25)
-    before = scrape(mesh.router_metrics)
+    before, machine_before = scrape(mesh.router_metrics), cpu_times()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         standard = pool.submit(ghz, mesh.router, f"st{tag}", int(2 * saturation * seconds), workers,
                                rps=2 * saturation, timeout_s=STANDARD_TIMEOUT_S)
@@ -140,6 +154,7 @@ def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
     # The same latencies as the router measured them, from receipt to answer: on two shared
     # cores the load generator's own wait for a core is part of what ghz sees.
     after = scrape(mesh.router_metrics)
+    result["steal"] = steal_share(machine_before, cpu_times())
     seconds_name = "infermesh_router_request_duration_seconds"
     result["router"] = {
         "refused_p99_ms": 1000 * bucket_quantile(before, after, seconds_name, 0.99, tier="standard",
@@ -167,6 +182,8 @@ def summarise_overload(runs: list[dict], layout: str) -> dict:
         "router_vip_p99_ms": med(r["router"]["vip_p99_ms"] for r in rs),
         "standard_served_share_of_saturation": med(r[layout]["standard"]["ok_rps"] / r["saturation"]["rps"]
                                                    for r in runs),
+        "vip_p99_ratio_per_run": [r["vip_loaded"]["p99_ms"] / r["vip_alone"]["p99_ms"] for r in rs],
+        "steal_per_run": [r.get("steal") for r in rs],
     }
 
 
@@ -186,8 +203,8 @@ def summarise(runs: list[dict]) -> dict:
             "saturation": med(r["saturation"]["rps"] for r in runs),
             "gain_kept": med((r["on"]["rps"] / r["off"]["rps"] - 1) / (max(r["ort"].values()) / r["ort"][1] - 1)
                              for r in runs),
-            "one": summarise_overload(runs, "one"),
-            "pools": summarise_overload(runs, "pools"),
+            **{layout: summarise_overload(runs, layout) for layout in LAYOUTS},
+            "steal_per_run": [r.get("steal") for r in runs],
         },
         "raw": runs,
     }
@@ -195,6 +212,7 @@ def summarise(runs: list[dict]) -> dict:
 
 def markdown(report: dict) -> str:
     s = report["summary"]
+    overloads = [s[layout] for layout in LAYOUTS]
     return "\n".join([
         f"Machine: {report['machine']}. Command: `{report['command']}`. Medians of {report['runs']} runs on "
         f"{report['date']}; ratios taken within each run; load from ghz.",
@@ -211,29 +229,39 @@ def markdown(report: dict) -> str:
         f"Saturation, measured in each run at the overload's 256 callers (closed loop): {s['saturation']:.0f} "
         "requests/s; the overload's standard traffic runs open loop at twice that.",
         "",
-        "| overload (standard at 2× saturation, VIP at 10% of it) | one model server | VIP pool + standard "
-        "pool (nice 10) | goal |",
-        "|---|---|---|---|",
+        "| overload (standard at 2× saturation, VIP at 10% of it) | " + " | ".join(LAYOUTS.values()) + " | goal |",
+        "|---|" + "---|" * len(LAYOUTS) + "---|",
         "| VIP p99 alone → under load | " + " | ".join(
             f"{o['vip_alone_p99_ms']:.0f} → {o['vip_loaded_p99_ms']:.0f} ms (× {o['vip_p99_ratio']:.2f})"
-            for o in (s["one"], s["pools"])) + " | ≤ × 1.5 |",
-        "| VIP requests rejected | " + " | ".join(str(o["vip_rejected"]) for o in (s["one"], s["pools"])) + " | 0 |",
+            for o in overloads) + " | ≤ × 1.5 |",
+        "| VIP requests rejected | " + " | ".join(str(o["vip_rejected"]) for o in overloads) + " | 0 |",
         "| standard requests rejected at once | " + " | ".join(
             f"{o['standard_rejected_share']:.0%}, p50 {o['standard_rejected_p50_ms']:.2f} ms, p99 "
-            f"{o['standard_rejected_p99_ms']:.2f} ms" for o in (s["one"], s["pools"])) + " | < 5 ms |",
+            f"{o['standard_rejected_p99_ms']:.2f} ms" for o in overloads) + " | < 5 ms |",
         "| the same two p99s as the router measured them (upper bound of the histogram bucket): VIP served; "
         "standard refused | " + " | ".join(
             f"≤ {o['router_vip_p99_ms']:.1f} ms; ≤ {o['router_refused_p99_ms']:.1f} ms"
-            for o in (s["one"], s["pools"])) + " | |",
+            for o in overloads) + " | |",
         "| standard requests that timed out instead (all runs) | " + " | ".join(
-            str(o["standard_timeouts"]) for o in (s["one"], s["pools"])) + " | 0 |",
+            str(o["standard_timeouts"]) for o in overloads) + " | 0 |",
         "| standard requests served: p99 (deadline 2 s) | " + " | ".join(
-            f"{o['standard_served_p99_ms']:.0f} ms" for o in (s["one"], s["pools"])) + " | |",
+            f"{o['standard_served_p99_ms']:.0f} ms" for o in overloads) + " | |",
         "| standard requests served per second (share of saturation) | " + " | ".join(
             f"{o['standard_served_rps']:.0f} ({o['standard_served_share_of_saturation']:.0%})"
-            for o in (s["one"], s["pools"])) + " | |",
+            for o in overloads) + " | |",
+        "| VIP p99 ratio in each run (CPU taken by the hypervisor during that overload) | " + " | ".join(
+            ", ".join(f"× {ratio:.2f} ({_share(steal)})" for ratio, steal in zip(o["vip_p99_ratio_per_run"],
+                                                                                  o["steal_per_run"]))
+            for o in overloads) + " | |",
+        "",
+        "CPU time the hypervisor gave to other guests (steal) over each whole run: "
+        + ", ".join(_share(steal) for steal in s["steal_per_run"]) + ".",
         "",
     ])
+
+
+def _share(steal: float | None) -> str:
+    return "steal unknown" if steal is None else f"steal {steal:.0%}"
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
@@ -249,13 +277,18 @@ def plot(report: dict, path: pathlib.Path) -> None:
     labels = ["VIP alone", "VIP under\noverload", "standard\nrejections"]
     keys = ["vip_alone_p99_ms", "vip_loaded_p99_ms", "standard_rejected_p99_ms"]
     xs = range(len(labels))
-    right.bar([x - 0.2 for x in xs], [s["one"][k] for k in keys], width=0.4, color="#8c8c8c",
-              label="one model server")
-    right.bar([x + 0.2 for x in xs], [s["pools"][k] for k in keys], width=0.4, color="#4c72b0",
-              label="VIP pool + standard pool")
+    width = 0.8 / len(LAYOUTS)
+    for i, (layout, color) in enumerate(zip(LAYOUTS, ("#8c8c8c", "#dd8452", "#4c72b0"))):
+        right.bar([x + (i - (len(LAYOUTS) - 1) / 2) * width for x in xs], [s[layout][k] for k in keys], width=width,
+                  color=color, label=LAYOUTS[layout])
     right.set_xticks(list(xs), labels)
-    right.legend(fontsize=8)
-    right.set_ylabel("p99 latency, ms")
+    right.set_yscale("log")
+    right.set_ylim(top=6 * max(s[layout][k] for layout in LAYOUTS for k in keys))  # room for the legend
+    plain = plt.FuncFormatter(lambda value, _: f"{value:g}")
+    right.yaxis.set_major_formatter(plain)
+    right.yaxis.set_minor_formatter(plt.NullFormatter())
+    right.legend(fontsize=7, loc="upper left")
+    right.set_ylabel("p99 latency, ms (log scale)")
     right.set_title("overload isolation")
     save_figure(fig, path, report)
 

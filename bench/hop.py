@@ -88,7 +88,8 @@ def measure(address: str, pid: int, model: str, rate: int, seconds: float) -> di
     latencies = sorted(d["latency"] / 1e6 for d in report["details"])
     return {"rate": rate, "sent_rps": report["rps"], "codes": report["statusCodeDistribution"],
             "cpu_us_per_call": 1e6 * (cpu_after - cpu_before) / len(latencies),
-            "p50_ms": latencies[len(latencies) // 2], "p99_ms": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "p50_ms": latencies[len(latencies) // 2],
+            "p99_ms": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
             "steal": steal_share(machine_before, machine_after)}
 
 
@@ -98,7 +99,8 @@ def summarise(runs: list[dict]) -> dict:
     for target in TARGETS:
         for rate in RATES:
             cells = [r[target][str(rate)] for r in runs]
-            summary[f"{target}@{rate}"] = {key: med(c[key] for c in cells) for key in ("cpu_us_per_call", "p50_ms", "p99_ms")}
+            summary[f"{target}@{rate}"] = {key: med(c[key] for c in cells)
+                                            for key in ("cpu_us_per_call", "p50_ms", "p99_ms")}
     steals = [c["steal"] for r in runs for t in TARGETS for c in r[t].values() if c["steal"] is not None]
     return {"machine": machine(), "command": "python -m bench.hop " + " ".join(sys.argv[1:]), "runs": len(runs),
             "date": time.strftime("%Y-%m-%d"), "rates": list(RATES), "summary": summary,
@@ -131,7 +133,8 @@ def plot(report: dict, path: pathlib.Path) -> None:
         line, = latency.plot(rates, [c["p99_ms"] for c in cells], marker="o", label=f"{LABELS[target]} p99")
         latency.plot(rates, [c["p50_ms"] for c in cells], marker=".", linestyle="--", color=line.get_color())
     cpu.set(xlabel="requests/s", ylabel="server CPU per call (µs)", title="CPU time per call", ylim=(0, None))
-    latency.set(xlabel="requests/s", ylabel="ms (dashed: p50; dotted: 5 ms)", title="latency as ghz sees it", ylim=(0, None))
+    latency.set(xlabel="requests/s", ylabel="ms (dashed: p50; dotted: 5 ms)", title="latency as ghz sees it",
+                ylim=(0, None))
     latency.axhline(5, color="grey", linewidth=0.8, linestyle=":")
     cpu.legend(fontsize=7)
     save_figure(fig, path, report, "one gRPC hop")
