@@ -21,7 +21,7 @@ from infermesh.common.v1 import tensor_pb2
 from services.batcher.replicas import FAILED_POLLS, MESH_HISTORY_POLLS, ReplicaSet, _merge_polls
 from services.common import errors, traffic
 from services.common.tensors import from_numpy
-from services.launcher.mesh import Mesh, Process
+from services.launcher.mesh import MODEL_SERVER_NICE, Mesh, Process
 from services.model_server.config import ModelServerConfig
 from services.model_server.core import ModelManager
 from services.model_server.server import build_server
@@ -50,6 +50,17 @@ def test_each_replica_runs_at_its_own_cpu_priority(two_replicas):
         groups = [pathlib.Path(f"/proc/{two_replicas.processes[f'model_server-{i}'].popen.pid}/autogroup").read_text()
                   for i in range(2)]
         assert [int(g.split("nice")[1]) for g in groups] == [0, 3]
+
+
+def test_by_default_the_model_server_runs_below_the_router_and_the_batcher(mesh):
+    """The light hops in front of the model get a core first when they need one."""
+    def niceness(name: str) -> int:
+        return os.getpriority(os.PRIO_PROCESS, mesh.processes[name].popen.pid) - os.getpriority(os.PRIO_PROCESS, 0)
+
+    assert (niceness("model_server"), niceness("batcher"), niceness("router")) == (MODEL_SERVER_NICE, 0, 0)
+    if os.path.exists("/proc/self/autogroup"):
+        group = pathlib.Path(f"/proc/{mesh.processes['model_server'].popen.pid}/autogroup").read_text()
+        assert int(group.split("nice")[1]) == MODEL_SERVER_NICE
 
 
 def test_local_replicas_split_the_cores_between_them(two_replicas):
