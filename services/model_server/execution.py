@@ -120,7 +120,7 @@ class PriorityGate:
     @contextlib.asynccontextmanager
     async def hold(self, priority: int, wait_s: float | None = None, rows: int = 1):
         """As turn, but yields a Hold: a batch run in slices may step aside
-        between two of them (Hold.step_aside), and the instance it holds may change."""
+        between two of them (step_aside), so the instance it holds may change."""
         order = next(self._order)
         if self._free and not self._waiting:
             instance = self._free.pop()
