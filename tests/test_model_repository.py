@@ -565,3 +565,24 @@ async def test_without_vip_batches_lately_a_standard_batch_runs_whole(repo):
         release.set()
         await ms.manager.execute("mlp", "", _mlp(3.0, 4), [])
         assert order == [(3.0, 4)]
+
+
+async def test_a_vip_batch_is_refused_only_if_the_slice_running_leaves_it_no_time(repo):
+    """Behind a sliced standard batch a VIP batch waits for one slice, not for all the
+    batch has left: the deadline check counts only that slice."""
+    async with model_server(repo, slice_s=0.25) as ms:
+        loaded = ms.manager.resolve("mlp", "")
+        await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1)  # VIP traffic, lately
+        loaded.profile = LatencyProfile()
+        for rows, seconds in ((2, 0.2), (4, 0.4)):  # slices of 2 rows; a VIP row is estimated at 0.2 s too
+            loaded.profile.observe(rows, seconds)
+        order, first_running, release = _recording_runs(loaded)
+        standard = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), []))
+        await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
+        # 0.5 s left: 0.2 s to run, so it may wait ~0.28 s: enough for the slice (0.2 s), not for all 4 rows (0.4 s).
+        vip = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1, time_left_s=0.5))
+        while loaded.gate.waiting < 1 and not vip.done():
+            await asyncio.sleep(0.001)
+        release.set()
+        await asyncio.gather(standard, vip)
+        assert order == [(3.0, 2), (9.0, 1), (3.0, 2)]

@@ -89,6 +89,21 @@ class NoTurn(Exception):
 
 
 @dataclasses.dataclass
+class Running:
+    """What runs on an instance: a whole batch, or one slice of a batch."""
+
+    started: float  # loop time
+    rows: int  # in this run
+    left: int  # the batch's rows still to run, these included
+    priority: int
+
+    def rows_ahead_of(self, priority: int) -> int:
+        """The rows a batch of `priority` arriving now would wait for: a batch of a
+        higher priority waits for this slice only (the batch steps aside after it)."""
+        return self.rows if priority > self.priority else self.left
+
+
+@dataclasses.dataclass
 class Hold:
     """An instance held by one batch (PriorityGate.hold)."""
 
@@ -236,7 +251,7 @@ class LoadedVersion:
         self.gate = PriorityGate(len(instances), metrics.QUEUED.labels(config.name, version))
         self.run_s = 0.0  # a first guess at a batch's time, from warm-up, until batches have run
         self.profile = LatencyProfile()  # what batches took, per size class
-        self._running: dict[int, tuple[float, int]] = {}  # instance -> (loop time it started, rows left)
+        self._running: dict[int, Running] = {}  # instance -> what runs on it
         self.slice_s = 0.0  # the longest slice a batch runs in while higher priorities come; 0: whole batches
         self._seen_at: dict[int, float] = {}  # priority -> loop time its latest batch arrived
         self.broken = ""  # why a shard failed; such a version is not ready
@@ -274,7 +289,8 @@ class LoadedVersion:
         try:
             if wait_s is not None and self.gate.busy():
                 now = loop.time()
-                running_s = sum(max(self.estimate_s(n) - (now - t), 0.0) for t, n in self._running.values())
+                running_s = sum(max(self.estimate_s(r.rows_ahead_of(priority)) - (now - r.started), 0.0)
+                                for r in self._running.values())
                 running_s += max(self.gate.in_use() - len(self._running), 0) * own_s  # held, size unknown
                 queued_s = sum(self.estimate_s(n) for n in self.gate.rows_ahead_of(priority))
                 expected_wait_s = (running_s + queued_s) / len(self.instances)
@@ -284,7 +300,7 @@ class LoadedVersion:
             counts = self._slice_counts(rows, priority, loop.time())
             if len(counts) == 1:
                 async with self.gate.hold(priority, wait_s, rows) as held:
-                    return await self._run_on(held.index, inputs, outputs, rows, rows)
+                    return await self._run_on(held.index, inputs, outputs, Running(0.0, rows, rows, priority))
             metrics.SLICED.labels(self.config.name).inc()
             pieces = [dict(zip(inputs, parts)) for parts in zip(*(split_rows(t, counts) for t in inputs.values()))]
             results, left = [], rows
@@ -292,7 +308,7 @@ class LoadedVersion:
                 for i, (piece, count) in enumerate(zip(pieces, counts)):
                     if i and await self.gate.step_aside(held, count):
                         metrics.STEPPED_ASIDE.labels(self.config.name).inc()
-                    results.append(await self._run_on(held.index, piece, outputs, count, left))
+                    results.append(await self._run_on(held.index, piece, outputs, Running(0.0, count, left, priority)))
                     left -= count
             return [concat_rows(list(parts)) for parts in zip(*results)]
         except NoTurn:  # only a batch with time_left_s waits for a limited time
@@ -310,18 +326,18 @@ class LoadedVersion:
             if self._in_flight == 0:
                 self._idle.set()
 
-    async def _run_on(self, index: int, inputs: dict[str, TensorData], outputs: list[str], rows: int,
-                      left: int) -> list[TensorData]:
-        """Runs `rows` rows on instance `index`; `left` is what the batch still has to run, these included."""
+    async def _run_on(self, index: int, inputs: dict[str, TensorData], outputs: list[str],
+                      running: Running) -> list[TensorData]:
+        """Runs `inputs` (running.rows rows) on instance `index`."""
         loop = asyncio.get_running_loop()
         instance = self.instances[index]
-        started = loop.time()
-        self._running[index] = (started, left)
+        running.started = loop.time()
+        self._running[index] = running
         try:
             result = await loop.run_in_executor(instance.executor, self.run, instance, inputs, outputs)
         finally:
             del self._running[index]
-        self.profile.observe(rows, loop.time() - started)
+        self.profile.observe(running.rows, loop.time() - running.started)
         return result
 
     def _slice_counts(self, rows: int, priority: int, now: float) -> list[int]:
