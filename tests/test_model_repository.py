@@ -143,6 +143,7 @@ def _loads(outcome: str) -> float:
     ({"golden_probe": {"file": "golden.json"}}, "give a tolerance"),
     ({"golden_probe": {"file": "golden.json", "min_cosine": 2}}, "'min_cosine' must be in [-1, 1], got 2"),
     ({"instances": {"count": 0}}, "instances: field 'count' must be 1..64, got 0"),
+    ({"instances": {"count": 2, "reserved_for_vip": 2}}, "field 'reserved_for_vip' must be 0..count-1 (1), got 2"),
     ({"execution": {"providers": ["tpu"]}}, "field 'providers' is ['tpu']"),
     ({"tp_degree": 0}, "field 'tp_degree' must be >= 1, got 0"),
     ({"warmup": {"batch_sizes": [512]}}, "field 'batch_sizes' is [512]"),
@@ -586,3 +587,23 @@ async def test_a_vip_batch_is_refused_only_if_the_slice_running_leaves_it_no_tim
         release.set()
         await asyncio.gather(standard, vip)
         assert order == [(3.0, 2), (9.0, 1), (3.0, 2)]
+
+
+async def test_an_instance_reserved_for_vip_runs_a_vip_batch_while_standard_batches_wait(repo):
+    """Two instances, the second for VIP only: a standard batch holds the first, a second
+    standard batch waits though the VIP instance is free, and a VIP batch runs at once."""
+    _config(repo / "mlp", instances={"count": 2, "reserved_for_vip": 1})
+    async with model_server(repo) as ms:
+        loaded = ms.manager.resolve("mlp", "")
+        order, first_running, release = _recording_runs(loaded)
+        first = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), []))
+        await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
+        second = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(5.0, 4), []))
+        while loaded.gate.waiting < 1:
+            await asyncio.sleep(0.001)
+        await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1)  # while both standard batches wait or run
+        assert order == [(3.0, 4), (9.0, 1)] and not second.done()
+        release.set()
+        await asyncio.gather(first, second)
+        assert order == [(3.0, 4), (9.0, 1), (5.0, 4)]
+        assert loaded.gate.usable(0) == 1 and loaded.gate.usable(1) == 2

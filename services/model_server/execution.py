@@ -115,10 +115,14 @@ class Hold:
 class PriorityGate:
     """Hands out `capacity` session instances; batches waiting for one go
     highest priority first, FIFO within a priority. (The executors alone would
-    be FIFO: a VIP batch would wait behind every standard batch already sent.)"""
+    be FIFO: a VIP batch would wait behind every standard batch already sent.)
+    The last `reserved` instances run only batches of `reserved_priority` or
+    above, so such a batch never waits for a lower one that is running."""
 
-    def __init__(self, capacity: int = 1, queued=None):
+    def __init__(self, capacity: int = 1, queued=None, reserved: int = 0, reserved_priority: int = 1):
         self._capacity = capacity
+        self._general = capacity - reserved
+        self._reserved_priority = reserved_priority
         self._free = list(range(capacity))
         self._waiting: list[tuple[int, int, asyncio.Future, int]] = []  # (-priority, order, turn, rows)
         self._order = itertools.count()
@@ -137,9 +141,10 @@ class PriorityGate:
         """As turn, but yields a Hold: a batch run in slices may step aside
         between two of them (step_aside), so the instance it holds may change."""
         order = next(self._order)
-        if self._free and not self._waiting:
-            instance = self._free.pop()
-        else:
+        # No waiting batch may use a free instance (each is handed on at release), so
+        # taking one that this batch may use passes nobody.
+        instance = self._take_free(priority)
+        if instance is None:
             future = asyncio.get_running_loop().create_future()
             heapq.heappush(self._waiting, (-priority, order, future, rows))
             self._count_waiting(+1)
@@ -186,8 +191,24 @@ class PriorityGate:
         """Whether a batch of a higher priority than `priority` waits for an instance."""
         return any(-p > priority and not future.done() for p, _, future, _ in self._waiting)
 
-    def busy(self) -> bool:
-        return not self._free or bool(self._waiting)
+    def may_use(self, instance: int, priority: int) -> bool:
+        return instance < self._general or priority >= self._reserved_priority
+
+    def usable(self, priority: int) -> int:
+        """How many instances a batch of `priority` may run on."""
+        return self._capacity if priority >= self._reserved_priority else self._general
+
+    def busy(self, priority: int) -> bool:
+        """Whether a batch of `priority` arriving now would wait."""
+        return not any(self.may_use(i, priority) for i in self._free) or bool(self.rows_ahead_of(priority))
+
+    def _take_free(self, priority: int) -> int | None:
+        # Reserved instances first for the batches that may use them: general ones stay for the rest.
+        for instance in sorted(self._free, reverse=True):
+            if self.may_use(instance, priority):
+                self._free.remove(instance)
+                return instance
+        return None
 
     def in_use(self) -> int:
         return self._capacity - len(self._free)
@@ -202,12 +223,17 @@ class PriorityGate:
             self._queued.inc(change)
 
     def _release(self, instance: int) -> None:
-        while self._waiting:
-            _, _, future, _ = heapq.heappop(self._waiting)
-            if not future.done():
-                future.set_result(instance)
-                return
-        self._free.append(instance)
+        """Hands `instance` to the first waiting batch that may use it, else frees it."""
+        self._waiting = [entry for entry in self._waiting if not entry[2].done()]
+        eligible = [entry for entry in self._waiting if self.may_use(instance, -entry[0])]
+        if not eligible:
+            heapq.heapify(self._waiting)
+            self._free.append(instance)
+            return
+        first = min(eligible)
+        self._waiting.remove(first)
+        heapq.heapify(self._waiting)
+        first[2].set_result(instance)
 
 
 @dataclasses.dataclass
@@ -248,7 +274,8 @@ class LoadedVersion:
         self.revision = revision  # a hash of the contents that decide the outputs
         self.memory_bytes = memory_bytes
         self.loaded_at = time.time()
-        self.gate = PriorityGate(len(instances), metrics.QUEUED.labels(config.name, version))
+        self.gate = PriorityGate(len(instances), metrics.QUEUED.labels(config.name, version),
+                                 reserved=config.instances.reserved_for_vip)
         self.run_s = 0.0  # a first guess at a batch's time, from warm-up, until batches have run
         self.profile = LatencyProfile()  # what batches took, per size class
         self._running: dict[int, Running] = {}  # instance -> what runs on it
@@ -287,13 +314,13 @@ class LoadedVersion:
         wait_s = None if time_left_s is None else time_left_s - own_s - errors.REFUSAL_MARGIN_S
         retry_s = own_s
         try:
-            if wait_s is not None and self.gate.busy():
+            if wait_s is not None and self.gate.busy(priority):
                 now = loop.time()
                 running_s = sum(max(self.estimate_s(r.rows_ahead_of(priority)) - (now - r.started), 0.0)
-                                for r in self._running.values())
+                                for i, r in self._running.items() if self.gate.may_use(i, priority))
                 running_s += max(self.gate.in_use() - len(self._running), 0) * own_s  # held, size unknown
                 queued_s = sum(self.estimate_s(n) for n in self.gate.rows_ahead_of(priority))
-                expected_wait_s = (running_s + queued_s) / len(self.instances)
+                expected_wait_s = (running_s + queued_s) / self.gate.usable(priority)
                 if expected_wait_s > wait_s:
                     retry_s = expected_wait_s - wait_s  # how much time it lacked
                     raise NoTurn  # refused now rather than after waiting in vain

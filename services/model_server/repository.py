@@ -72,6 +72,7 @@ class Instances:
 
     count: int = 1
     gpus: tuple[int, ...] = (0,)
+    reserved_for_vip: int = 0  # the last N instances run VIP batches only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,10 +197,14 @@ def _instances(doc: dict, where: str) -> Instances:
     gpus = _optional(body, "gpus", list, at, [0])
     if not gpus or any(not isinstance(g, int) or isinstance(g, bool) or g < 0 for g in gpus):
         raise ConfigError(f"{at}: field 'gpus' is {gpus!r}; expected a non-empty list of device ids >= 0")
-    unknown = set(body) - {"count", "gpus"}
+    reserved = _optional(body, "reserved_for_vip", int, at, 0)
+    if not 0 <= reserved < count:
+        raise ConfigError(f"{at}: field 'reserved_for_vip' must be 0..count-1 ({count - 1}), got {reserved}: "
+                          "standard batches need an instance of their own")
+    unknown = set(body) - {"count", "gpus", "reserved_for_vip"}
     if unknown:
-        raise ConfigError(f"{at}: unknown field(s) {sorted(unknown)}; known: ['count', 'gpus']")
-    return Instances(count, tuple(gpus))
+        raise ConfigError(f"{at}: unknown field(s) {sorted(unknown)}; known: ['count', 'gpus', 'reserved_for_vip']")
+    return Instances(count, tuple(gpus), reserved)
 
 
 def _execution(doc: dict, where: str) -> Execution:
