@@ -9,9 +9,10 @@ B. Overload isolation: standard traffic at 2x the mesh's saturation rate plus
    5 ms instead of timing out. The standard load is open loop (ghz has enough
    workers to keep its rate while every request waits its full deadline), and
    what the mesh still serves of it is reported beside the saturation rate.
-   Measured on three layouts side by side: one model server for everything
+   Measured on four layouts side by side: one model server for everything
    (make run's layout); the same with --slice-ms, so that a VIP batch waits for
-   one slice of a running standard batch instead of all of it; and the
+   one slice of a running standard batch instead of all of it; the same with
+   two session instances of minilm, the second for VIP batches only; and the
    Kubernetes layout on one machine: a VIP pool of its own (mesh/istio's
    x-user-tier route) beside the standard pool, which runs at a lower CPU
    priority (nice 10) as a pod with smaller CPU requests would get less of a
@@ -46,6 +47,7 @@ SLICE_MS = 30  # the sliced layout's --slice-ms (a scratch A/B of 30 and 60 ms f
 LAYOUTS = {  # overload layouts: report key -> column title
     "one": "one model server",
     "sliced": f"one model server, --slice-ms {SLICE_MS}",
+    "reserved": "one model server, 2 instances, 1 VIP-only",
     "pools": "VIP pool + standard pool (nice 10)",
 }
 
@@ -101,13 +103,15 @@ def main() -> int:
                  batcher_args=("--max-batch-size", "1")) as off, \
             Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / "sliced",
                  model_server_args=("--slice-ms", str(SLICE_MS))) as sliced, \
+            Mesh(models=reserved_repository(work / "reserved-models"), cache=False,
+                 log_dir=work / "reserved") as reserved, \
             Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / "pools", model_servers=2,
                  model_server_labels=("version=blue", "pool=vip"), model_server_nice=(10, 0),
                  batcher_args=("--traffic-policy", str(policy))) as pools:
-        progress("meshes up (batching on, batching off, sliced, VIP pool); warming up")
-        for mesh in (on, off, sliced, pools):
+        progress("meshes up (batching on, batching off, sliced, reserved, VIP pool); warming up")
+        for mesh in (on, off, sliced, reserved, pools):
             ghz(mesh.router, "warm", 200, 16)
-        for mesh in (sliced, pools):
+        for mesh in (sliced, reserved, pools):
             ghz(mesh.router, "warmvip", 100, 8, vip=True)
         for run in range(args.runs):
             run_started = cpu_times()
@@ -120,7 +124,7 @@ def main() -> int:
             # One model server, which is also the standard pool's size.
             r["saturation"] = ghz(on.router, f"sat{run}", int(args.seconds * 250), 256)
             saturation = r["saturation"]["rps"]
-            for layout, mesh in (("one", on), ("sliced", sliced), ("pools", pools)):
+            for layout, mesh in (("one", on), ("sliced", sliced), ("reserved", reserved), ("pools", pools)):
                 r[layout] = overload(mesh, f"{layout}{run}", saturation, args.seconds)
             r["steal"] = steal_share(run_started, cpu_times())
             runs.append(r)
@@ -136,6 +140,17 @@ def main() -> int:
     report = summarise(runs)
     write(args.out, "batching", report, markdown(report), plot)
     return 0
+
+
+def reserved_repository(path: pathlib.Path) -> pathlib.Path:
+    """A copy of the model repository where minilm runs two session instances, the
+    second for VIP batches only (instances.reserved_for_vip)."""
+    shutil.copytree(ROOT / "build" / "models", path, symlinks=True)
+    config_path = path / "minilm" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["instances"] = {**config.get("instances", {}), "count": 2, "reserved_for_vip": 1}
+    config_path.write_text(json.dumps(config, indent=1))
+    return path
 
 
 def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
@@ -278,7 +293,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
     keys = ["vip_alone_p99_ms", "vip_loaded_p99_ms", "standard_rejected_p99_ms"]
     xs = range(len(labels))
     width = 0.8 / len(LAYOUTS)
-    for i, (layout, color) in enumerate(zip(LAYOUTS, ("#8c8c8c", "#dd8452", "#4c72b0"))):
+    for i, (layout, color) in enumerate(zip(LAYOUTS, ("#8c8c8c", "#dd8452", "#55a868", "#4c72b0"))):
         right.bar([x + (i - (len(LAYOUTS) - 1) / 2) * width for x in xs], [s[layout][k] for k in keys], width=width,
                   color=color, label=LAYOUTS[layout])
     right.set_xticks(list(xs), labels)
