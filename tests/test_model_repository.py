@@ -340,22 +340,34 @@ async def test_the_correctness_probe_withdraws_readiness_on_drift(repo):
         assert await ms.ready() and await ms.health_of("mlp") == health_pb2.HealthCheckResponse.SERVING
 
 
+def _recording_runs(loaded):
+    """Makes `loaded` record (first value, rows) of each run and hold the first run
+    until released; returns (order, first_running, release)."""
+    real_run, first_running, release = loaded.run, threading.Event(), threading.Event()
+    order = []
+
+    def run(instance, inputs, outputs):
+        tensor = next(iter(inputs.values()))
+        order.append((float(to_numpy(tensor).reshape(-1)[0]), tensor.rows))
+        if len(order) == 1:
+            first_running.set()
+            release.wait(10)
+        return real_run(instance, inputs, outputs)
+
+    loaded.run = run
+    return order, first_running, release
+
+
+def _mlp(value: float, rows: int) -> list:
+    return [from_numpy("INPUT0", np.full((rows, 64), value, dtype=np.float32), "FP32")]
+
+
 async def test_a_batch_arriving_during_the_probe_waits_for_one_probe_row_not_the_whole_probe(repo):
     """Execution is not preemptive, so the golden probe runs a row at a time at
     the lowest priority: a caller's batch that arrives while it runs goes next."""
     async with model_server(repo) as ms:
         loaded = ms.manager.resolve("mlp", "")
-        real_run, first_row_running, release = loaded.run, threading.Event(), threading.Event()
-        order = []
-
-        def run(instance, inputs, outputs):  # holds the probe's first row until the caller's batch waits
-            order.append(next(iter(inputs.values())).rows)
-            if len(order) == 1:
-                first_row_running.set()
-                release.wait(10)
-            return real_run(instance, inputs, outputs)
-
-        loaded.run = run
+        order, first_row_running, release = _recording_runs(loaded)  # holds the probe's first row
         probe = asyncio.create_task(ms.manager.probe_all())
         await asyncio.get_running_loop().run_in_executor(None, first_row_running.wait, 10)
         caller = asyncio.create_task(ms.execute(rows=np.ones((8, 64), dtype=np.float32)))
@@ -363,7 +375,7 @@ async def test_a_batch_arriving_during_the_probe_waits_for_one_probe_row_not_the
             await asyncio.sleep(0.001)
         release.set()
         await asyncio.gather(probe, caller)
-        assert order == [1, 8] + [1] * (len(ROWS) - 1)
+        assert [rows for _, rows in order] == [1, 8] + [1] * (len(ROWS) - 1)
         assert await ms.ready()  # and the probe, run in pieces, still passes
 
 
@@ -505,28 +517,6 @@ async def test_a_batch_with_no_time_for_the_queue_ahead_is_refused_at_once(repo)
         # The hint is the time it lacked: 400 ms ahead, 400 ms of its own, under 600 ms left (less the margin).
         hint = int(dict(refused.value.trailing_metadata())["retry-after-ms"])
         assert 200 <= hint <= 300, hint
-
-
-def _recording_runs(loaded):
-    """Makes `loaded` record (first value, rows) of each run and hold the first run
-    until released; returns (order, first_running, release)."""
-    real_run, first_running, release = loaded.run, threading.Event(), threading.Event()
-    order = []
-
-    def run(instance, inputs, outputs):
-        tensor = next(iter(inputs.values()))
-        order.append((float(to_numpy(tensor).reshape(-1)[0]), tensor.rows))
-        if len(order) == 1:
-            first_running.set()
-            release.wait(10)
-        return real_run(instance, inputs, outputs)
-
-    loaded.run = run
-    return order, first_running, release
-
-
-def _mlp(value: float, rows: int) -> list:
-    return [from_numpy("INPUT0", np.full((rows, 64), value, dtype=np.float32), "FP32")]
 
 
 async def test_while_vip_batches_come_a_standard_batch_runs_in_slices_and_a_vip_batch_goes_between(repo):

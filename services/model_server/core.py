@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from services.common import errors
-from services.common.tensors import TensorData, concat_rows, split_rows
+from services.common.tensors import TensorData
 from services.model_server import metrics
 from services.model_server.execution import (LoadedVersion, LoadFailed, compare, cuda_usable, golden_feeds,
                                              load_version)
@@ -34,9 +34,9 @@ log = logging.getLogger(__name__)
 PROBE_PRIORITY = -1  # below standard traffic: a probe waits while callers' batches are waiting
 # Execution is not preemptive: a golden probe run as one batch (minilm's: 12 texts,
 # padded to the longest, 256 tokens) held the instance for 1.8 s on a busy CPU and
-# every VIP batch waited behind it. One row at a time, traffic goes first between
-# rows, and no caller waits behind more than one probe text.
-PROBE_CHUNK_ROWS = 1
+# every VIP batch waited behind it. Run in slices of one row, any caller's batch that
+# waits goes between two of them, and waits for one probe text at most.
+PROBE_SLICE_ROWS = 1
 
 
 class ControlMode(enum.Enum):
@@ -296,15 +296,12 @@ class ModelManager:
     # ------------------------------------------------------------ probes and polling
 
     async def _probe(self, loaded: LoadedVersion, golden: Golden, config: ModelConfig) -> tuple[bool, str]:
-        feeds = golden_feeds(config, golden)
-        rows = next(iter(feeds.values())).rows
-        counts = [min(PROBE_CHUNK_ROWS, rows - start) for start in range(0, rows, PROBE_CHUNK_ROWS)]
-        chunks = [dict(zip(feeds, parts)) for parts in zip(*(split_rows(t, counts) for t in feeds.values()))]
         try:
-            parts = [await loaded.execute(chunk, [], PROBE_PRIORITY) for chunk in chunks]
+            results = await loaded.execute(golden_feeds(config, golden), [], PROBE_PRIORITY,
+                                           slice_rows=PROBE_SLICE_ROWS)
         except Exception as exc:  # a probe that cannot even run is a failed probe
             return False, f"the probe batch failed: {type(exc).__name__}: {exc}"
-        return compare([concat_rows(list(outputs)) for outputs in zip(*parts)], golden, config)
+        return compare(results, golden, config)
 
     async def probe_all(self) -> None:
         """Runs every serving version's golden probe once; drift withdraws that

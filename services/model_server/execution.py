@@ -295,7 +295,7 @@ class LoadedVersion:
         return self._in_flight
 
     async def execute(self, inputs: dict[str, TensorData], outputs: list[str], priority: int,
-                      time_left_s: float | None = None) -> list[TensorData]:
+                      time_left_s: float | None = None, slice_rows: int | None = None) -> list[TensorData]:
         """Runs one batch on a free instance, VIP batches first; counts as in flight from the call on.
 
         A batch with `time_left_s` that finds every instance busy is refused
@@ -324,11 +324,12 @@ class LoadedVersion:
                 if expected_wait_s > wait_s:
                     retry_s = expected_wait_s - wait_s  # how much time it lacked
                     raise NoTurn  # refused now rather than after waiting in vain
-            counts = self._slice_counts(rows, priority, loop.time())
+            counts = self._slice_counts(rows, priority, loop.time(), slice_rows)
             if len(counts) == 1:
                 async with self.gate.hold(priority, wait_s, rows) as held:
                     return await self._run_on(held.index, inputs, outputs, Running(0.0, rows, rows, priority))
-            metrics.SLICED.labels(self.config.name).inc()
+            if slice_rows is None:
+                metrics.SLICED.labels(self.config.name).inc()
             pieces = [dict(zip(inputs, parts)) for parts in zip(*(split_rows(t, counts) for t in inputs.values()))]
             results, left = [], rows
             async with self.gate.hold(priority, wait_s, counts[0]) as held:
@@ -367,18 +368,22 @@ class LoadedVersion:
         self.profile.observe(running.rows, loop.time() - running.started)
         return result
 
-    def _slice_counts(self, rows: int, priority: int, now: float) -> list[int]:
-        """The slices to run a batch in: the whole batch, unless slice_s is set and
+    def _slice_counts(self, rows: int, priority: int, now: float, slice_rows: int | None = None) -> list[int]:
+        """The slices to run a batch in: slices of `slice_rows` when the caller asks
+        (the golden probe does); else the whole batch, unless slice_s is set and
         batches of a higher priority came lately; then slices the latency profile
         says take at most slice_s, so that such a batch waits for one slice at
         most instead of the whole batch (execution itself is not preemptive)."""
         self._seen_at[priority] = now
-        if self.slice_s <= 0 or rows == 1 or not any(
+        if slice_rows is not None:
+            size = slice_rows
+        elif self.slice_s > 0 and rows > 1 and any(
                 level > priority and now - seen < HIGHER_PRIORITY_MEMORY_S for level, seen in self._seen_at.items()):
+            size = rows
+            while size > 1 and self.estimate_s(size) > self.slice_s:
+                size = (size + 1) // 2
+        else:
             return [rows]
-        size = rows
-        while size > 1 and self.estimate_s(size) > self.slice_s:
-            size = (size + 1) // 2
         return [min(size, rows - start) for start in range(0, rows, size)]
 
     def estimate_s(self, rows: int) -> float:
