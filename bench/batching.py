@@ -29,18 +29,16 @@ import json
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 from bench.report import bucket_quantile, cpu_times, machine, progress, pyplot, save_figure, steal_share, write
-from bench.workload import InProcessMinilm, ghz_unique_template, texts
+from bench.workload import InProcessMinilm, ghz_unique_template, run_ghz, texts
 from services.common.metrics import scrape
 from services.launcher.mesh import Mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-GHZ = ROOT / "bin" / "ghz"
 MODEL = ROOT / "build" / "models" / "minilm" / "1"
 STANDARD_TIMEOUT_S = 2  # the overload's standard callers' deadline
 SLICE_MS = 30  # the sliced layout's --slice-ms (a scratch A/B of 30 and 60 ms favoured 30)
@@ -55,15 +53,7 @@ LAYOUTS = {  # overload layouts: report key -> column title
 
 def ghz(router: str, tag: str, total: int, concurrency: int, rps: float = 0, vip: bool = False,
         timeout_s: float = 20) -> dict:
-    argv = [str(GHZ), "--insecure", "--call", "inference.GRPCInferenceService.ModelInfer",
-            "-d", ghz_unique_template(tag), "--total", str(total), "--concurrency", str(concurrency),
-            "--connections", str(min(concurrency, 4)), "--timeout", f"{timeout_s}s", "--format", "json"]
-    if rps:
-        argv += ["--rps", str(int(rps))]
-    if vip:
-        argv += ["-m", '{"x-user-tier": "vip"}']
-    report = json.loads(subprocess.run([*argv, router], capture_output=True, text=True, check=True,
-                                       timeout=900).stdout)
+    report = run_ghz(router, ghz_unique_template(tag), total, concurrency, rps, timeout_s, vip)
     ok = sorted(d["latency"] / 1e6 for d in report["details"] if d["status"] == "OK")
     rejected = sorted(d["latency"] / 1e6 for d in report["details"] if d["status"] == "ResourceExhausted")
 
@@ -182,10 +172,11 @@ def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
 def summarise_overload(runs: list[dict], layout: str) -> dict:
     med = statistics.median
     rs = [r[layout] for r in runs]
+    ratios = [r["vip_loaded"]["p99_ms"] / r["vip_alone"]["p99_ms"] for r in rs]
     return {
         "vip_alone_p99_ms": med(r["vip_alone"]["p99_ms"] for r in rs),
         "vip_loaded_p99_ms": med(r["vip_loaded"]["p99_ms"] for r in rs),
-        "vip_p99_ratio": med(r["vip_loaded"]["p99_ms"] / r["vip_alone"]["p99_ms"] for r in rs),
+        "vip_p99_ratio": med(ratios),
         "vip_rejected": sum(r["vip_loaded"]["count"] - r["vip_loaded"]["ok"] for r in rs),
         "standard_rejected_share": med(r["standard"]["rejected"] / r["standard"]["count"] for r in rs),
         "standard_rejected_p50_ms": med(r["standard"]["rejected_p50_ms"] for r in rs),
@@ -197,7 +188,7 @@ def summarise_overload(runs: list[dict], layout: str) -> dict:
         "router_vip_p99_ms": med(r["router"]["vip_p99_ms"] for r in rs),
         "standard_served_share_of_saturation": med(r[layout]["standard"]["ok_rps"] / r["saturation"]["rps"]
                                                    for r in runs),
-        "vip_p99_ratio_per_run": [r["vip_loaded"]["p99_ms"] / r["vip_alone"]["p99_ms"] for r in rs],
+        "vip_p99_ratio_per_run": ratios,
         "steal_per_run": [r.get("steal") for r in rs],
     }
 

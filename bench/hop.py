@@ -22,7 +22,6 @@ Writes bench/results/hop.{json,md,png}.
 
 import argparse
 import asyncio
-import json
 import os
 import pathlib
 import statistics
@@ -32,11 +31,10 @@ import tempfile
 import time
 
 from bench.report import cpu_times, machine, progress, pyplot, save_figure, steal_share, write
-from bench.workload import ghz_unique_template
+from bench.workload import ghz_unique_template, run_ghz
 from services.launcher.mesh import Mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-GHZ = ROOT / "bin" / "ghz"
 RATES = (150, 300, 600)  # the overload's standard rate at the saturation measured here, and either side of it
 TARGETS = ("bare_ok", "bare_refused", "router_refused")
 LABELS = {"bare_ok": "bare grpc.aio: OK", "bare_refused": "bare grpc.aio: RESOURCE_EXHAUSTED",
@@ -78,12 +76,8 @@ def process_cpu_s(pid: int) -> float:
 
 
 def measure(address: str, pid: int, model: str, rate: int, seconds: float) -> dict:
-    total = int(rate * seconds)
-    argv = [str(GHZ), "--insecure", "--call", "inference.GRPCInferenceService.ModelInfer",
-            "-d", ghz_unique_template("hop", model), "--total", str(total), "--concurrency", "64",
-            "--connections", "4", "--rps", str(rate), "--timeout", "10s", "--format", "json", address]
     cpu_before, machine_before = process_cpu_s(pid), cpu_times()
-    report = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600).stdout)
+    report = run_ghz(address, ghz_unique_template("hop", model), int(rate * seconds), 64, rps=rate, timeout_s=10)
     cpu_after, machine_after = process_cpu_s(pid), cpu_times()
     latencies = sorted(d["latency"] / 1e6 for d in report["details"])
     return {"rate": rate, "sent_rps": report["rps"], "codes": report["statusCodeDistribution"],

@@ -10,17 +10,15 @@ automatic bypass soon stops paying for lookups that never hit.
 """
 
 import argparse
-import json
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 
 from bench.report import machine, progress, pyplot, save_figure, write
-from bench.workload import InProcessMinilm, ghz_unique_template, texts
+from bench.workload import InProcessMinilm, ghz_unique_template, run_ghz, texts
 from services.launcher.mesh import Mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -46,15 +44,9 @@ def in_process_throughput(batch_sizes: list[int], seconds: float, seed: int) -> 
     return results
 
 
-def ghz_run(ghz: pathlib.Path, router: str, concurrency: int, total: int, seed: int) -> dict:
+def ghz_run(router: str, concurrency: int, total: int, seed: int) -> dict:
     """ghz with a one-message template whose text differs on every call."""
-    out = subprocess.run(
-        [str(ghz), "--insecure", "--call", "inference.GRPCInferenceService.ModelInfer",
-         "-d", ghz_unique_template(f"run{seed}"),
-         "--total", str(total), "--concurrency", str(concurrency), "--connections", str(min(concurrency, 4)),
-         "--format", "json", router],
-        capture_output=True, text=True, check=True, timeout=900).stdout
-    report = json.loads(out)
+    report = run_ghz(router, ghz_unique_template(f"run{seed}"), total, concurrency)
     latency = {p["percentage"]: p["latency"] / 1e6 for p in report["latencyDistribution"]}
     ok = report["statusCodeDistribution"].get("OK", 0)
     return {"rps": report["rps"], "p50_ms": latency[50], "p99_ms": latency[99], "ok": ok, "count": report["count"]}
@@ -68,12 +60,11 @@ def main() -> int:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    ghz = ROOT / "bin" / "ghz"
 
     runs = []
     with Mesh(models=ROOT / "build" / "models", log_dir=tempfile.mkdtemp(prefix="infermesh-bench-")) as mesh:
         progress(f"mesh up, router {mesh.router}; warming up")
-        ghz_run(ghz, mesh.router, 16, 300, seed=999)
+        ghz_run(mesh.router, 16, 300, seed=999)
         for run in range(args.runs):
             # In-process ORT is measured in the same run, between mesh phases,
             # while the idle mesh processes stay resident, as they would.
@@ -83,7 +74,7 @@ def main() -> int:
             for c in levels:
                 # Size each measurement from the previous rate so it lasts about args.seconds.
                 guess = max(50, int(args.seconds * (mesh_rates[levels[levels.index(c) - 1]]["rps"] if mesh_rates else 150)))
-                result = ghz_run(ghz, mesh.router, c, max(guess, 2 * c), seed=100 * run + c)
+                result = ghz_run(mesh.router, c, max(guess, 2 * c), seed=100 * run + c)
                 mesh_rates[c] = result
                 progress(f"  mesh concurrency {c:3d}: {result['rps']:7.1f} req/s  p50 {result['p50_ms']:6.2f} ms  "
                          f"p99 {result['p99_ms']:6.2f} ms  ok {result['ok']}/{result['count']}")

@@ -1,11 +1,13 @@
 """Deterministic, unique customer-service texts of about 16 tokens, shared by
-every benchmark so the mesh and the in-process baseline see the same work."""
+every benchmark so the mesh and the in-process baseline see the same work, and
+the one way the benchmarks run ghz with them."""
 
 import base64
 import json
 import os
 import pathlib
 import random
+import subprocess
 
 import numpy as np
 import onnxruntime as ort
@@ -35,6 +37,27 @@ def ghz_data(items: list[str], model: str = "minilm") -> str:
                      "contents": {"bytes_contents": [base64.b64encode(t.encode()).decode()]}}]}
         for t in items
     ])
+
+
+GHZ = pathlib.Path(__file__).resolve().parent.parent / "bin" / "ghz"
+
+
+def run_ghz(address: str, data: str, total: int, concurrency: int, rps: float = 0, timeout_s: float | None = None,
+            vip: bool = False) -> dict:
+    """ghz's JSON report of `total` unary ModelInfer calls with body `data` (a -d
+    template): `concurrency` workers over up to 4 connections, at `rps` per second
+    if given, as a VIP caller if asked (x-user-tier metadata)."""
+    argv = [str(GHZ), "--insecure", "--call", "inference.GRPCInferenceService.ModelInfer", "-d", data,
+            "--total", str(total), "--concurrency", str(concurrency), "--connections", str(min(concurrency, 4)),
+            "--format", "json"]
+    if timeout_s is not None:
+        argv += ["--timeout", f"{timeout_s:g}s"]
+    if rps:
+        argv += ["--rps", str(int(rps))]
+    if vip:
+        argv += ["-m", '{"x-user-tier": "vip"}']
+    return json.loads(subprocess.run([*argv, address], capture_output=True, text=True, check=True,
+                                     timeout=900).stdout)
 
 
 def ghz_unique_template(tag: str, model: str = "minilm") -> str:
