@@ -27,7 +27,7 @@ from services.common.tensors import from_numpy, to_numpy
 from services.model_server import metrics
 from services.model_server.config import ModelServerConfig
 from services.model_server.core import ControlMode, ModelManager
-from services.model_server.repository import ConfigError, load_config
+from services.model_server.repository import LEND_RESERVED_AFTER_S, ConfigError, load_config
 from services.model_server.server import Readiness, build_server
 
 from tests.conftest import MODELS
@@ -144,6 +144,9 @@ def _loads(outcome: str) -> float:
     ({"golden_probe": {"file": "golden.json", "min_cosine": 2}}, "'min_cosine' must be in [-1, 1], got 2"),
     ({"instances": {"count": 0}}, "instances: field 'count' must be 1..64, got 0"),
     ({"instances": {"count": 2, "reserved_for_vip": 2}}, "field 'reserved_for_vip' must be 0..count-1 (1), got 2"),
+    ({"instances": {"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": -1}},
+     "field 'lend_reserved_after_s' must be >= 0 seconds or null (never lend), got -1"),
+    ({"instances": {"lend_reserved_after_s": "10s"}}, "field 'lend_reserved_after_s' must be int or float, got '10s'"),
     ({"execution": {"providers": ["tpu"]}}, "field 'providers' is ['tpu']"),
     ({"tp_degree": 0}, "field 'tp_degree' must be >= 1, got 0"),
     ({"warmup": {"batch_sizes": [512]}}, "field 'batch_sizes' is [512]"),
@@ -597,3 +600,25 @@ async def test_an_instance_reserved_for_vip_runs_a_vip_batch_while_standard_batc
         await asyncio.gather(first, second)
         assert order == [(3.0, 4), (9.0, 1), (5.0, 4)]
         assert loaded.gate.usable(0) == 1 and loaded.gate.usable(1) == 2
+
+
+async def test_a_reserved_instance_is_lent_to_standard_batches_when_the_config_says_so(repo):
+    """lend_reserved_after_s 0: a standard batch runs on the VIP instance while the
+    general one is busy, and the loan is counted; null: it never does."""
+    _config(repo / "mlp", instances={"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": 0})
+    assert load_config(repo / "mlp").instances.lend_reserved_after_s == 0
+    async with model_server(repo) as ms:
+        loaded = ms.manager.resolve("mlp", "")
+        lent_before = metrics.LENT.labels("mlp")._value.get()  # noqa: SLF001
+        order, first_running, release = _recording_runs(loaded)
+        first = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), []))
+        await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
+        await ms.manager.execute("mlp", "", _mlp(5.0, 4), [])  # on the reserved instance, while the first still runs
+        assert order == [(3.0, 4), (5.0, 4)] and not first.done()
+        assert metrics.LENT.labels("mlp")._value.get() == lent_before + 1  # noqa: SLF001
+        release.set()
+        await first
+    _config(repo / "mlp", instances={"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": None})
+    assert load_config(repo / "mlp").instances.lend_reserved_after_s is None
+    _config(repo / "mlp", instances={"count": 2, "reserved_for_vip": 1})
+    assert load_config(repo / "mlp").instances.lend_reserved_after_s == LEND_RESERVED_AFTER_S

@@ -96,3 +96,78 @@ async def test_two_loads_of_one_version_add_to_one_queue_gauge():
     hold.set()
     await asyncio.gather(*tasks)
     assert queued._value.get() == 0  # noqa: SLF001
+
+
+async def settle() -> None:
+    """Lets every task that can go on run until it waits again (a handed-on turn takes two steps)."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_reserved_instance_is_lent_after_a_lull_and_reserved_again_once_vip_comes():
+    clock = Clock()
+    gate = PriorityGate(2, reserved=1, lend_after_s=10, clock=clock)
+    ran: list[tuple[str, int]] = []
+    done = {name: asyncio.Event() for name in ("a", "b", "c", "vip")}
+
+    async def batch(name: str, priority: int = 0):
+        async with gate.turn(priority) as instance:
+            ran.append((name, instance))
+            await done[name].wait()
+
+    a = asyncio.create_task(batch("a"))
+    b = asyncio.create_task(batch("b"))
+    await settle()
+    assert ran == [("a", 0)] and gate.waiting == 1  # instance 1 is kept for VIP
+    assert not gate.lending() and gate.usable(0) == 1
+    clock.now = 10.0  # no VIP batch since the gate was made
+    assert gate.lending() and gate.usable(0) == 2
+    c = asyncio.create_task(batch("c"))
+    await settle()
+    assert ran == [("a", 0), ("b", 1)] and gate.waiting == 1  # the batch that waited goes first, on loan
+    assert gate.lent(1, 0) and not gate.lent(0, 0)
+    clock.now = 11.0
+    vip = asyncio.create_task(batch("vip", priority=1))
+    await settle()
+    assert not gate.lending() and gate.waiting == 2  # the reservation holds from the VIP batch's arrival on
+    done["b"].set()  # the lent instance comes back: to the VIP batch, not to c
+    await b
+    await settle()
+    assert ran[-1] == ("vip", 1) and gate.waiting == 1
+    done["vip"].set()
+    await vip
+    assert gate.waiting == 1  # c may not use the reserved instance within 10 s of a VIP batch
+    done["a"].set()
+    done["c"].set()
+    await asyncio.gather(a, c)
+    assert ran == [("a", 0), ("b", 1), ("vip", 1), ("c", 0)]
+
+
+async def test_a_standard_batch_on_loan_takes_a_general_instance_first():
+    gate = PriorityGate(2, reserved=1, lend_after_s=0, clock=Clock())
+    async with gate.turn(0) as first, gate.turn(0) as second:
+        assert (first, second) == (0, 1)
+    async with gate.turn(1) as vip:
+        assert vip == 1  # a VIP batch takes the reserved instance first, leaving the general one
+
+
+async def test_without_lend_after_s_a_reserved_instance_is_never_lent():
+    clock = Clock()
+    gate = PriorityGate(2, reserved=1, clock=clock)
+    clock.now = 1e9
+    assert not gate.lending() and gate.usable(0) == 1
+    async with gate.turn(0) as instance:
+        assert instance == 0
+        with pytest.raises(NoTurn):
+            async with gate.turn(0, wait_s=0):
+                pass

@@ -21,6 +21,7 @@ import logging
 import os
 import pathlib
 import time
+from collections.abc import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -117,12 +118,20 @@ class PriorityGate:
     highest priority first, FIFO within a priority. (The executors alone would
     be FIFO: a VIP batch would wait behind every standard batch already sent.)
     The last `reserved` instances run only batches of `reserved_priority` or
-    above, so such a batch never waits for a lower one that is running."""
+    above, so such a batch never waits for a lower one that is running. With
+    `lend_after_s`, they are lent to lower batches once no such batch has come
+    for that long (counted from the gate's creation): a reservation nobody uses
+    would leave its cores idle. The first such batch after a lull may then wait
+    for one lent batch; the reservation holds again from its arrival on."""
 
-    def __init__(self, capacity: int = 1, queued=None, reserved: int = 0, reserved_priority: int = 1):
+    def __init__(self, capacity: int = 1, queued=None, reserved: int = 0, reserved_priority: int = 1,
+                 lend_after_s: float | None = None, clock: Callable[[], float] = time.monotonic):
         self._capacity = capacity
         self._general = capacity - reserved
         self._reserved_priority = reserved_priority
+        self._lend_after_s = lend_after_s
+        self._clock = clock
+        self._reserved_seen_at = clock()  # the latest batch that may use the reserved instances
         self._free = list(range(capacity))
         self._waiting: list[tuple[int, int, asyncio.Future, int]] = []  # (-priority, order, turn, rows)
         self._order = itertools.count()
@@ -141,6 +150,10 @@ class PriorityGate:
         """As turn, but yields a Hold: a batch run in slices may step aside
         between two of them (step_aside), so the instance it holds may change."""
         order = next(self._order)
+        if priority >= self._reserved_priority:
+            self._reserved_seen_at = self._clock()
+        elif self.lending():
+            self._hand_on_free()  # lending may have begun while batches waited
         # No waiting batch may use a free instance (each is handed on at release), so
         # taking one that this batch may use passes nobody.
         instance = self._take_free(priority)
@@ -191,20 +204,31 @@ class PriorityGate:
         """Whether a batch of a higher priority than `priority` waits for an instance."""
         return any(-p > priority and not future.done() for p, _, future, _ in self._waiting)
 
+    def lending(self) -> bool:
+        """Whether the reserved instances run lower batches too (see the class)."""
+        return (self._general < self._capacity and self._lend_after_s is not None
+                and self._clock() - self._reserved_seen_at >= self._lend_after_s)
+
     def may_use(self, instance: int, priority: int) -> bool:
-        return instance < self._general or priority >= self._reserved_priority
+        return instance < self._general or priority >= self._reserved_priority or self.lending()
+
+    def lent(self, instance: int, priority: int) -> bool:
+        """Whether a batch of `priority` on `instance` runs there on loan."""
+        return instance >= self._general and priority < self._reserved_priority
 
     def usable(self, priority: int) -> int:
         """How many instances a batch of `priority` may run on."""
-        return self._capacity if priority >= self._reserved_priority else self._general
+        return self._capacity if priority >= self._reserved_priority or self.lending() else self._general
 
     def busy(self, priority: int) -> bool:
         """Whether a batch of `priority` arriving now would wait."""
         return not any(self.may_use(i, priority) for i in self._free) or bool(self.rows_ahead_of(priority))
 
     def _take_free(self, priority: int) -> int | None:
-        # Reserved instances first for the batches that may use them: general ones stay for the rest.
-        for instance in sorted(self._free, reverse=True):
+        # Reserved instances first for the batches they are reserved for, last for a
+        # batch on loan: general ones stay for the rest, and reserved ones for whoever
+        # they are reserved for.
+        for instance in sorted(self._free, reverse=priority >= self._reserved_priority):
             if self.may_use(instance, priority):
                 self._free.remove(instance)
                 return instance
@@ -221,6 +245,11 @@ class PriorityGate:
         self.waiting += change
         if self._queued is not None:  # shared by two loads of one version during a reload: add, never set
             self._queued.inc(change)
+
+    def _hand_on_free(self) -> None:
+        for instance in list(self._free):
+            self._free.remove(instance)
+            self._release(instance)
 
     def _release(self, instance: int) -> None:
         """Hands `instance` to the first waiting batch that may use it, else frees it."""
@@ -275,7 +304,8 @@ class LoadedVersion:
         self.memory_bytes = memory_bytes
         self.loaded_at = time.time()
         self.gate = PriorityGate(len(instances), metrics.QUEUED.labels(config.name, version),
-                                 reserved=config.instances.reserved_for_vip)
+                                 reserved=config.instances.reserved_for_vip,
+                                 lend_after_s=config.instances.lend_reserved_after_s)
         self.run_s = 0.0  # a first guess at a batch's time, from warm-up, until batches have run
         self.profile = LatencyProfile()  # what batches took, per size class
         self._running: dict[int, Running] = {}  # instance -> what runs on it
@@ -361,6 +391,8 @@ class LoadedVersion:
         instance = self.instances[index]
         running.started = loop.time()
         self._running[index] = running
+        if self.gate.lent(index, running.priority):
+            metrics.LENT.labels(self.config.name).inc()
         try:
             result = await loop.run_in_executor(instance.executor, self.run, instance, inputs, outputs)
         finally:

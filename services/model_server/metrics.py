@@ -31,6 +31,10 @@ QUEUED = prometheus_client.Gauge(
 SLICED = prometheus_client.Counter(
     "infermesh_model_sliced_batches_total",
     "Batches run in slices (--slice-ms) because batches of a higher priority came lately, by model.", ["model"])
+LENT = prometheus_client.Counter(
+    "infermesh_model_lent_batches_total",
+    "Standard batches run on an instance reserved for VIP, lent while no VIP batch came lately, by model.",
+    ["model"])
 STEPPED_ASIDE = prometheus_client.Counter(
     "infermesh_model_stepped_aside_total",
     "Times a sliced batch let a waiting batch of a higher priority run between two of its slices, by model.",

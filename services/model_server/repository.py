@@ -66,6 +66,11 @@ class VersionPolicy:
         return f"specific {list(self.versions)}"
 
 
+# A reserved instance nobody uses idles its share of the cores: lent after a lull this long.
+# A VIP tier sending at least one batch every 10 s keeps it reserved.
+LEND_RESERVED_AFTER_S = 10.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Instances:
     """Sessions per version; on GPUs, instance i runs on gpus[i % len(gpus)]."""
@@ -73,6 +78,8 @@ class Instances:
     count: int = 1
     gpus: tuple[int, ...] = (0,)
     reserved_for_vip: int = 0  # the last N instances run VIP batches only
+    # ... and standard ones too once no VIP batch has come for this long (None: never)
+    lend_reserved_after_s: float | None = LEND_RESERVED_AFTER_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,10 +208,19 @@ def _instances(doc: dict, where: str) -> Instances:
     if not 0 <= reserved < count:
         raise ConfigError(f"{at}: field 'reserved_for_vip' must be 0..count-1 ({count - 1}), got {reserved}: "
                           "standard batches need an instance of their own")
-    unknown = set(body) - {"count", "gpus", "reserved_for_vip"}
+    lend_after_s = LEND_RESERVED_AFTER_S
+    if "lend_reserved_after_s" in body:
+        lend_after_s = body["lend_reserved_after_s"]
+        if lend_after_s is not None:
+            lend_after_s = float(_typed(lend_after_s, "lend_reserved_after_s", (int, float), at))
+            if lend_after_s < 0:
+                raise ConfigError(f"{at}: field 'lend_reserved_after_s' must be >= 0 seconds or null (never lend), "
+                                  f"got {lend_after_s:g}")
+    known = ["count", "gpus", "reserved_for_vip", "lend_reserved_after_s"]
+    unknown = set(body) - set(known)
     if unknown:
-        raise ConfigError(f"{at}: unknown field(s) {sorted(unknown)}; known: ['count', 'gpus', 'reserved_for_vip']")
-    return Instances(count, tuple(gpus), reserved)
+        raise ConfigError(f"{at}: unknown field(s) {sorted(unknown)}; known: {known}")
+    return Instances(count, tuple(gpus), reserved, lend_after_s)
 
 
 def _execution(doc: dict, where: str) -> Execution:
