@@ -17,6 +17,9 @@ B. Overload isolation: standard traffic at 2x the mesh's saturation rate plus
    x-user-tier route) beside the standard pool, which runs at a lower CPU
    priority (nice 10) as a pod with smaller CPU requests would get less of a
    shared node. The CPU the hypervisor took meanwhile is reported with each run.
+C. What the VIP-only instance costs standard traffic when no VIP traffic comes:
+   the same 64 callers as A on that layout, once its reservation is lent out
+   (lend_reserved_after_s), beside one instance.
 
     .venv/bin/python -m bench.batching --runs 3
 
@@ -37,6 +40,7 @@ from bench.report import bucket_quantile, cpu_times, machine, progress, pyplot, 
 from bench.workload import InProcessMinilm, ghz_unique_template, run_ghz, texts
 from services.common.metrics import scrape
 from services.launcher.mesh import Mesh
+from services.model_server.repository import LEND_RESERVED_AFTER_S
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL = ROOT / "build" / "models" / "minilm" / "1"
@@ -103,12 +107,15 @@ def main() -> int:
             ghz(mesh.router, "warm", 200, 16)
         for mesh in (sliced, reserved, pools):
             ghz(mesh.router, "warmvip", 100, 8, vip=True)
+        reserved_vip_at = time.monotonic()  # the latest VIP traffic on the reserved layout
         for run in range(args.runs):
             run_started = cpu_times()
             r = {"ort": in_process(args.seconds / 3, seed=run)}
             guess = int(args.seconds * 160)
             r["on"] = ghz(on.router, f"on{run}", guess, 64)
             r["off"] = ghz(off.router, f"off{run}", int(args.seconds * 100), 64)
+            time.sleep(max(0.0, reserved_vip_at + LEND_RESERVED_AFTER_S + 1 - time.monotonic()))
+            r["reserved_quiet"] = standard_only(reserved, f"quiet{run}", guess)
             # Saturation at the overload's own concurrency: batches fill better at 256 callers
             # than at 64, so the 64-caller rate would put "2x" at hardly more than capacity.
             # One model server, which is also the standard pool's size.
@@ -116,12 +123,15 @@ def main() -> int:
             saturation = r["saturation"]["rps"]
             for layout, mesh in (("one", on), ("sliced", sliced), ("reserved", reserved), ("pools", pools)):
                 r[layout] = overload(mesh, f"{layout}{run}", saturation, args.seconds)
+                if mesh is reserved:
+                    reserved_vip_at = time.monotonic()
             r["steal"] = steal_share(run_started, cpu_times())
             runs.append(r)
             ort_gain = max(r["ort"].values()) / r["ort"][1]
             mesh_gain = r["on"]["rps"] / r["off"]["rps"]
             progress(f"run {run + 1}/{args.runs}: ORT x{ort_gain:.2f}, mesh x{mesh_gain:.2f} "
-                     f"(keeps {(mesh_gain - 1) / (ort_gain - 1):.0%})")
+                     f"(keeps {(mesh_gain - 1) / (ort_gain - 1):.0%}); VIP-only instance lent out: "
+                     f"{r['reserved_quiet']['rps']:.0f} req/s against {r['on']['rps']:.0f}")
             for layout in LAYOUTS:
                 o = r[layout]
                 progress(f"  {layout}: VIP p99 {o['vip_alone']['p99_ms']:.0f} -> {o['vip_loaded']['p99_ms']:.0f} ms, "
@@ -141,6 +151,15 @@ def reserved_repository(path: pathlib.Path) -> pathlib.Path:
     config["instances"] = {**config.get("instances", {}), "count": 2, "reserved_for_vip": 1}
     config_path.write_text(json.dumps(config, indent=1))
     return path
+
+
+def standard_only(mesh: Mesh, tag: str, total: int) -> dict:
+    """Standard traffic at 64 callers, with the batches that ran on a lent VIP instance meanwhile."""
+    name, model = "infermesh_model_lent_batches_total", (("model", "minilm"),)
+    before = scrape(mesh.metrics_url("model_server")).get((name, model), 0.0)
+    result = ghz(mesh.router, tag, total, 64)
+    result["lent_batches"] = scrape(mesh.metrics_url("model_server")).get((name, model), 0.0) - before
+    return result
 
 
 def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
@@ -207,6 +226,9 @@ def summarise(runs: list[dict]) -> dict:
             "mesh_off": med(r["off"]["rps"] for r in runs),
             "mesh_gain": med(r["on"]["rps"] / r["off"]["rps"] for r in runs),
             "saturation": med(r["saturation"]["rps"] for r in runs),
+            "reserved_quiet": med(r["reserved_quiet"]["rps"] for r in runs),
+            "reserved_quiet_share": med(r["reserved_quiet"]["rps"] / r["on"]["rps"] for r in runs),
+            "reserved_quiet_lent_batches": med(r["reserved_quiet"]["lent_batches"] for r in runs),
             "gain_kept": med((r["on"]["rps"] / r["off"]["rps"] - 1) / (max(r["ort"].values()) / r["ort"][1] - 1)
                              for r in runs),
             **{layout: summarise_overload(runs, layout) for layout in LAYOUTS},
@@ -231,6 +253,11 @@ def markdown(report: dict) -> str:
         "",
         f"The mesh keeps {s['gain_kept']:.0%} of the gain that batching gives ONNX Runtime itself (goal ≥ 90%; "
         f"the median of the per-run ratios (mesh gain − 1) / (ORT gain − 1)).",
+        "",
+        f"Without VIP traffic, the layout with a VIP-only instance lends it out after "
+        f"{LEND_RESERVED_AFTER_S:g} s: at the same 64 callers it served {s['reserved_quiet']:.0f} requests/s, "
+        f"{s['reserved_quiet_share']:.0%} of one instance's rate in the same run "
+        f"({s['reserved_quiet_lent_batches']:.0f} batches on loan per measurement).",
         "",
         f"Saturation, measured in each run at the overload's 256 callers (closed loop): {s['saturation']:.0f} "
         "requests/s; the overload's standard traffic runs open loop at twice that.",
