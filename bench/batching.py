@@ -12,16 +12,18 @@ B. Overload isolation: standard traffic at 2x the mesh's saturation rate plus
    40 requests/s of it come from a second, light caller (4 workers), whose
    refusals show what a caller sees that is not itself queued behind ~750
    ghz workers on the mesh's own cores.
-   Measured on four layouts side by side: one model server for everything
-   (make run's layout); the same with --slice-ms, so that a VIP batch waits for
-   one slice of a running standard batch instead of all of it; the same with
-   two session instances of minilm, the second for VIP batches only; and the
+   Measured on four layouts side by side: one model server with one session
+   instance of minilm for everything (the layout before the defaults changed);
+   the same with --slice-ms, so that a VIP batch waits for one slice of a
+   running standard batch instead of all of it; the defaults: one model
+   server, two instances of minilm, the second for VIP batches only; and the
    Kubernetes layout on one machine: a VIP pool of its own (mesh/istio's
-   x-user-tier route) beside the standard pool, which runs at a lower CPU
-   priority (nice 10) as a pod with smaller CPU requests would get less of a
-   shared node. The CPU the hypervisor took meanwhile is reported with each run.
+   x-user-tier route) beside the standard pool (one instance each), which runs
+   at a lower CPU priority (nice 10) as a pod with smaller CPU requests would
+   get less of a shared node. The CPU the hypervisor took meanwhile is
+   reported with each run.
 C. What the VIP-only instance costs standard traffic when no VIP traffic comes:
-   the same 64 callers as A on that layout, once its reservation is lent out
+   A's 64 callers on the defaults, once the reservation is lent out
    (lend_reserved_after_s), beside one instance.
 
     .venv/bin/python -m bench.batching --runs 3
@@ -54,9 +56,9 @@ STANDARD_TIMEOUT_S = 2  # the overload's standard callers' deadline
 LIGHT_CALLER_RPS = 40
 SLICE_MS = 30  # the sliced layout's --slice-ms (a scratch A/B of 30 and 60 ms favoured 30)
 LAYOUTS = {  # overload layouts: report key -> column title
-    "one": "one model server",
-    "sliced": f"one model server, --slice-ms {SLICE_MS}",
-    "reserved": "one model server, 2 instances, 1 VIP-only",
+    "one": "one instance",
+    "sliced": f"one instance, --slice-ms {SLICE_MS}",
+    "reserved": "defaults: 2 instances, 1 VIP-only",
     "pools": "VIP pool + standard pool (nice 10)",
 }
 
@@ -99,46 +101,45 @@ def main() -> int:
     runs = []
     policy = work / "traffic.yaml"
     shutil.copy(ROOT / "mesh" / "istio" / "model-server-traffic.yaml", policy)
+    one_instance = one_instance_repository(work / "one-instance-models")
     with Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / "on") as on, \
             Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / "off",
                  batcher_args=("--max-batch-size", "1")) as off, \
-            Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / "sliced",
+            Mesh(models=one_instance, cache=False, log_dir=work / "one") as one, \
+            Mesh(models=one_instance, cache=False, log_dir=work / "sliced",
                  model_server_args=("--slice-ms", str(SLICE_MS))) as sliced, \
-            Mesh(models=reserved_repository(work / "reserved-models"), cache=False,
-                 log_dir=work / "reserved") as reserved, \
-            Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / "pools", model_servers=2,
+            Mesh(models=one_instance, cache=False, log_dir=work / "pools", model_servers=2,
                  model_server_labels=("version=blue", "pool=vip"), model_server_nice=(10, 0),
                  batcher_args=("--traffic-policy", str(policy))) as pools:
-        progress("meshes up (batching on, batching off, sliced, reserved, VIP pool); warming up")
-        for mesh in (on, off, sliced, reserved, pools):
+        progress("meshes up (defaults, batching off, one instance, sliced, VIP pool); warming up")
+        for mesh in (on, off, one, sliced, pools):
             ghz(mesh.router, "warm", 200, 16)
-        for mesh in (sliced, reserved, pools):
+        for mesh in (on, sliced, pools):
             ghz(mesh.router, "warmvip", 100, 8, vip=True)
-        reserved_vip_at = time.monotonic()  # the latest VIP traffic on the reserved layout
+        on_vip_at = time.monotonic()  # the latest VIP traffic on the defaults
         for run in range(args.runs):
             run_started = cpu_times()
             r = {"ort": in_process(args.seconds / 3, seed=run)}
             guess = int(args.seconds * 160)
-            r["on"] = ghz(on.router, f"on{run}", guess, 64)
+            time.sleep(max(0.0, on_vip_at + LEND_RESERVED_AFTER_S + 1 - time.monotonic()))  # no VIP lately
+            r["on"] = standard_only(on, f"on{run}", guess)
             r["off"] = ghz(off.router, f"off{run}", int(args.seconds * 100), 64)
-            time.sleep(max(0.0, reserved_vip_at + LEND_RESERVED_AFTER_S + 1 - time.monotonic()))
-            r["reserved_quiet"] = standard_only(reserved, f"quiet{run}", guess)
+            r["one_instance"] = ghz(one.router, f"one{run}", guess, 64)
             # Saturation at the overload's own concurrency: batches fill better at 256 callers
             # than at 64, so the 64-caller rate would put "2x" at hardly more than capacity.
-            # One model server, which is also the standard pool's size.
             r["saturation"] = ghz(on.router, f"sat{run}", int(args.seconds * 250), 256)
             saturation = r["saturation"]["rps"]
-            for layout, mesh in (("one", on), ("sliced", sliced), ("reserved", reserved), ("pools", pools)):
+            for layout, mesh in (("one", one), ("sliced", sliced), ("reserved", on), ("pools", pools)):
                 r[layout] = overload(mesh, f"{layout}{run}", saturation, args.seconds)
-                if mesh is reserved:
-                    reserved_vip_at = time.monotonic()
+                if mesh is on:
+                    on_vip_at = time.monotonic()
             r["steal"] = steal_share(run_started, cpu_times())
             runs.append(r)
             ort_gain = max(r["ort"].values()) / r["ort"][1]
             mesh_gain = r["on"]["rps"] / r["off"]["rps"]
             progress(f"run {run + 1}/{args.runs}: ORT x{ort_gain:.2f}, mesh x{mesh_gain:.2f} "
-                     f"(keeps {(mesh_gain - 1) / (ort_gain - 1):.0%}); VIP-only instance lent out: "
-                     f"{r['reserved_quiet']['rps']:.0f} req/s against {r['on']['rps']:.0f}")
+                     f"(keeps {(mesh_gain - 1) / (ort_gain - 1):.0%}); defaults {r['on']['rps']:.0f} req/s "
+                     f"({r['on']['lent_batches']:.0f} batches on loan), one instance {r['one_instance']['rps']:.0f}")
             for layout in LAYOUTS:
                 o = r[layout]
                 progress(f"  {layout}: VIP p99 {o['vip_alone']['p99_ms']:.0f} -> {o['vip_loaded']['p99_ms']:.0f} ms, "
@@ -150,13 +151,12 @@ def main() -> int:
     return 0
 
 
-def reserved_repository(path: pathlib.Path) -> pathlib.Path:
-    """A copy of the model repository where minilm runs two session instances, the
-    second for VIP batches only (instances.reserved_for_vip)."""
+def one_instance_repository(path: pathlib.Path) -> pathlib.Path:
+    """A copy of the model repository where minilm runs one session instance, with every core."""
     shutil.copytree(ROOT / "build" / "models", path, symlinks=True)
     config_path = path / "minilm" / "config.json"
     config = json.loads(config_path.read_text())
-    config["instances"] = {**config.get("instances", {}), "count": 2, "reserved_for_vip": 1}
+    config["instances"] = {**config.get("instances", {}), "count": 1, "reserved_for_vip": 0}
     config_path.write_text(json.dumps(config, indent=1))
     return path
 
@@ -246,9 +246,9 @@ def summarise(runs: list[dict]) -> dict:
             "mesh_off": med(r["off"]["rps"] for r in runs),
             "mesh_gain": med(r["on"]["rps"] / r["off"]["rps"] for r in runs),
             "saturation": med(r["saturation"]["rps"] for r in runs),
-            "reserved_quiet": med(r["reserved_quiet"]["rps"] for r in runs),
-            "reserved_quiet_share": med(r["reserved_quiet"]["rps"] / r["on"]["rps"] for r in runs),
-            "reserved_quiet_lent_batches": med(r["reserved_quiet"]["lent_batches"] for r in runs),
+            "one_instance": med(r["one_instance"]["rps"] for r in runs),
+            "defaults_over_one_instance": med(r["on"]["rps"] / r["one_instance"]["rps"] for r in runs),
+            "lent_batches": med(r["on"]["lent_batches"] for r in runs),
             "gain_kept": med((r["on"]["rps"] / r["off"]["rps"] - 1) / (max(r["ort"].values()) / r["ort"][1] - 1)
                              for r in runs),
             **{layout: summarise_overload(runs, layout) for layout in LAYOUTS},
@@ -274,10 +274,10 @@ def markdown(report: dict) -> str:
         f"The mesh keeps {s['gain_kept']:.0%} of the gain that batching gives ONNX Runtime itself (goal ≥ 90%; "
         f"the median of the per-run ratios (mesh gain − 1) / (ORT gain − 1)).",
         "",
-        f"Without VIP traffic, the layout with a VIP-only instance lends it out after "
-        f"{LEND_RESERVED_AFTER_S:g} s: at the same 64 callers it served {s['reserved_quiet']:.0f} requests/s, "
-        f"{s['reserved_quiet_share']:.0%} of one instance's rate in the same run "
-        f"({s['reserved_quiet_lent_batches']:.0f} batches on loan per measurement).",
+        f"Without VIP traffic, the defaults (two instances of minilm, the VIP one lent out after "
+        f"{LEND_RESERVED_AFTER_S:g} s without VIP batches) served {s['mesh_on']:.0f} requests/s at 64 callers, "
+        f"one instance {s['one_instance']:.0f}: × {s['defaults_over_one_instance']:.2f} in the same run "
+        f"({s['lent_batches']:.0f} batches on loan per measurement).",
         "",
         f"Saturation, measured in each run at the overload's 256 callers (closed loop): {s['saturation']:.0f} "
         "requests/s; the overload's standard traffic runs open loop at twice that.",
