@@ -1,6 +1,7 @@
 """Session instances of minilm on a shared CPU: one instance with every core
-(the default: intra-op threads = cores) against two instances with a core
-each, side by side in one run, through the whole mesh.
+(intra-op threads = cores) against two instances with a core each, neither
+reserved for VIP (minilm's shipped config reserves its second for VIP batches;
+bench.batching measures that), side by side in one run, through the whole mesh.
 
 Two meshes, alike but for minilm's `instances.count`, take turns under the
 same closed-loop ghz load at 1, 16, 64 and 256 callers; each round measures
