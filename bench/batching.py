@@ -325,7 +325,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
     plt = pyplot()
 
     s = report["summary"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right, served) = plt.subplots(1, 3, figsize=(14, 4), gridspec_kw={"width_ratios": [4, 4, 2.2]})
     left.bar(["ORT\nbatch 1", "ORT\nbest batch", "mesh\nbatch 1", "mesh\nbatching"],
              [s["ort_batch1"], s["ort_best"], s["mesh_off"], s["mesh_on"]],
              color=["#8c8c8c", "#c44e52", "#8c8c8c", "#4c72b0"])
@@ -335,7 +335,8 @@ def plot(report: dict, path: pathlib.Path) -> None:
     keys = ["vip_alone_p99_ms", "vip_loaded_p99_ms", "standard_rejected_p99_ms"]
     xs = range(len(labels))
     width = 0.8 / len(LAYOUTS)
-    for i, (layout, color) in enumerate(zip(LAYOUTS, ("#8c8c8c", "#dd8452", "#55a868", "#4c72b0"))):
+    colors = dict(zip(LAYOUTS, ("#8c8c8c", "#dd8452", "#55a868", "#4c72b0")))
+    for i, (layout, color) in enumerate(colors.items()):
         right.bar([x + (i - (len(LAYOUTS) - 1) / 2) * width for x in xs], [s[layout][k] for k in keys], width=width,
                   color=color, label=LAYOUTS[layout])
     right.set_xticks(list(xs), labels)
@@ -347,6 +348,13 @@ def plot(report: dict, path: pathlib.Path) -> None:
     right.legend(fontsize=7, loc="upper left")
     right.set_ylabel("p99 latency, ms (log scale)")
     right.set_title("overload isolation")
+    served.bar(range(len(LAYOUTS)), [s[layout]["standard_served_rps"] for layout in LAYOUTS],
+               color=list(colors.values()))
+    served.axhline(s["saturation"], color="grey", linewidth=0.8, linestyle=":")
+    served.set_xticks(range(len(LAYOUTS)), ["one", "sliced", "defaults", "pools"])
+    served.set_ylabel("standard served per second")
+    served.set_ylim(0, 1.1 * s["saturation"])
+    served.set_title("goodput under overload\n(dotted: saturation)", fontsize=10)
     save_figure(fig, path, report)
 
 
