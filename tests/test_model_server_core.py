@@ -171,3 +171,54 @@ async def test_without_lend_after_s_a_reserved_instance_is_never_lent():
         with pytest.raises(NoTurn):
             async with gate.turn(0, wait_s=0):
                 pass
+
+
+async def test_when_lending_begins_a_release_hands_on_the_reserved_instance_too():
+    """Lending begins with time passing; the next release (no new batch needed)
+    hands out the idle reserved instance as well as its own."""
+    clock = Clock()
+    gate = PriorityGate(2, reserved=1, lend_after_s=10, clock=clock)
+    ran: list[tuple[str, int]] = []
+    done = {name: asyncio.Event() for name in ("a", "b", "c")}
+
+    async def batch(name: str):
+        async with gate.turn(0) as instance:
+            ran.append((name, instance))
+            await done[name].wait()
+
+    tasks = [asyncio.create_task(batch(name)) for name in ("a", "b", "c")]
+    await settle()
+    assert ran == [("a", 0)] and gate.waiting == 2
+    clock.now = 20.0
+    done["a"].set()
+    await settle()
+    assert ran == [("a", 0), ("b", 0), ("c", 1)] and gate.waiting == 0
+    done["b"].set()
+    done["c"].set()
+    await asyncio.gather(*tasks)
+
+
+async def test_a_caller_batch_arriving_when_lending_begins_goes_ahead_of_a_waiting_lower_one():
+    """The golden probe runs below callers: when lending begins as a standard batch
+    arrives, the free reserved instance goes to that batch, not to the waiting probe."""
+    clock = Clock()
+    gate = PriorityGate(2, reserved=1, lend_after_s=10, clock=clock)
+    ran: list[tuple[str, int]] = []
+    done = {name: asyncio.Event() for name in ("a", "probe", "caller")}
+
+    async def batch(name: str, priority: int):
+        async with gate.turn(priority) as instance:
+            ran.append((name, instance))
+            await done[name].wait()
+
+    a = asyncio.create_task(batch("a", 0))
+    probe = asyncio.create_task(batch("probe", -1))
+    await settle()
+    clock.now = 20.0
+    caller = asyncio.create_task(batch("caller", 0))
+    await settle()
+    assert ran == [("a", 0), ("caller", 1)] and gate.waiting == 1
+    for event in done.values():
+        event.set()
+    await asyncio.gather(a, probe, caller)
+    assert ran[-1][0] == "probe"

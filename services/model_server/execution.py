@@ -153,7 +153,7 @@ class PriorityGate:
         if priority >= self._reserved_priority:
             self._reserved_seen_at = self._clock()
         elif self.lending():
-            self._hand_on_free()  # lending may have begun while batches waited
+            self._hand_on_free(at_least=priority)  # lending may have begun while batches waited
         # No waiting batch may use a free instance (each is handed on at release), so
         # taking one that this batch may use passes nobody.
         instance = self._take_free(priority)
@@ -246,15 +246,25 @@ class PriorityGate:
         if self._queued is not None:  # shared by two loads of one version during a reload: add, never set
             self._queued.inc(change)
 
-    def _hand_on_free(self) -> None:
+    def _hand_on_free(self, at_least: int | None = None) -> None:
+        """Hands free instances to waiting batches that may now use them (of
+        priority `at_least` or above: those a batch arriving now would not pass)."""
         for instance in list(self._free):
             self._free.remove(instance)
-            self._release(instance)
+            self._give(instance, at_least)
 
     def _release(self, instance: int) -> None:
-        """Hands `instance` to the first waiting batch that may use it, else frees it."""
+        """Hands `instance` to the first waiting batch that may use it, else frees it;
+        while lending, free reserved instances go to waiting batches too (lending
+        begins with time passing, not with an event that would hand them on)."""
+        self._give(instance)
+        if self.lending():
+            self._hand_on_free()
+
+    def _give(self, instance: int, at_least: int | None = None) -> None:
         self._waiting = [entry for entry in self._waiting if not entry[2].done()]
-        eligible = [entry for entry in self._waiting if self.may_use(instance, -entry[0])]
+        eligible = [entry for entry in self._waiting if self.may_use(instance, -entry[0])
+                    and (at_least is None or -entry[0] >= at_least)]
         if not eligible:
             heapq.heapify(self._waiting)
             self._free.append(instance)
@@ -357,12 +367,14 @@ class LoadedVersion:
             counts = self._slice_counts(rows, priority, loop.time(), slice_rows)
             if len(counts) == 1:
                 async with self.gate.hold(priority, wait_s, rows) as held:
+                    self._count_loan(held.index, priority)
                     return await self._run_on(held.index, inputs, outputs, Running(0.0, rows, rows, priority))
             if slice_rows is None:
                 metrics.SLICED.labels(self.config.name).inc()
             pieces = [dict(zip(inputs, parts)) for parts in zip(*(split_rows(t, counts) for t in inputs.values()))]
             results, left = [], rows
             async with self.gate.hold(priority, wait_s, counts[0]) as held:
+                self._count_loan(held.index, priority)
                 for i, (piece, count) in enumerate(zip(pieces, counts)):
                     if i and await self.gate.step_aside(held, count):
                         metrics.STEPPED_ASIDE.labels(self.config.name).inc()
@@ -384,6 +396,11 @@ class LoadedVersion:
             if self._in_flight == 0:
                 self._idle.set()
 
+    def _count_loan(self, index: int, priority: int) -> None:
+        """Counts a caller's batch (not the golden probe's, below every caller) starting on a lent instance."""
+        if priority >= 0 and self.gate.lent(index, priority):
+            metrics.LENT.labels(self.config.name).inc()
+
     async def _run_on(self, index: int, inputs: dict[str, TensorData], outputs: list[str],
                       running: Running) -> list[TensorData]:
         """Runs `inputs` (running.rows rows) on instance `index`."""
@@ -391,8 +408,6 @@ class LoadedVersion:
         instance = self.instances[index]
         running.started = loop.time()
         self._running[index] = running
-        if self.gate.lent(index, running.priority):
-            metrics.LENT.labels(self.config.name).inc()
         try:
             result = await loop.run_in_executor(instance.executor, self.run, instance, inputs, outputs)
         finally:
