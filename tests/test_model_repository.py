@@ -145,8 +145,11 @@ def _loads(outcome: str) -> float:
     ({"instances": {"count": 0}}, "instances: field 'count' must be 1..64, got 0"),
     ({"instances": {"count": 2, "reserved_for_vip": 2}}, "field 'reserved_for_vip' must be 0..count-1 (1), got 2"),
     ({"instances": {"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": -1}},
-     "field 'lend_reserved_after_s' must be >= 0 seconds or null (never lend), got -1"),
+     "field 'lend_reserved_after_s' must be a finite number of seconds >= 0, or null (never lend), got -1"),
+    ({"instances": {"lend_reserved_after_s": float("nan")}}, "or null (never lend), got nan"),
     ({"instances": {"lend_reserved_after_s": "10s"}}, "field 'lend_reserved_after_s' must be int or float, got '10s'"),
+    ({"instances": {"lend_reserved_after_s": True}}, "field 'lend_reserved_after_s' must be int or float, got True"),
+    ({"golden_probe": {"file": "golden.json", "max_abs": True}}, "field 'max_abs' must be int or float, got True"),
     ({"execution": {"providers": ["tpu"]}}, "field 'providers' is ['tpu']"),
     ({"tp_degree": 0}, "field 'tp_degree' must be >= 1, got 0"),
     ({"warmup": {"batch_sizes": [512]}}, "field 'batch_sizes' is [512]"),
@@ -585,7 +588,7 @@ async def test_a_vip_batch_is_refused_only_if_the_slice_running_leaves_it_no_tim
 async def test_an_instance_reserved_for_vip_runs_a_vip_batch_while_standard_batches_wait(repo):
     """Two instances, the second for VIP only: a standard batch holds the first, a second
     standard batch waits though the VIP instance is free, and a VIP batch runs at once."""
-    _config(repo / "mlp", instances={"count": 2, "reserved_for_vip": 1})
+    _config(repo / "mlp", instances={"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": None})
     async with model_server(repo) as ms:
         loaded = ms.manager.resolve("mlp", "")
         order, first_running, release = _recording_runs(loaded)
@@ -604,7 +607,7 @@ async def test_an_instance_reserved_for_vip_runs_a_vip_batch_while_standard_batc
 
 async def test_a_reserved_instance_is_lent_to_standard_batches_when_the_config_says_so(repo):
     """lend_reserved_after_s 0: a standard batch runs on the VIP instance while the
-    general one is busy, and the loan is counted; null: it never does."""
+    general one is busy, and the loan is counted (null, in the test above: it never does)."""
     _config(repo / "mlp", instances={"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": 0})
     assert load_config(repo / "mlp").instances.lend_reserved_after_s == 0
     async with model_server(repo) as ms:

@@ -52,9 +52,9 @@ def require(condition: bool, message: str) -> None:
 
 
 def typed(value, key: str, kind, where: str, error: type[ValueError] = ValueError):
-    """`value` if it is of `kind` (a type or a tuple of types; a bool is no int)."""
+    """`value` if it is of `kind` (a type or a tuple of types; a bool is no number)."""
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (int in kinds and float not in kinds and isinstance(value, bool)):
+    if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
         names = " or ".join(k.__name__ for k in kinds)
         raise error(f"{where}: field '{key}' must be {names}, got {value!r}")
     return value

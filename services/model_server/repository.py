@@ -8,6 +8,7 @@ degree, warm-up batch sizes, a golden probe and a fallback model.
 
 import dataclasses
 import hashlib
+import math
 import pathlib
 
 import numpy as np
@@ -213,9 +214,9 @@ def _instances(doc: dict, where: str) -> Instances:
         lend_after_s = body["lend_reserved_after_s"]
         if lend_after_s is not None:
             lend_after_s = float(_typed(lend_after_s, "lend_reserved_after_s", (int, float), at))
-            if lend_after_s < 0:
-                raise ConfigError(f"{at}: field 'lend_reserved_after_s' must be >= 0 seconds or null (never lend), "
-                                  f"got {lend_after_s:g}")
+            if not math.isfinite(lend_after_s) or lend_after_s < 0:
+                raise ConfigError(f"{at}: field 'lend_reserved_after_s' must be a finite number of seconds >= 0, "
+                                  f"or null (never lend), got {lend_after_s:g}")
     known = ["count", "gpus", "reserved_for_vip", "lend_reserved_after_s"]
     unknown = set(body) - set(known)
     if unknown:
