@@ -178,7 +178,7 @@ def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
     # its 2 s deadline (with fewer, ghz sends only as fast as answers come back).
     workers = int(2 * saturation * STANDARD_TIMEOUT_S * 1.25)
     before, machine_before = scrape(mesh.router_metrics), cpu_times()
-    heavy_rps = 2 * saturation - LIGHT_CALLER_RPS
+    heavy_rps = max(2 * saturation - LIGHT_CALLER_RPS, 1.0)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         standard = pool.submit(ghz, mesh.router, f"st{tag}", int(heavy_rps * seconds), workers,
                                rps=heavy_rps, timeout_s=STANDARD_TIMEOUT_S)
@@ -279,8 +279,9 @@ def markdown(report: dict) -> str:
         f"one instance {s['one_instance']:.0f}: × {s['defaults_over_one_instance']:.2f} in the same run "
         f"({s['lent_batches']:.0f} batches on loan per measurement).",
         "",
-        f"Saturation, measured in each run at the overload's 256 callers (closed loop): {s['saturation']:.0f} "
-        "requests/s; the overload's standard traffic runs open loop at twice that.",
+        f"Saturation of the defaults (the VIP instance lent out), measured in each run at the overload's 256 "
+        f"callers (closed loop): {s['saturation']:.0f} requests/s; the overload's standard traffic runs open loop "
+        "at twice that on every layout.",
         "",
         "| overload (standard at 2× saturation, VIP at 10% of it) | " + " | ".join(LAYOUTS.values()) + " | goal |",
         "|---|" + "---|" * len(LAYOUTS) + "---|",
