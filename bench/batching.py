@@ -24,7 +24,8 @@ B. Overload isolation: standard traffic at 2x the mesh's saturation rate plus
    reported with each run.
 C. What the VIP-only instance costs standard traffic when no VIP traffic comes:
    A's 64 callers on the defaults, once the reservation is lent out
-   (lend_reserved_after_s), beside one instance.
+   (lend_reserved_after_s), beside one instance; and what it costs while VIP
+   traffic trickles in (one request a second) and so keeps the reservation.
 
     .venv/bin/python -m bench.batching --runs 3
 
@@ -54,6 +55,7 @@ STANDARD_TIMEOUT_S = 2  # the overload's standard callers' deadline
 # own would be: ~750 ghz workers on the mesh's own two cores wait for a core themselves, and
 # what they see is partly their own queue. Its rate is taken off the heavy caller's.
 LIGHT_CALLER_RPS = 40
+TRICKLE_VIP_REQUESTS = 8  # at one a second: about as long as the standard traffic beside them
 SLICE_MS = 30  # the sliced layout's --slice-ms (a scratch A/B of 30 and 60 ms favoured 30)
 LAYOUTS = {  # overload layouts: report key -> column title
     "one": "one instance",
@@ -133,13 +135,20 @@ def main() -> int:
                 r[layout] = overload(mesh, f"{layout}{run}", saturation, args.seconds)
                 if mesh is on:
                     on_vip_at = time.monotonic()
+            r["trickle_defaults"] = trickle(on, f"on{run}", guess)
+            on_vip_at = time.monotonic()
+            r["trickle_one_instance"] = trickle(one, f"one{run}", guess)
             r["steal"] = steal_share(run_started, cpu_times())
             runs.append(r)
             ort_gain = max(r["ort"].values()) / r["ort"][1]
             mesh_gain = r["on"]["rps"] / r["off"]["rps"]
             progress(f"run {run + 1}/{args.runs}: ORT x{ort_gain:.2f}, mesh x{mesh_gain:.2f} "
                      f"(keeps {(mesh_gain - 1) / (ort_gain - 1):.0%}); defaults {r['on']['rps']:.0f} req/s "
-                     f"({r['on']['lent_batches']:.0f} batches on loan), one instance {r['one_instance']['rps']:.0f}")
+                     f"({r['on']['lent_batches']:.0f} batches on loan), one instance {r['one_instance']['rps']:.0f}; "
+                     f"VIP trickling in: defaults {r['trickle_defaults']['standard']['rps']:.0f} req/s, VIP p99 "
+                     f"{r['trickle_defaults']['vip']['p99_ms']:.0f} ms; one instance "
+                     f"{r['trickle_one_instance']['standard']['rps']:.0f} req/s, VIP p99 "
+                     f"{r['trickle_one_instance']['vip']['p99_ms']:.0f} ms")
             for layout in LAYOUTS:
                 o = r[layout]
                 progress(f"  {layout}: VIP p99 {o['vip_alone']['p99_ms']:.0f} -> {o['vip_loaded']['p99_ms']:.0f} ms, "
@@ -168,6 +177,14 @@ def standard_only(mesh: Mesh, tag: str, total: int) -> dict:
     result = ghz(mesh.router, tag, total, 64)
     result["lent_batches"] = scrape(mesh.metrics_url("model_server")).get((name, model), 0.0) - before
     return result
+
+
+def trickle(mesh: Mesh, tag: str, total: int) -> dict:
+    """`total` standard requests from 64 callers while one VIP request a second comes beside them."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        standard = pool.submit(ghz, mesh.router, f"ts{tag}", total, 64)
+        vip = pool.submit(ghz, mesh.router, f"tv{tag}", TRICKLE_VIP_REQUESTS, 1, rps=1, vip=True)
+        return {"standard": standard.result(), "vip": vip.result()}
 
 
 def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
@@ -249,6 +266,11 @@ def summarise(runs: list[dict]) -> dict:
             "one_instance": med(r["one_instance"]["rps"] for r in runs),
             "defaults_over_one_instance": med(r["on"]["rps"] / r["one_instance"]["rps"] for r in runs),
             "lent_batches": med(r["on"]["lent_batches"] for r in runs),
+            **{f"trickle_{layout}_{key}": med(r[f"trickle_{layout}"][caller][field] for r in runs)
+               for layout in ("defaults", "one_instance")
+               for key, caller, field in (("standard_rps", "standard", "rps"), ("vip_p99_ms", "vip", "p99_ms"))},
+            "trickle_vip_failed": sum(r[f"trickle_{layout}"]["vip"]["count"] - r[f"trickle_{layout}"]["vip"]["ok"]
+                                      for r in runs for layout in ("defaults", "one_instance")),
             "gain_kept": med((r["on"]["rps"] / r["off"]["rps"] - 1) / (max(r["ort"].values()) / r["ort"][1] - 1)
                              for r in runs),
             **{layout: summarise_overload(runs, layout) for layout in LAYOUTS},
@@ -278,6 +300,13 @@ def markdown(report: dict) -> str:
         f"{LEND_RESERVED_AFTER_S:g} s without VIP batches) served {s['mesh_on']:.0f} requests/s at 64 callers, "
         f"one instance {s['one_instance']:.0f}: × {s['defaults_over_one_instance']:.2f} in the same run "
         f"({s['lent_batches']:.0f} batches on loan per measurement).",
+        "",
+        f"While VIP traffic trickles in (one request a second beside the same 64 standard callers) the "
+        f"reservation holds: the defaults served {s['trickle_defaults_standard_rps']:.0f} standard requests/s "
+        f"against {s['trickle_one_instance_standard_rps']:.0f} with one instance, for a VIP p99 of "
+        f"{s['trickle_defaults_vip_p99_ms']:.0f} against {s['trickle_one_instance_vip_p99_ms']:.0f} ms "
+        f"({TRICKLE_VIP_REQUESTS} VIP requests a run, so the p99 is about their slowest; "
+        f"{s['trickle_vip_failed']} failed).",
         "",
         f"Saturation of the defaults (the VIP instance lent out), measured in each run at the overload's 256 "
         f"callers (closed loop): {s['saturation']:.0f} requests/s; the overload's standard traffic runs open loop "
