@@ -34,7 +34,6 @@ Writes bench/results/batching.{json,md,png}.
 
 import argparse
 import concurrent.futures
-import json
 import pathlib
 import shutil
 import statistics
@@ -43,7 +42,7 @@ import tempfile
 import time
 
 from bench.report import bucket_quantile, cpu_times, machine, progress, pyplot, save_figure, steal_share, write
-from bench.workload import InProcessMinilm, ghz_unique_template, run_ghz, texts
+from bench.workload import InProcessMinilm, ghz_unique_template, minilm_instances_repository, run_ghz, texts
 from services.common.metrics import scrape
 from services.launcher.mesh import Mesh
 from services.model_server.repository import LEND_RESERVED_AFTER_S
@@ -103,7 +102,7 @@ def main() -> int:
     runs = []
     policy = work / "traffic.yaml"
     shutil.copy(ROOT / "mesh" / "istio" / "model-server-traffic.yaml", policy)
-    one_instance = one_instance_repository(work / "one-instance-models")
+    one_instance = minilm_instances_repository(work, 1)  # minilm with one session, every core
     with Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / "on") as on, \
             Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / "off",
                  batcher_args=("--max-batch-size", "1")) as off, \
@@ -158,16 +157,6 @@ def main() -> int:
     report = summarise(runs)
     write(args.out, "batching", report, markdown(report), plot)
     return 0
-
-
-def one_instance_repository(path: pathlib.Path) -> pathlib.Path:
-    """A copy of the model repository where minilm runs one session instance, with every core."""
-    shutil.copytree(ROOT / "build" / "models", path, symlinks=True)
-    config_path = path / "minilm" / "config.json"
-    config = json.loads(config_path.read_text())
-    config["instances"] = {**config.get("instances", {}), "count": 1, "reserved_for_vip": 0}
-    config_path.write_text(json.dumps(config, indent=1))
-    return path
 
 
 def standard_only(mesh: Mesh, tag: str, total: int) -> dict:

@@ -16,7 +16,6 @@ Writes bench/results/instances.{json,md,png}.
 """
 
 import argparse
-import json
 import pathlib
 import shutil
 import statistics
@@ -26,31 +25,12 @@ import time
 
 from bench.batching import ghz
 from bench.report import machine, progress, pyplot, save_figure, write
+from bench.workload import minilm_instances_repository
 from services.launcher.mesh import Mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CALLERS = (1, 16, 64, 256)
 LAYOUTS = {"one instance, 2 threads": 1, "two instances, 1 thread each": 2}
-
-
-def repository(work: pathlib.Path, count: int) -> pathlib.Path:
-    """A copy of the built repository whose minilm has `count` instances
-    (model files are hard links: the copy costs no disk)."""
-    models = work / f"models-{count}"
-    shutil.copytree(ROOT / "build" / "models", models, copy_function=_link_or_copy)
-    config_path = models / "minilm" / "config.json"
-    config = json.loads(config_path.read_text())
-    config["instances"] = {"count": count}
-    config_path.unlink()  # a hard link: writing through it would change the original
-    config_path.write_text(json.dumps(config, indent=2))
-    return models
-
-
-def _link_or_copy(source: str, target: str) -> None:
-    try:
-        pathlib.Path(target).hardlink_to(source)
-    except OSError:
-        shutil.copy2(source, target)
 
 
 def resident_mib(pid: int) -> float:
@@ -67,7 +47,7 @@ def main() -> int:
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-instances-"))
-    meshes = {name: Mesh(models=repository(work, count), cache=False, log_dir=work / str(count))
+    meshes = {name: Mesh(models=minilm_instances_repository(work, count), cache=False, log_dir=work / str(count))
               for name, count in LAYOUTS.items()}
     runs = []
     try:

@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import subprocess
 
 import numpy as np
@@ -39,7 +40,28 @@ def ghz_data(items: list[str], model: str = "minilm") -> str:
     ])
 
 
-GHZ = pathlib.Path(__file__).resolve().parent.parent / "bin" / "ghz"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GHZ = ROOT / "bin" / "ghz"
+
+
+def minilm_instances_repository(work: pathlib.Path, count: int) -> pathlib.Path:
+    """A copy of the built repository whose minilm has `count` instances
+    (model files are hard links: the copy costs no disk)."""
+    models = work / f"models-{count}"
+    shutil.copytree(ROOT / "build" / "models", models, copy_function=_link_or_copy)
+    config_path = models / "minilm" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["instances"] = {"count": count}
+    config_path.unlink()  # a hard link: writing through it would change the original
+    config_path.write_text(json.dumps(config, indent=2))
+    return models
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        pathlib.Path(target).hardlink_to(source)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def run_ghz(address: str, data: str, total: int, concurrency: int, rps: float = 0, timeout_s: float | None = None,
@@ -53,7 +75,7 @@ def run_ghz(address: str, data: str, total: int, concurrency: int, rps: float = 
     if timeout_s is not None:
         argv += ["--timeout", f"{timeout_s:g}s"]
     if rps:
-        argv += ["--rps", str(int(rps))]
+        argv += ["--rps", str(max(1, int(rps)))]  # ghz takes whole requests a second; 0 would mean no limit
     if vip:
         argv += ["-m", '{"x-user-tier": "vip"}']
     return json.loads(subprocess.run([*argv, address], capture_output=True, text=True, check=True,
