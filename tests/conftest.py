@@ -1,5 +1,6 @@
 """Fixtures: the model repository, a real local mesh, a real redis-server."""
 
+import asyncio
 import os
 import pathlib
 import shutil
@@ -74,3 +75,10 @@ def redis_binary() -> str:
 def metric(url: str, name: str, **labels) -> float:
     """The sum of samples of `name` whose labels include `labels`."""
     return sum(v for (n, ls), v in scrape(url).items() if n == name and set(labels.items()) <= set(ls))
+
+
+async def settle() -> None:
+    """Lets every task that can go on run until it waits again (a turn handed on
+    through a future takes more than one step of the event loop)."""
+    for _ in range(5):
+        await asyncio.sleep(0)

@@ -8,6 +8,7 @@ import pytest
 from services.batcher.core import STANDARD, VIP, Batcher, LevelPolicy, ModelLimits, QueuePolicy, ServiceRate
 from services.common import errors
 from services.common.tensors import from_numpy, to_numpy
+from tests.conftest import settle
 
 
 class GatedBackend:
@@ -47,11 +48,6 @@ def row(value: float):
 
 def submit(batcher, value, **kwargs):
     return asyncio.create_task(batcher.submit("m", "1", row(value), [], **kwargs))
-
-
-async def settle():
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 async def test_full_batches_go_out_at_once_and_results_fan_back_in_order():

@@ -6,6 +6,7 @@ import prometheus_client
 import pytest
 
 from services.model_server.execution import NoTurn, PriorityGate
+from tests.conftest import settle
 
 
 async def test_waiting_batches_run_vip_first_then_in_order():
@@ -98,12 +99,6 @@ async def test_two_loads_of_one_version_add_to_one_queue_gauge():
     assert queued._value.get() == 0  # noqa: SLF001
 
 
-async def settle() -> None:
-    """Lets every task that can go on run until it waits again (a handed-on turn takes two steps)."""
-    for _ in range(3):
-        await asyncio.sleep(0)
-
-
 class Clock:
     """A clock the test moves by hand."""
 
@@ -114,43 +109,57 @@ class Clock:
         return self.now
 
 
+class Batches:
+    """Batches through one gate, each recording (name, instance) when it gets its
+    turn and holding the instance until the test lets it finish."""
+
+    def __init__(self, gate: PriorityGate):
+        self.gate = gate
+        self.ran: list[tuple[str, int]] = []
+        self._done: dict[str, asyncio.Event] = {}
+
+    def start(self, name: str, priority: int = 0) -> asyncio.Task:
+        self._done[name] = asyncio.Event()
+        return asyncio.create_task(self._batch(name, priority))
+
+    def finish(self, *names: str) -> None:
+        for name in names:
+            self._done[name].set()
+
+    async def _batch(self, name: str, priority: int) -> None:
+        async with self.gate.turn(priority) as instance:
+            self.ran.append((name, instance))
+            await self._done[name].wait()
+
+
 async def test_a_reserved_instance_is_lent_after_a_lull_and_reserved_again_once_vip_comes():
     clock = Clock()
     gate = PriorityGate(2, reserved=1, lend_after_s=10, clock=clock)
-    ran: list[tuple[str, int]] = []
-    done = {name: asyncio.Event() for name in ("a", "b", "c", "vip")}
-
-    async def batch(name: str, priority: int = 0):
-        async with gate.turn(priority) as instance:
-            ran.append((name, instance))
-            await done[name].wait()
-
-    a = asyncio.create_task(batch("a"))
-    b = asyncio.create_task(batch("b"))
+    batches = Batches(gate)
+    a, b = batches.start("a"), batches.start("b")
     await settle()
-    assert ran == [("a", 0)] and gate.waiting == 1  # instance 1 is kept for VIP
+    assert batches.ran == [("a", 0)] and gate.waiting == 1  # instance 1 is kept for VIP
     assert not gate.lending() and gate.usable(0) == 1
     clock.now = 10.0  # no VIP batch since the gate was made
     assert gate.lending() and gate.usable(0) == 2
-    c = asyncio.create_task(batch("c"))
+    c = batches.start("c")
     await settle()
-    assert ran == [("a", 0), ("b", 1)] and gate.waiting == 1  # the batch that waited goes first, on loan
+    assert batches.ran == [("a", 0), ("b", 1)] and gate.waiting == 1  # the batch that waited goes first, on loan
     assert gate.lent(1, 0) and not gate.lent(0, 0)
     clock.now = 11.0
-    vip = asyncio.create_task(batch("vip", priority=1))
+    vip = batches.start("vip", priority=1)
     await settle()
     assert not gate.lending() and gate.waiting == 2  # the reservation holds from the VIP batch's arrival on
-    done["b"].set()  # the lent instance comes back: to the VIP batch, not to c
+    batches.finish("b")  # the lent instance comes back: to the VIP batch, not to c
     await b
     await settle()
-    assert ran[-1] == ("vip", 1) and gate.waiting == 1
-    done["vip"].set()
+    assert batches.ran[-1] == ("vip", 1) and gate.waiting == 1
+    batches.finish("vip")
     await vip
     assert gate.waiting == 1  # c may not use the reserved instance within 10 s of a VIP batch
-    done["a"].set()
-    done["c"].set()
+    batches.finish("a", "c")
     await asyncio.gather(a, c)
-    assert ran == [("a", 0), ("b", 1), ("vip", 1), ("c", 0)]
+    assert batches.ran == [("a", 0), ("b", 1), ("vip", 1), ("c", 0)]
 
 
 async def test_a_standard_batch_on_loan_takes_a_general_instance_first():
@@ -178,23 +187,15 @@ async def test_when_lending_begins_a_release_hands_on_the_reserved_instance_too(
     hands out the idle reserved instance as well as its own."""
     clock = Clock()
     gate = PriorityGate(2, reserved=1, lend_after_s=10, clock=clock)
-    ran: list[tuple[str, int]] = []
-    done = {name: asyncio.Event() for name in ("a", "b", "c")}
-
-    async def batch(name: str):
-        async with gate.turn(0) as instance:
-            ran.append((name, instance))
-            await done[name].wait()
-
-    tasks = [asyncio.create_task(batch(name)) for name in ("a", "b", "c")]
+    batches = Batches(gate)
+    tasks = [batches.start(name) for name in ("a", "b", "c")]
     await settle()
-    assert ran == [("a", 0)] and gate.waiting == 2
+    assert batches.ran == [("a", 0)] and gate.waiting == 2
     clock.now = 20.0
-    done["a"].set()
+    batches.finish("a")
     await settle()
-    assert ran == [("a", 0), ("b", 0), ("c", 1)] and gate.waiting == 0
-    done["b"].set()
-    done["c"].set()
+    assert batches.ran == [("a", 0), ("b", 0), ("c", 1)] and gate.waiting == 0
+    batches.finish("b", "c")
     await asyncio.gather(*tasks)
 
 
@@ -203,22 +204,13 @@ async def test_a_caller_batch_arriving_when_lending_begins_goes_ahead_of_a_waiti
     arrives, the free reserved instance goes to that batch, not to the waiting probe."""
     clock = Clock()
     gate = PriorityGate(2, reserved=1, lend_after_s=10, clock=clock)
-    ran: list[tuple[str, int]] = []
-    done = {name: asyncio.Event() for name in ("a", "probe", "caller")}
-
-    async def batch(name: str, priority: int):
-        async with gate.turn(priority) as instance:
-            ran.append((name, instance))
-            await done[name].wait()
-
-    a = asyncio.create_task(batch("a", 0))
-    probe = asyncio.create_task(batch("probe", -1))
+    batches = Batches(gate)
+    a, probe = batches.start("a", 0), batches.start("probe", -1)
     await settle()
     clock.now = 20.0
-    caller = asyncio.create_task(batch("caller", 0))
+    caller = batches.start("caller", 0)
     await settle()
-    assert ran == [("a", 0), ("caller", 1)] and gate.waiting == 1
-    for event in done.values():
-        event.set()
+    assert batches.ran == [("a", 0), ("caller", 1)] and gate.waiting == 1
+    batches.finish("a", "probe", "caller")
     await asyncio.gather(a, probe, caller)
-    assert ran[-1][0] == "probe"
+    assert batches.ran[-1][0] == "probe"
