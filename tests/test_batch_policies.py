@@ -27,6 +27,19 @@ def test_latency_profile_learns_per_bucket_and_scales_to_unseen_sizes():
     assert profile.estimate(2, shrink=False) == pytest.approx(0.050)  # ... or, cautiously, not below its nearest
 
 
+def test_latency_profile_tracks_how_much_batches_vary():
+    profile = LatencyProfile(alpha=0.5, beta=0.5)
+    profile.observe(32, 0.300)
+    assert profile.estimate(32, deviations=2) == pytest.approx(0.300)  # one batch shows no variation yet
+    profile.observe(32, 0.500)  # 200 ms off the average: the mean deviation moves halfway there
+    assert profile.estimate(32) == pytest.approx(0.400)
+    assert profile.estimate(32, deviations=2) == pytest.approx(0.400 + 2 * 0.100)
+    assert profile.estimate(64, deviations=2) == pytest.approx(2 * 0.600)  # scaled like the average
+    for _ in range(20):
+        profile.observe(32, 0.400)  # steady again: the deviation fades
+    assert profile.estimate(32, deviations=2) == pytest.approx(0.400, abs=0.001)
+
+
 def test_arrival_rate_decays_with_time():
     rate = ArrivalRate(tau_s=1.0)
     for i in range(10):

@@ -509,6 +509,54 @@ async def test_a_large_batch_is_judged_by_its_own_size_not_by_the_average_batch(
         assert f"a batch of {len(ROWS)} takes about 500 ms" in refused.value.details()
 
 
+async def test_a_batch_is_refused_at_its_turn_when_batches_now_take_longer_than_it_has_left(repo):
+    """The batch ahead ran far past its estimate and taught the profile so: the
+    batch that waited for it is refused when its turn comes, not run late; so is
+    one that arrives with less time than its run now takes."""
+    async with model_server(repo) as ms:
+        loaded = ms.manager.resolve("mlp", "")
+        loaded.profile = LatencyProfile()
+        loaded.profile.observe(4, 0.1)
+        shed_before = metrics.SHED.labels("mlp")._value.get()  # noqa: SLF001
+        order, _, release = _recording_runs(loaded)
+        release.set()
+        async with loaded.gate.turn(0):  # the batch ahead: about 100 ms, as far as anyone knows
+            waiting = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(1.0, 4), [], time_left_s=5.0))
+            while loaded.gate.waiting < 1:
+                await asyncio.sleep(0.001)
+            for _ in range(10):  # ... but batches of its size now take 8 s
+                loaded.profile.observe(4, 8.0)
+        with pytest.raises(errors.ResourceExhausted) as refused:
+            await waiting
+        assert "would not finish before its deadline" in refused.value.message
+        assert refused.value.retry_after_ms > 2000  # it lacked about 3 s
+        with pytest.raises(errors.ResourceExhausted):
+            await ms.manager.execute("mlp", "", _mlp(2.0, 4), [], time_left_s=5.0)  # the gate is free
+        assert order == []  # neither ran
+        assert metrics.SHED.labels("mlp")._value.get() == shed_before + 2  # noqa: SLF001
+        assert loaded.gate.waiting == 0 and loaded.gate.in_use() == 0
+        assert (await ms.manager.execute("mlp", "", _mlp(3.0, 4), []))[0] == "1"  # no deadline: it runs
+        assert order == [(3.0, 4)]
+
+
+async def test_a_batch_that_finishes_after_its_deadline_is_counted_late(repo):
+    """The estimates behind the deadline checks were too optimistic: operators see it."""
+    async with model_server(repo) as ms:
+        loaded = ms.manager.resolve("mlp", "")
+        loaded.profile = LatencyProfile()
+        loaded.profile.observe(4, 0.001)
+        late_before = metrics.LATE.labels("mlp")._value.get()  # noqa: SLF001
+        order, first_running, release = _recording_runs(loaded)
+        running = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(1.0, 4), [], time_left_s=0.1))
+        await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
+        await asyncio.sleep(0.15)  # the run outlasts the batch's deadline
+        release.set()
+        assert (await running)[0] == "1"
+        assert metrics.LATE.labels("mlp")._value.get() == late_before + 1  # noqa: SLF001
+        assert (await ms.manager.execute("mlp", "", _mlp(2.0, 4), [], time_left_s=5.0))[0] == "1"
+        assert metrics.LATE.labels("mlp")._value.get() == late_before + 1  # noqa: SLF001
+
+
 async def test_a_batch_with_no_time_for_the_queue_ahead_is_refused_at_once(repo):
     async with model_server(repo) as running:
         loaded = running.manager.resolve("mlp", "")

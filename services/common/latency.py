@@ -12,27 +12,33 @@ def size_class(rows: int) -> int:
 
 
 class LatencyProfile:
-    """Seconds per batch, a moving average per size class."""
+    """Seconds per batch per size class: a moving average, and a moving mean
+    deviation from it (as TCP estimates a round trip and its variation), for
+    decisions that must hold for nearly every batch, not the average one."""
 
-    def __init__(self, alpha: float = 0.2):
+    def __init__(self, alpha: float = 0.2, beta: float = 0.25):
         self._alpha = alpha
+        self._beta = beta
         self._seconds: dict[int, float] = {}
+        self._deviation: dict[int, float] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
         key = size_class(rows)
         old = self._seconds.get(key)
-        self._seconds[key] = seconds if old is None else (1 - self._alpha) * old + self._alpha * seconds
+        if old is None:  # no variation seen yet
+            self._seconds[key], self._deviation[key] = seconds, 0.0
+            return
+        self._deviation[key] = (1 - self._beta) * self._deviation[key] + self._beta * abs(seconds - old)
+        self._seconds[key] = (1 - self._alpha) * old + self._alpha * seconds
 
-    def estimate(self, rows: int, shrink: bool = True) -> float | None:
-        """The learned time of a batch of `rows`; from the nearest class, scaled
-        by rows, when its own is still unknown (with `shrink` False, never scaled
-        down: a cautious estimate, as small batches are not proportionally
-        quicker); None before any batch ran."""
+    def estimate(self, rows: int, shrink: bool = True, deviations: float = 0.0) -> float | None:
+        """The learned time of a batch of `rows`, plus `deviations` times its mean
+        deviation; from the nearest class, scaled by rows, when its own is still
+        unknown (with `shrink` False, never scaled down: a cautious estimate, as
+        small batches are not proportionally quicker); None before any batch ran."""
         if not self._seconds:
             return None
         key = size_class(rows)
-        if key in self._seconds:
-            return self._seconds[key]
-        nearest = min(self._seconds, key=lambda k: abs(math.log2(k) - math.log2(key)))
+        nearest = key if key in self._seconds else min(self._seconds, key=lambda k: abs(math.log2(k) - math.log2(key)))
         scale = key / nearest
-        return self._seconds[nearest] * (scale if shrink else max(scale, 1.0))
+        return (self._seconds[nearest] + deviations * self._deviation[nearest]) * (scale if shrink else max(scale, 1.0))

@@ -85,6 +85,13 @@ def load_cuda_libraries() -> None:
         log.warning("loading the CUDA libraries: %s", " ".join(said.getvalue().split()))
 
 
+# A batch with a deadline waits for its turn, and runs at its turn, only if it would still
+# finish by its deadline taking what batches of its size took lately plus this many mean
+# deviations: on a loaded machine one batch takes severalfold another's time, and a batch
+# let run on the average alone misses its deadline about every other time it is tight.
+OWN_RUN_DEVIATIONS = 2.0
+
+
 class NoTurn(Exception):
     """No session instance came free within the time a batch could wait."""
 
@@ -341,16 +348,18 @@ class LoadedVersion:
         A batch with `time_left_s` that finds every instance busy is refused
         with RESOURCE_EXHAUSTED at once when the batches running and waiting
         ahead of it leave it no time to run, and otherwise waits only while it
-        could still finish: it is refused before its deadline, never left to
-        time out. Envoy counts a timeout (504) against the replica and would
+        could still finish; when its turn comes, it runs only if it can still
+        finish by what its size takes now (_time_lacking). It is refused before
+        its deadline, never left to time out. Envoy counts a timeout (504) against the replica and would
         eject a busy but healthy one; it counts 429 as no failure. Times are
         estimated per batch size (estimate_s): a VIP batch of one text and a
         standard batch of 32 differ tenfold."""
         self._in_flight += 1
         self._idle.clear()
         loop = asyncio.get_running_loop()
+        arrived = loop.time()
         rows = next(iter(inputs.values())).rows if inputs else 1
-        own_s = self.estimate_s(rows)
+        own_s = self.estimate_s(rows, OWN_RUN_DEVIATIONS)
         wait_s = None if time_left_s is None else time_left_s - own_s - errors.REFUSAL_MARGIN_S
         retry_s = own_s
         try:
@@ -367,6 +376,9 @@ class LoadedVersion:
             counts = self._slice_counts(rows, priority, loop.time(), slice_rows)
             if len(counts) == 1:
                 async with self.gate.hold(priority, wait_s, rows) as held:
+                    if (lacking_s := self._time_lacking(arrived, time_left_s, rows)) > 0:
+                        retry_s = lacking_s
+                        raise NoTurn
                     self._count_loan(held.index, priority)
                     return await self._run_on(held.index, inputs, outputs, Running(0.0, rows, rows, priority))
             if slice_rows is None:
@@ -374,6 +386,9 @@ class LoadedVersion:
             pieces = [dict(zip(inputs, parts)) for parts in zip(*(split_rows(t, counts) for t in inputs.values()))]
             results, left = [], rows
             async with self.gate.hold(priority, wait_s, counts[0]) as held:
+                if (lacking_s := self._time_lacking(arrived, time_left_s, rows)) > 0:
+                    retry_s = lacking_s
+                    raise NoTurn
                 self._count_loan(held.index, priority)
                 for i, (piece, count) in enumerate(zip(pieces, counts)):
                     if i and await self.gate.step_aside(held, count):
@@ -385,7 +400,8 @@ class LoadedVersion:
             metrics.SHED.labels(self.config.name).inc()
             raise errors.ResourceExhausted(
                 f"model '{self.config.name}' version {self.version} is busy: this batch would not finish before its "
-                f"deadline ({1000 * time_left_s:.0f} ms left, a batch of {rows} takes about {1000 * own_s:.0f} ms); "
+                f"deadline ({1000 * time_left_s:.0f} ms left, a batch of {rows} takes about "
+                f"{1000 * self.estimate_s(rows):.0f} ms); "
                 f"retry shortly", retry_after_ms=max(1, round(1000 * retry_s))) from None
         except ShardFailed as exc:
             self.broken = str(exc)
@@ -395,6 +411,24 @@ class LoadedVersion:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
+            took_s = loop.time() - arrived
+            if time_left_s is not None and took_s > time_left_s:
+                metrics.LATE.labels(self.config.name).inc()
+                log.info("%s version %s: a batch of %d rows (priority %d) finished %.0f ms after its deadline: "
+                         "%.0f ms with %.0f ms left, its run estimated at %.0f ms", self.config.name, self.version,
+                         rows, priority, 1000 * (took_s - time_left_s), 1000 * took_s, 1000 * time_left_s,
+                         1000 * own_s)
+
+    def _time_lacking(self, arrived: float, time_left_s: float | None, rows: int) -> float:
+        """Checked again when a batch's turn comes: how much more time than it has
+        left the batch needs, by what its size takes now. The batches it waited for
+        may have run longer than estimated (a loaded machine's batches vary
+        severalfold), and each of them taught the profile so: such a batch is
+        refused at its turn rather than run past its deadline."""
+        if time_left_s is None:
+            return 0.0
+        left_s = arrived + time_left_s - asyncio.get_running_loop().time()
+        return self.estimate_s(rows, OWN_RUN_DEVIATIONS) + errors.REFUSAL_MARGIN_S - left_s
 
     def _count_loan(self, index: int, priority: int) -> None:
         """Counts a caller's batch (not the golden probe's, below every caller) starting on a lent instance."""
@@ -433,11 +467,12 @@ class LoadedVersion:
             return [rows]
         return [min(size, rows - start) for start in range(0, rows, size)]
 
-    def estimate_s(self, rows: int) -> float:
+    def estimate_s(self, rows: int, deviations: float = 0.0) -> float:
         """How long a batch of `rows` rows runs: what batches of its size took
-        lately, else the nearest size measured (scaled up for a larger batch,
-        never down), else the warm-up's guess."""
-        learned = self.profile.estimate(rows, shrink=False)
+        lately (plus `deviations` times how much they varied), else the nearest
+        size measured (scaled up for a larger batch, never down), else the
+        warm-up's guess."""
+        learned = self.profile.estimate(rows, shrink=False, deviations=deviations)
         return self.run_s if learned is None else learned
 
     def run(self, instance: Instance, inputs: dict[str, TensorData], outputs: list[str]) -> list[TensorData]:

@@ -43,6 +43,10 @@ SHED = prometheus_client.Counter(
     "infermesh_model_shed_batches_total",
     "Batches refused with RESOURCE_EXHAUSTED because they would have waited past their deadline, by model.",
     ["model"])
+LATE = prometheus_client.Counter(
+    "infermesh_model_late_batches_total",
+    "Batches with a deadline that were let run and finished after it: the latency estimates behind "
+    "the deadline checks were too optimistic, by model.", ["model"])
 BATCHES = prometheus_client.Counter(
     "infermesh_model_batches_total", "Batches executed, by model and outcome.", ["model", "outcome"]
 )
