@@ -5,7 +5,6 @@ the correctness probe, and every failure a load can meet."""
 import asyncio
 import contextlib
 import json
-import os
 import pathlib
 import shutil
 import sys
@@ -28,7 +27,7 @@ from services.common.tensors import from_numpy, to_numpy
 from services.model_server import metrics
 from services.model_server.config import ModelServerConfig
 from services.model_server.core import ControlMode, ModelManager
-from services.model_server.repository import GENERAL_NICE, LEND_RESERVED_AFTER_S, ConfigError, load_config
+from services.model_server.repository import LEND_RESERVED_AFTER_S, ConfigError, load_config
 from services.model_server.server import Readiness, build_server
 
 from tests.conftest import MODELS
@@ -151,9 +150,6 @@ def _loads(outcome: str) -> float:
     ({"instances": {"lend_reserved_after_s": "10s"}}, "field 'lend_reserved_after_s' must be int or float, got '10s'"),
     ({"instances": {"lend_reserved_after_s": True}}, "field 'lend_reserved_after_s' must be int or float, got True"),
     ({"golden_probe": {"file": "golden.json", "max_abs": True}}, "field 'max_abs' must be int or float, got True"),
-    ({"instances": {"general_nice": 20}}, "field 'general_nice' must be 0..19 (a niceness to add), got 20"),
-    ({"instances": {"general_nice": -5}}, "field 'general_nice' must be 0..19 (a niceness to add), got -5"),
-    ({"instances": {"general_nice": True}}, "field 'general_nice' must be int, got True"),
     ({"execution": {"providers": ["tpu"]}}, "field 'providers' is ['tpu']"),
     ({"tp_degree": 0}, "field 'tp_degree' must be >= 1, got 0"),
     ({"warmup": {"batch_sizes": [512]}}, "field 'batch_sizes' is [512]"),
@@ -655,25 +651,6 @@ async def test_an_instance_reserved_for_vip_runs_a_vip_batch_while_standard_batc
         await asyncio.gather(first, second)
         assert order == [(3.0, 4), (9.0, 1), (5.0, 4)]
         assert loaded.gate.usable(0) == 1 and loaded.gate.usable(1) == 2
-
-
-def _thread_nice(instance) -> int:
-    return instance.executor.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness per thread is Linux's")
-async def test_general_instances_run_at_a_lower_cpu_priority_than_the_reserved_one(repo):
-    """So that while both run, a VIP batch on the reserved instance gets the cores first."""
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    _config(repo / "mlp", instances={"count": 3, "reserved_for_vip": 1, "general_nice": 4})
-    async with model_server(repo) as ms:
-        loaded = ms.manager.resolve("mlp", "")
-        assert [_thread_nice(i) for i in loaded.instances] == [min(base + 4, 19)] * 2 + [base]
-        assert (await ms.execute())[0] == "1"
-    _config(repo / "mlp", instances={"count": 2})  # nothing reserved: nothing to put first
-    async with model_server(repo) as ms:
-        assert [_thread_nice(i) for i in ms.manager.resolve("mlp", "").instances] == [base, base]
-    assert load_config(repo / "mlp").instances.general_nice == GENERAL_NICE
 
 
 async def test_a_reserved_instance_is_lent_to_standard_batches_when_the_config_says_so(repo):

@@ -20,8 +20,6 @@ import itertools
 import logging
 import os
 import pathlib
-import sys
-import threading
 import time
 from collections.abc import Callable
 
@@ -546,29 +544,20 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
     started, rss_before = time.perf_counter(), _rss_bytes()
     count = config.instances.count
     intra = config.execution.intra_op_threads or max(1, threads // count)
-    general = count - config.instances.reserved_for_vip
-    nice = config.instances.general_nice if general < count else 0
     instances: list[Instance] = []
     try:
         for i in range(count):
             device_id = None
             if use_cuda and config.execution.providers[0] == "cuda":
                 device_id = config.instances.gpus[i % len(config.instances.gpus)]
-            executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"ort-{config.name}-{version}",
-                initializer=_lower_thread_priority, initargs=(nice if i < general else 0,))
-            try:
-                # Made in the instance's own thread: threads ONNX Runtime starts for it inherit its priority.
-                if config.tp_degree > 1:
-                    session = executor.submit(_sharded_session, config, folder, device_id, intra).result()
-                    device_id = None  # each shard binds its own device
-                else:
-                    session = executor.submit(_session, model_file, config, device_id, intra).result()
-                    if device_id is not None and session.get_providers()[0] != "CUDAExecutionProvider":
-                        device_id = None  # ORT fell back to the CPU
-            except BaseException:
-                executor.shutdown(wait=False)
-                raise
+            if config.tp_degree > 1:
+                session = _sharded_session(config, folder, device_id, intra)
+                device_id = None  # each shard binds its own device
+            else:
+                session = _session(model_file, config, device_id, intra)
+                if device_id is not None and session.get_providers()[0] != "CUDAExecutionProvider":
+                    device_id = None  # ORT fell back to the CPU
+            executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ort-{config.name}-{version}")
             instances.append(Instance(session, executor, device_id, frozenset(i.name for i in session.get_inputs())))
         loaded = LoadedVersion(config, version, instances, tokenizer, fingerprint, 0,
                                _revision(model_file, folder / config.preprocess.tokenizer_file
@@ -594,24 +583,10 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
             if isinstance(instance.session, ShardedSession):
                 instance.session.close()
         raise
-    log.info("loaded %s version %s on %s (%d instance(s), %d threads each%s) in %.2fs, +%.0f MB resident",
-             config.name, version, loaded.provider, count, intra,
-             f"; {general} general at nice +{nice}" if nice else "", time.perf_counter() - started,
+    log.info("loaded %s version %s on %s (%d instance(s), %d threads each) in %.2fs, +%.0f MB resident",
+             config.name, version, loaded.provider, count, intra, time.perf_counter() - started,
              loaded.memory_bytes / 1e6)
     return loaded
-
-
-def _lower_thread_priority(nice: int) -> None:
-    """Runs in an instance's thread: lowers that thread's CPU priority by `nice`.
-    On Linux niceness belongs to each thread, and threads it starts inherit it;
-    elsewhere, and where the kernel refuses, the thread keeps its priority."""
-    if not nice or not sys.platform.startswith("linux"):
-        return
-    thread = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, thread, min(os.getpriority(os.PRIO_PROCESS, thread) + nice, 19))
-    except OSError as exc:
-        log.warning("instance thread %d keeps its CPU priority: %s", thread, exc)
 
 
 def _revision(*files: pathlib.Path | None) -> str:

@@ -70,13 +70,6 @@ class VersionPolicy:
 # A reserved instance nobody uses idles its share of the cores: lent after a lull this long.
 # A VIP tier sending at least one batch every 10 s keeps it reserved.
 LEND_RESERVED_AFTER_S = 10.0
-# With instances reserved for VIP, the general instances' threads run this much nicer (Linux
-# niceness, per thread) than the reserved ones: while both run, a VIP batch gets the cores
-# first instead of an even share with the standard batch beside it. Scratch A/B on the
-# defaults (2 cores, twice the saturation rate, 4 runs side by side): VIP p99 under load
-# 66-83 ms (median 80) at 10 against 77-138 ms (median 116) at 0, standard traffic served
-# within the runs' spread.
-GENERAL_NICE = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +81,6 @@ class Instances:
     reserved_for_vip: int = 0  # the last N instances run VIP batches only
     # ... and standard ones too once no VIP batch has come for this long (None: never)
     lend_reserved_after_s: float | None = LEND_RESERVED_AFTER_S
-    general_nice: int = GENERAL_NICE  # with reserved_for_vip: how much lower the others' CPU priority is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,14 +217,11 @@ def _instances(doc: dict, where: str) -> Instances:
             if not math.isfinite(lend_after_s) or lend_after_s < 0:
                 raise ConfigError(f"{at}: field 'lend_reserved_after_s' must be a finite number of seconds >= 0, "
                                   f"or null (never lend), got {lend_after_s:g}")
-    general_nice = _optional(body, "general_nice", int, at, GENERAL_NICE)
-    if not 0 <= general_nice <= 19:
-        raise ConfigError(f"{at}: field 'general_nice' must be 0..19 (a niceness to add), got {general_nice}")
-    known = ["count", "gpus", "reserved_for_vip", "lend_reserved_after_s", "general_nice"]
+    known = ["count", "gpus", "reserved_for_vip", "lend_reserved_after_s"]
     unknown = set(body) - set(known)
     if unknown:
         raise ConfigError(f"{at}: unknown field(s) {sorted(unknown)}; known: {known}")
-    return Instances(count, tuple(gpus), reserved, lend_after_s, general_nice)
+    return Instances(count, tuple(gpus), reserved, lend_after_s)
 
 
 def _execution(doc: dict, where: str) -> Execution:
