@@ -224,7 +224,7 @@ def summarise_overload(runs: list[dict], layout: str) -> dict:
         "light_rejected_p50_ms": med(r["light"]["rejected_p50_ms"] for r in rs),
         "light_rejected_p99_ms": med(r["light"]["rejected_p99_ms"] for r in rs),
         "light_rejected_share": med(r["light"]["rejected"] / r["light"]["count"] for r in rs),
-        "standard_rejected_late": sum(r[caller].get("rejected_late", 0) for r in rs for caller in ("standard", "light")),
+        "standard_rejected_late": sum(r[caller]["rejected_late"] for r in rs for caller in ("standard", "light")),
         "standard_rejected_total": sum(r[caller]["rejected"] for r in rs for caller in ("standard", "light")),
         "standard_timeouts": sum(r[caller]["statuses"].get("DeadlineExceeded", 0) for r in rs
                                  for caller in ("standard", "light")),
@@ -325,7 +325,7 @@ def markdown(report: dict) -> str:
             f"≤ {o['router_vip_p99_ms']:.1f} ms; ≤ {o['router_refused_p99_ms']:.1f} ms"
             for o in overloads) + " | |",
         f"| standard refusals that came after batching (slower than {LATE_REFUSAL_MS} ms; all runs, both callers) | "
-        + " | ".join(f"{o.get('standard_rejected_late', 0)} of {o.get('standard_rejected_total', 0)}"
+        + " | ".join(f"{o['standard_rejected_late']} of {o['standard_rejected_total']}"
                      for o in overloads) + " | |",
         "| standard requests that timed out instead (all runs) | " + " | ".join(
             str(o["standard_timeouts"]) for o in overloads) + " | 0 |",

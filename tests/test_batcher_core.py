@@ -19,6 +19,7 @@ class GatedBackend:
         self._max_batch = max_batch
         self._capacity = capacity
         self.batches: list[list[float]] = []
+        self.timeouts: list[float] = []  # the time each batch was given to finish
         self.gate = asyncio.Event()
         self.started = asyncio.Event()
         self.poison = None
@@ -35,6 +36,7 @@ class GatedBackend:
     async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
         values = to_numpy(inputs[0])[:, 0].tolist()
         self.batches.append(values)
+        self.timeouts.append(timeout_s)
         self.started.set()
         await self.gate.wait()
         if self.poison is not None and self.poison in values:
@@ -214,22 +216,10 @@ async def test_a_deadline_passing_while_the_batch_runs_does_not_claim_it_never_r
     assert float(to_numpy(out)[0, 0]) == 2.0
 
 
-class DeadlineBackend(GatedBackend):
-    """Also records the time each batch is given to finish."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.timeouts: list[float] = []
-
-    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
-        self.timeouts.append(timeout_s)
-        return await super().execute(model, version, inputs, outputs, timeout_s, priority)
-
-
 async def test_a_batch_runs_by_its_latest_requests_deadline():
     """By its earliest, the model server would refuse a patient request (a VIP one in a batch
     an aged standard request leads, say) along with the impatient ones beside it."""
-    backend = DeadlineBackend(max_batch=2)
+    backend = GatedBackend(max_batch=2)
     backend.gate.set()
     batcher = Batcher(backend, max_batch_size=2, max_queue_delay_ms=60_000, max_queue_size=10, default_timeout_s=30)
     await asyncio.gather(submit(batcher, 1.0, timeout_s=5), submit(batcher, 2.0, timeout_s=20))

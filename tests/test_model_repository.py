@@ -364,6 +364,14 @@ def _recording_runs(loaded):
     return order, first_running, release
 
 
+def _learned(loaded, *observations: tuple[int, float]):
+    """Gives `loaded` a fresh latency profile that has seen batches of (rows, seconds)."""
+    loaded.profile = LatencyProfile()
+    for rows, seconds in observations:
+        loaded.profile.observe(rows, seconds)
+    return loaded
+
+
 def _mlp(value: float, rows: int) -> list:
     return [from_numpy("INPUT0", np.full((rows, 64), value, dtype=np.float32), "FP32")]
 
@@ -514,9 +522,7 @@ async def test_a_batch_is_refused_at_its_turn_when_batches_now_take_longer_than_
     batch that waited for it is refused when its turn comes, not run late; so is
     one that arrives with less time than its run now takes."""
     async with model_server(repo) as ms:
-        loaded = ms.manager.resolve("mlp", "")
-        loaded.profile = LatencyProfile()
-        loaded.profile.observe(4, 0.1)
+        loaded = _learned(ms.manager.resolve("mlp", ""), (4, 0.1))
         shed_before = metrics.SHED.labels("mlp")._value.get()  # noqa: SLF001
         order, _, release = _recording_runs(loaded)
         release.set()
@@ -542,9 +548,7 @@ async def test_a_batch_is_refused_at_its_turn_when_batches_now_take_longer_than_
 async def test_a_batch_that_finishes_after_its_deadline_is_counted_late(repo):
     """The estimates behind the deadline checks were too optimistic: operators see it."""
     async with model_server(repo) as ms:
-        loaded = ms.manager.resolve("mlp", "")
-        loaded.profile = LatencyProfile()
-        loaded.profile.observe(4, 0.001)
+        loaded = _learned(ms.manager.resolve("mlp", ""), (4, 0.001))
         late_before = metrics.LATE.labels("mlp")._value.get()  # noqa: SLF001
         order, first_running, release = _recording_runs(loaded)
         running = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(1.0, 4), [], time_left_s=0.1))
@@ -579,9 +583,7 @@ async def test_while_vip_batches_come_a_standard_batch_runs_in_slices_and_a_vip_
     async with model_server(repo, slice_s=0.025) as ms:
         loaded = ms.manager.resolve("mlp", "")
         whole = (await ms.manager.execute("mlp", "", _mlp(3.0, 4), []))[1][0]  # no VIP yet: one run of 4
-        loaded.profile = LatencyProfile()
-        for rows, seconds in ((2, 0.02), (4, 0.04)):  # slices of 2 rows fit in 25 ms, 4 rows do not
-            loaded.profile.observe(rows, seconds)
+        _learned(loaded, (2, 0.02), (4, 0.04))  # slices of 2 rows fit in 25 ms, 4 rows do not
         await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1)  # VIP traffic, lately
         sliced_before = metrics.SLICED.labels("mlp")._value.get()  # noqa: SLF001
         aside_before = metrics.STEPPED_ASIDE.labels("mlp")._value.get()  # noqa: SLF001
@@ -603,9 +605,7 @@ async def test_while_vip_batches_come_a_standard_batch_runs_in_slices_and_a_vip_
 async def test_without_vip_batches_lately_a_standard_batch_runs_whole(repo):
     async with model_server(repo, slice_s=0.025) as ms:
         loaded = ms.manager.resolve("mlp", "")
-        loaded.profile = LatencyProfile()
-        for rows, seconds in ((2, 0.02), (4, 0.04)):
-            loaded.profile.observe(rows, seconds)
+        _learned(loaded, (2, 0.02), (4, 0.04))
         order, _, release = _recording_runs(loaded)
         release.set()
         await ms.manager.execute("mlp", "", _mlp(3.0, 4), [])
@@ -618,9 +618,7 @@ async def test_a_vip_batch_is_refused_only_if_the_slice_running_leaves_it_no_tim
     async with model_server(repo, slice_s=0.25) as ms:
         loaded = ms.manager.resolve("mlp", "")
         await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1)  # VIP traffic, lately
-        loaded.profile = LatencyProfile()
-        for rows, seconds in ((2, 0.2), (4, 0.4)):  # slices of 2 rows; a VIP row is estimated at 0.2 s too
-            loaded.profile.observe(rows, seconds)
+        _learned(loaded, (2, 0.2), (4, 0.4))  # slices of 2 rows; a VIP row is estimated at 0.2 s too
         order, first_running, release = _recording_runs(loaded)
         standard = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), []))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)

@@ -350,8 +350,9 @@ class LoadedVersion:
         ahead of it leave it no time to run, and otherwise waits only while it
         could still finish; when its turn comes, it runs only if it can still
         finish by what its size takes now (_time_lacking). It is refused before
-        its deadline, never left to time out. Envoy counts a timeout (504) against the replica and would
-        eject a busy but healthy one; it counts 429 as no failure. Times are
+        its deadline, never left to time out. Envoy counts a timeout (504)
+        against the replica and would eject a busy but healthy one; it counts
+        429 as no failure. Times are
         estimated per batch size (estimate_s): a VIP batch of one text and a
         standard batch of 32 differ tenfold."""
         self._in_flight += 1
@@ -374,28 +375,23 @@ class LoadedVersion:
                     retry_s = expected_wait_s - wait_s  # how much time it lacked
                     raise NoTurn  # refused now rather than after waiting in vain
             counts = self._slice_counts(rows, priority, loop.time(), slice_rows)
-            if len(counts) == 1:
-                async with self.gate.hold(priority, wait_s, rows) as held:
-                    if (lacking_s := self._time_lacking(arrived, time_left_s, rows)) > 0:
-                        retry_s = lacking_s
-                        raise NoTurn
-                    self._count_loan(held.index, priority)
-                    return await self._run_on(held.index, inputs, outputs, Running(0.0, rows, rows, priority))
-            if slice_rows is None:
+            if len(counts) > 1 and slice_rows is None:
                 metrics.SLICED.labels(self.config.name).inc()
-            pieces = [dict(zip(inputs, parts)) for parts in zip(*(split_rows(t, counts) for t in inputs.values()))]
-            results, left = [], rows
             async with self.gate.hold(priority, wait_s, counts[0]) as held:
                 if (lacking_s := self._time_lacking(arrived, time_left_s, rows)) > 0:
                     retry_s = lacking_s
                     raise NoTurn
                 self._count_loan(held.index, priority)
+                if len(counts) == 1:
+                    return await self._run_on(held.index, inputs, outputs, Running(0.0, rows, rows, priority))
+                pieces = [dict(zip(inputs, parts)) for parts in zip(*(split_rows(t, counts) for t in inputs.values()))]
+                results, left = [], rows
                 for i, (piece, count) in enumerate(zip(pieces, counts)):
                     if i and await self.gate.step_aside(held, count):
                         metrics.STEPPED_ASIDE.labels(self.config.name).inc()
                     results.append(await self._run_on(held.index, piece, outputs, Running(0.0, count, left, priority)))
                     left -= count
-            return [concat_rows(list(parts)) for parts in zip(*results)]
+                return [concat_rows(list(parts)) for parts in zip(*results)]
         except NoTurn:  # only a batch with time_left_s waits for a limited time
             metrics.SHED.labels(self.config.name).inc()
             raise errors.ResourceExhausted(
