@@ -27,11 +27,11 @@ class GatedBackend:
     def limits(self, model):
         return ModelLimits(self._max_batch, ("X",)) if model == "m" else None
 
-    def capacity(self):
-        return self._capacity
+    def slots(self, model):
+        return self._capacity, 1  # one replica: one more slot for VIP work
 
-    def replicas(self):
-        return 1
+    def on_change(self, listener):
+        pass
 
     async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
         values = to_numpy(inputs[0])[:, 0].tolist()
@@ -285,7 +285,7 @@ async def test_a_level_default_timeout_bounds_requests_without_a_tighter_deadlin
     backend = GatedBackend(max_batch=1)
     policy = QueuePolicy({VIP: LevelPolicy(10, 30), STANDARD: LevelPolicy(10, 0.01)})
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
-    running = submit(batcher, 0.0, priority=VIP)
+    running = submit(batcher, 0.0)  # holds the one slot a standard batch may take
     await backend.started.wait()
     patient = submit(batcher, 1.0, timeout_s=60)  # asks for a minute; its level allows 10 ms
     with pytest.raises(errors.DeadlineExceeded):
@@ -298,18 +298,19 @@ async def test_aging_lets_standard_requests_alternate_with_a_steady_vip_stream()
     backend = GatedBackend(max_batch=1)
     policy = QueuePolicy.uniform(100, 30, aging_s=0.02)
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
-    running = submit(batcher, 0.0, priority=VIP)
-    await backend.started.wait()
+    # VIP work fills the slot reserved for it and, by strict priority, the ordinary one.
+    running = [submit(batcher, 0.0, priority=VIP), submit(batcher, 0.5, priority=VIP)]
+    await settle()
     standard = [submit(batcher, 1.0), submit(batcher, 2.0)]
     await asyncio.sleep(0.03)  # the standard requests age past the bound
     vips = [submit(batcher, 10.0 + i, priority=VIP) for i in range(3)]
     await settle()
     backend.gate.set()
-    await asyncio.gather(running, *standard, *vips)
-    # 10.0 goes out at once on the slot reserved for VIP work (an aged standard request
-    # must not take it: it would leave the VIP request waiting behind a standard batch);
-    # from then on aged standard requests and VIP ones alternate.
-    assert backend.batches == [[0.0], [10.0], [1.0], [11.0], [2.0], [12.0]]
+    await asyncio.gather(*running, *standard, *vips)
+    # The reserved slot goes to VIP work only (an aged standard request must not take it:
+    # it would leave the VIP request waiting behind a standard batch), while on the
+    # ordinary slot aged standard requests now alternate with VIP ones.
+    assert backend.batches == [[0.0], [0.5], [10.0], [1.0], [11.0], [2.0], [12.0]]
 
 
 async def test_a_standard_backlog_does_not_push_vip_back():

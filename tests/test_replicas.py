@@ -18,6 +18,7 @@ import pytest
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from infermesh.common.v1 import tensor_pb2
 
+from services.batcher.core import STANDARD, VIP, Batcher
 from services.batcher.replicas import FAILED_POLLS, MESH_HISTORY_POLLS, ReplicaSet, _merge_polls
 from services.common import errors, traffic
 from services.common.tensors import from_numpy
@@ -27,7 +28,7 @@ from services.model_server.core import ModelManager
 from services.model_server.server import build_server
 from tests.conftest import metric
 from tests.oip import output_array, text_request
-from tests.test_model_repository import repo  # noqa: F401 - the mlp repository fixture
+from tests.test_model_repository import _config, repo  # noqa: F401 - the mlp repository fixture
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -199,8 +200,8 @@ async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_
             second = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0))
             await asyncio.wait_for(until(lambda: replicas._room_waiters), 10)  # noqa: SLF001
             assert replica.inflight == 1  # the second waits here, not in the server's queue
-            with pytest.raises(errors.ResourceExhausted, match="had 1 batches in flight until this batch could no "
-                                                               "longer finish before its deadline"):
+            with pytest.raises(errors.ResourceExhausted, match=r"had as many batches in flight as it may \(1\) until this "
+                                                               "batch could no longer finish before its deadline"):
                 await replicas.execute("mlp", "", mlp_batch(), [], 0.2)
             # A VIP batch has a slot of its own: it goes to the server's VIP-first gate.
             vip = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0, priority=1))
@@ -216,6 +217,68 @@ async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_
 async def until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.01)
+
+
+async def test_a_replica_is_sent_as_many_batches_as_its_instances_can_start(repo):
+    """Three instances, one for VIP only: the model server says so in ListModels,
+    and the batcher sends two standard batches at once (not its configured one),
+    keeping the third in its queue, while a VIP batch still goes."""
+    _config(repo / "mlp", instances={"count": 3, "reserved_for_vip": 1, "lend_reserved_after_s": None})
+    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    await manager.start()
+    server, port, _ = await build_server(ModelServerConfig(model_repository=str(repo)), manager, port=0)
+    replicas = ReplicaSet((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24)
+    batcher = Batcher(replicas, max_batch_size=1, max_queue_delay_ms=0)
+    try:
+        await replicas.start()
+        (replica,) = replicas._replicas  # noqa: SLF001
+        info = replica.models["mlp"]
+        assert (info.instances, info.reserved_instances, info.lending) == (3, 1, False)
+        assert replicas.slots("mlp") == (2, 2)
+        gate = manager.resolve("mlp", "").gate
+        async with contextlib.AsyncExitStack() as held:
+            for _ in range(3):  # every instance busy: what is sent waits at the model server
+                await held.enter_async_context(gate.turn(1))
+            one_row = [from_numpy("INPUT0", np.ones((1, 64), dtype=np.float32), "FP32")]
+            standard = [asyncio.ensure_future(batcher.submit("mlp", "", one_row, [])) for _ in range(3)]
+            await asyncio.wait_for(until(lambda: gate.waiting == 2), 10)
+            assert replica.running[("mlp", STANDARD)] == 2 and batcher.queue_length() == 1
+            vip = asyncio.ensure_future(batcher.submit("mlp", "", one_row, [], priority=VIP))
+            await asyncio.wait_for(until(lambda: gate.waiting == 3), 10)
+            assert replica.running[("mlp", VIP)] == 1 and batcher.queue_length() == 1
+        assert len(await asyncio.gather(*standard, vip)) == 4
+    finally:
+        await batcher.close()
+        await replicas.close()
+        await server.stop(0)
+        await manager.close()
+
+
+async def test_while_the_vip_instance_is_lent_out_standard_batches_may_use_it_until_vip_work_comes(repo):
+    """Lent out (here at once): the standard slots count the VIP instance, until
+    this batcher sends a VIP batch, which ends the loan at the model server; the
+    next poll then says whether it is lent again."""
+    _config(repo / "mlp", instances={"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": 0})
+    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    await manager.start()
+    server, port, _ = await build_server(ModelServerConfig(model_repository=str(repo)), manager, port=0)
+    replicas = ReplicaSet((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24)
+    try:
+        await replicas.start()
+        assert replicas._replicas[0].models["mlp"].lending  # noqa: SLF001
+        assert replicas.slots("mlp") == (2, 1)
+        await replicas.execute("mlp", "", mlp_batch(), [], 30.0, priority=VIP)
+        assert replicas.slots("mlp") == (1, 2)
+        await replicas.poll_once()
+        assert replicas.slots("mlp") == (2, 1)
+        queued = ReplicaSet((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24, queued_per_replica=1)
+        await queued.poll_once()  # --queued-batches-per-replica 1: one more standard batch waits there
+        assert queued.slots("mlp") == (3, 1)
+        await queued.close()
+    finally:
+        await replicas.close()
+        await server.stop(0)
+        await manager.close()
 
 
 def metric_value(name: str, **labels) -> float:

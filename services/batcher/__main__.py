@@ -22,7 +22,8 @@ async def serve(config: BatcherConfig) -> None:
         except traffic.PolicyError as exc:
             raise SystemExit(f"batcher: --traffic-policy: {exc}") from None
     replicas = ReplicaSet(config.model_servers, config.max_inflight_batches_per_replica, config.replica_poll_s,
-                          config.max_message_bytes, policy, behind_mesh=config.model_servers_behind_mesh)
+                          config.max_message_bytes, policy, behind_mesh=config.model_servers_behind_mesh,
+                          queued_per_replica=config.queued_batches_per_replica)
     await replicas.start()
     batcher = Batcher(replicas, config.max_batch_size, config.max_queue_delay_ms,
                       default_timeout_s=config.execute_timeout_s, policy=config.queue_policy(),

@@ -29,7 +29,13 @@ class BatcherConfig:
     vip_latency_target_ms: float = dataclasses.field(default=200, metadata={"help": "adaptive policy: VIP latency target"})
     standard_latency_target_ms: float = dataclasses.field(default=1000, metadata={"help": "adaptive policy: standard latency target"})
     length_aware: bool = dataclasses.field(default=True, metadata={"help": "batch texts of similar length together"})
-    max_inflight_batches_per_replica: int = dataclasses.field(default=2)
+    max_inflight_batches_per_replica: int = dataclasses.field(default=2, metadata={
+        "help": "batches in flight per replica that does not report its instances (behind a mesh, a Service of "
+                "several pods); others get as many as their instances can start"})
+    queued_batches_per_replica: int = dataclasses.field(default=0, metadata={
+        "help": "standard batches sent to a replica beyond those its instances can start, to wait there: hides "
+                "the RPC's round trip where a batch takes little longer (a GPU), at the cost of requests "
+                "committed to a waiting batch, which under overload can only be refused late"})
     replica_poll_s: float = dataclasses.field(default=1.0, metadata={"help": "how often replicas are asked for their models"})
     execute_timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "longest a batch RPC may take without a tighter deadline"})
     traffic_policy: str = dataclasses.field(default="", metadata={
@@ -62,6 +68,8 @@ class BatcherConfig:
         require(0 < self.admission_share <= 1, f"admission_share must be in (0, 1], got {self.admission_share}")
         require(self.max_inflight_batches_per_replica >= 1,
                 f"max_inflight_batches_per_replica must be >= 1, got {self.max_inflight_batches_per_replica}")
+        require(self.queued_batches_per_replica >= 0,
+                f"queued_batches_per_replica must be >= 0, got {self.queued_batches_per_replica}")
         require(self.replica_poll_s > 0, f"replica_poll_s must be > 0, got {self.replica_poll_s}")
         require(not (self.model_servers_behind_mesh and self.traffic_policy),
                 "model_servers_behind_mesh and traffic_policy exclude each other: behind a mesh its sidecars apply "

@@ -18,6 +18,7 @@ always resolved: with its outputs or with a domain error.
 import asyncio
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import Callable
@@ -77,28 +78,33 @@ class ModelLimits:
 
 
 class SlotPool:
-    """The right to send a batch, shared by a batcher's queues: `general` slots
-    for any batch, plus `reserved` ones that only a queue with VIP requests
-    waiting may take, so that VIP work is never held back by standard batches
-    merely for the right to be sent."""
+    """The right to send one model's batch: `general` slots for any batch, plus
+    `reserved` ones that only VIP work may take, so that VIP work is never held
+    back by standard batches merely for the right to be sent. How many there
+    are is the backend's to say (Backend.slots), and changes: a model server
+    lends its VIP-only instances to standard batches while no VIP work comes."""
 
-    def __init__(self, general: int, reserved: int):
-        self.free = {"general": general, "reserved": reserved}
+    def __init__(self, sizes: Callable[[], tuple[int, int]]):
+        self._sizes = sizes
+        self.taken = {"general": 0, "reserved": 0}
         self._changed = asyncio.Event()
 
     async def acquire(self, has_vip: Callable[[], bool]) -> str:
+        """A reserved slot while VIP requests wait and one is free (it carries
+        a VIP-led batch), else a general one."""
         while True:
-            if self.free["general"] > 0:
-                self.free["general"] -= 1
-                return "general"
-            if self.free["reserved"] > 0 and has_vip():
-                self.free["reserved"] -= 1
+            general, reserved = self._sizes()
+            if has_vip() and self.taken["reserved"] < reserved:
+                self.taken["reserved"] += 1
                 return "reserved"
+            if self.taken["general"] < general:
+                self.taken["general"] += 1
+                return "general"
             self._changed.clear()
             await self._changed.wait()
 
     def release(self, kind: str) -> None:
-        self.free[kind] += 1
+        self.taken[kind] -= 1
         self._changed.set()
 
     def poke(self) -> None:
@@ -154,11 +160,12 @@ class Backend(Protocol):
     def limits(self, model: str) -> ModelLimits | None:
         """None when no ready replica serves the model."""
 
-    def capacity(self) -> int:
-        """How many batches may be in flight at once across replicas."""
+    def slots(self, model: str) -> tuple[int, int]:
+        """How many batches of the model may be in flight at once across
+        replicas now: (of any tier, more for VIP work only)."""
 
-    def replicas(self) -> int:
-        """How many replicas there are (each gets one slot reserved for VIP work)."""
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Calls `listener` whenever `slots` may have grown."""
 
     async def execute(
         self, model: str, version: str, inputs: list[TensorData], outputs: list[str], timeout_s: float,
@@ -508,16 +515,23 @@ class Batcher:
         self._policy = policy if policy is not None else QueuePolicy.uniform(max_queue_size, default_timeout_s)
         self._default_timeout_s = default_timeout_s
         self._queues: dict[tuple[str, str], ModelQueue] = {}
-        self._slots: SlotPool | None = None
+        # Per model, shared by its versions' queues and sized by the newest ready version's
+        # instances, where requests naming no version go.
+        self._slots: dict[str, SlotPool] = {}
+        backend.on_change(self._poke_slots)
+
+    def _poke_slots(self) -> None:
+        for slots in self._slots.values():
+            slots.poke()
 
     def _queue(self, model: str, version: str) -> ModelQueue:
         key = (model, version)
         queue = self._queues.get(key)
         if queue is None:
-            if self._slots is None:
-                self._slots = SlotPool(self._backend.capacity(), self._backend.replicas())
+            if model not in self._slots:
+                self._slots[model] = SlotPool(functools.partial(self._backend.slots, model))
             queue = ModelQueue(model, version, self._backend, self._max_batch_size, self._max_delay_s,
-                               self._policy, self._slots, self._default_timeout_s, self._length_aware,
+                               self._policy, self._slots[model], self._default_timeout_s, self._length_aware,
                                make_policy(self._batch_policy, self._max_batch_size, self._max_delay_s,
                                            self._latency_targets_s))
             self._queues[key] = queue

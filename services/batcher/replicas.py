@@ -15,13 +15,15 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import random
+from collections.abc import Callable
 
 import grpc
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
 from services.batcher import metrics
-from services.batcher.core import ModelLimits
+from services.batcher.core import STANDARD, VIP, ModelLimits
 from services.common import errors, traffic
 from services.common.serving import client_options
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
@@ -43,17 +45,33 @@ class Replica:
         self.history: collections.deque = collections.deque(maxlen=MESH_HISTORY_POLLS)  # behind a mesh
         self.labels: dict[str, str] = {}
         self.inflight = 0
+        self.running: collections.Counter = collections.Counter()  # (model, VIP or STANDARD) -> batches in flight
+        self.polled_at = 0.0  # loop time the last answered poll was sent
+        self.vip_sent_at: dict[str, float] = {}  # model -> loop time its latest VIP batch was sent here
         self.ready = False
         self.failed_polls = 0  # in a row
 
 
 class ReplicaSet:
-    """Implements batcher.core.Backend over gRPC."""
+    """Implements batcher.core.Backend over gRPC.
+
+    How many batches of a model a replica is sent at once follows what it
+    reports of the model (ModelInfo.instances): standard batches up to the
+    instances they may use now (the general ones, and the VIP-only ones while
+    those are lent out), VIP batches up to every instance and one more, which
+    waits at the model server's VIP-first gate rather than here. So a batch
+    leaves the queue when an instance can start it: its requests are not
+    committed to a batch that would wait at the model server, where they could
+    only be refused late, while here admission refuses in microseconds and the
+    queue may still regroup them (`queued_per_replica` sends more standard
+    batches, to wait there). A replica that does not report its instances
+    (behind a mesh, a Service of several pods) gets `max_inflight_per_replica`."""
 
     def __init__(self, addresses: tuple[str, ...], max_inflight_per_replica: int, poll_s: float, max_message_bytes: int,
                  policy: traffic.PolicyFiles | None = None, rng: random.Random | None = None,
-                 behind_mesh: bool = False):
+                 behind_mesh: bool = False, queued_per_replica: int = 0):
         self._replicas = [Replica(a, max_message_bytes) for a in addresses]
+        self._queued = queued_per_replica
         self._behind_mesh = behind_mesh
         self._max_inflight = max_inflight_per_replica
         self._poll_s = poll_s
@@ -63,6 +81,7 @@ class ReplicaSet:
         self._detectors: dict[str, traffic.OutlierDetector] = {}  # per subset, as Envoy has one per subset cluster
         self._room_waiters: list[asyncio.Future] = []  # batches waiting for a replica under its in-flight bound
         self._rpc_s = 0.0  # a moving average of how long a batch's Execute takes
+        self._listeners: list[Callable[[], None]] = []  # told after each round of polls
 
     async def start(self) -> None:
         await self.poll_once()
@@ -78,6 +97,9 @@ class ReplicaSet:
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(r) for r in self._replicas))
+        self._wake_room_waiters()  # what the replicas can take may have grown
+        for listener in self._listeners:
+            listener()
         if self._policy is not None:
             if self._policy.reload():
                 self._detectors = {}  # a new policy starts its outlier counts afresh
@@ -90,6 +112,7 @@ class ReplicaSet:
                     if r.ready and not (detector is not None and detector.is_ejected(r.address, now))))
 
     async def _poll(self, replica: Replica) -> None:
+        sent_at = asyncio.get_running_loop().time()
         try:
             response = await replica.stub.ListModels(model_server_pb2.ListModelsRequest(), timeout=max(self._poll_s, 1.0))
         except grpc.aio.AioRpcError as exc:
@@ -116,6 +139,7 @@ class ReplicaSet:
                 replica.models = _merge_polls(replica.history)
             else:
                 replica.models = seen
+            replica.polled_at = sent_at
             replica.ready = True
             replica.labels = dict(response.labels)
         metrics.REPLICA_READY.labels(replica.address).set(1 if replica.ready else 0)
@@ -147,16 +171,44 @@ class ReplicaSet:
             return None
         return ModelLimits(min(i.max_batch_size for i in infos), tuple(spec.name for spec in infos[0].inputs))
 
-    def capacity(self) -> int:
-        return len(self._replicas) * self._max_inflight
+    def slots(self, model: str) -> tuple[int, int]:
+        """(batches of any tier, more batches for VIP work only) that the ready
+        replicas serving the model can take at once now."""
+        serving = [r for r in self._replicas if r.ready and model in r.models]
+        general = sum(self._bound(r, model, STANDARD) for r in serving)
+        return general, sum(self._bound(r, model, VIP) for r in serving) - general
 
-    def replicas(self) -> int:
-        return len(self._replicas)
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Calls `listener` after each round of polls: the slots may have changed."""
+        self._listeners.append(listener)
 
-    def _choose(self, model: str, version: str, exclude: set[str]) -> Replica | None:
-        """The least-loaded of the candidates (see _candidates) not yet tried."""
+    def _bound(self, replica: Replica, model: str, priority: int) -> int:
+        """How many batches of `model` the replica may have in flight when the
+        next is led by `priority` (see the class): a standard batch counts the
+        standard ones, a VIP batch all of them."""
+        info = replica.models.get(model)
+        if info is None or info.instances < 1 or self._behind_mesh:
+            standard = every = self._max_inflight
+        else:
+            # Lent out as of the last poll, unless a VIP batch went there since it was
+            # sent: at the model server that batch ended the loan.
+            lent = info.lending and replica.vip_sent_at.get(model, -math.inf) < replica.polled_at
+            standard = info.instances - (0 if lent else info.reserved_instances) + self._queued
+            every = info.instances + self._queued
+        return every + 1 if priority >= VIP else standard
+
+    def _has_room(self, replica: Replica, model: str, priority: int) -> bool:
+        running = replica.running[(model, STANDARD)]
+        if priority >= VIP:
+            running += replica.running[(model, VIP)]
+        return running < self._bound(replica, model, priority)
+
+    def _choose(self, model: str, version: str, priority: int, exclude: set[str]) -> Replica | None:
+        """The least-loaded of the candidates (see _candidates) not yet tried,
+        among those with room for the batch when any has."""
         candidates = _candidates([r for r in self._replicas if r.address not in exclude], model, version)
-        return min(candidates, key=lambda r: r.inflight, default=None)
+        roomy = [r for r in candidates if self._has_room(r, model, priority)]
+        return min(roomy or candidates, key=lambda r: r.inflight, default=None)
 
     async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
                       timeout_s: float, priority: int = 0) -> tuple[str, list[TensorData]]:
@@ -168,14 +220,14 @@ class ReplicaSet:
                                                   outputs=outputs, priority=priority)
         tried: set[str] = set()
         while True:
-            replica = self._choose(model, version, tried)
+            replica = self._choose(model, version, priority, tried)
             if replica is None:
                 raise errors.Unavailable(
                     f"no ready model_server replica serves model '{model}'" + (f" version {version}" if version else ""))
             tried.add(replica.address)
             started = loop.time()
             try:
-                with self._inflight(replica):
+                with self._inflight(replica, model, priority):
                     response = await replica.stub.Execute(request, timeout=max(deadline - loop.time(), 0.001),
                                                           metadata=tier_metadata(priority))
             except grpc.aio.AioRpcError as exc:
@@ -184,7 +236,7 @@ class ReplicaSet:
                     if code == grpc.StatusCode.UNAVAILABLE:
                         replica.ready = False  # until its next poll says otherwise; a busy one stays ready
                     # A refusal from a busy replica stands when no other replica could take the batch.
-                    elsewhere = code == grpc.StatusCode.UNAVAILABLE or self._choose(model, version, tried) is not None
+                    elsewhere = code == grpc.StatusCode.UNAVAILABLE or self._choose(model, version, priority, tried) is not None
                     if len(tried) < 2 and deadline - loop.time() > 0 and elsewhere:
                         log.warning("batch for %s failed on %s (%s); retrying once elsewhere", model, replica.address, code.name)
                         metrics.RETRIES.labels(code.name).inc()
@@ -242,7 +294,7 @@ class ReplicaSet:
             per_try = min(left, route.retries.per_try_timeout_s or left)
             started = loop.time()
             try:
-                with self._inflight(replica):
+                with self._inflight(replica, model, priority):
                     response = await replica.stub.Execute(request, timeout=max(per_try, 0.001),
                                                           metadata=tier_metadata(priority))
             except grpc.aio.AioRpcError as exc:
@@ -272,15 +324,10 @@ class ReplicaSet:
     async def _hosts_with_room(self, route, destination, detector, model: str, version: str, priority: int,
                                deadline: float) -> list[Replica]:
         """The healthy hosts of the destination's subset that serve the version
-        and are under their in-flight bound, waiting for room if need be.
-
-        The bound per replica holds within the subset: the batcher's slots are
-        counted over all replicas, and one subset may have far fewer of them. A
-        VIP batch may go one over it, as it has a slot of its own per replica
-        (core.SlotPool): where one replica serves both tiers, it then waits at
-        the model server's VIP-first gate instead of behind standard batches here."""
+        and have room for the batch (see the class), waiting for room if need
+        be: the batcher's slots are counted over all replicas, and one subset
+        may have far fewer of them."""
         loop = asyncio.get_running_loop()
-        limit = self._max_inflight + (1 if priority >= 1 else 0)
         while True:
             hosts = [r for r in self._subset_hosts(destination.subset)
                      if not (detector is not None and detector.is_ejected(r.address, loop.time()))]
@@ -289,24 +336,33 @@ class ReplicaSet:
                 metrics.UPSTREAM.labels(destination.subset, "UNAVAILABLE").inc()
                 raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset "
                                          f"'{destination.subset or destination.host}' (route {route.name})")
-            roomy = [r for r in candidates if r.inflight < limit]
+            roomy = [r for r in candidates if self._has_room(r, model, priority)]
             if roomy:
                 return roomy
-            await self._wait_for_room(model, destination.subset or destination.host, limit, deadline)
+            await self._wait_for_room(model, destination.subset or destination.host,
+                                      max(self._bound(r, model, priority) for r in candidates), deadline)
 
     @contextlib.contextmanager
-    def _inflight(self, replica: Replica):
+    def _inflight(self, replica: Replica, model: str, priority: int):
+        lane = (model, VIP if priority >= VIP else STANDARD)
+        if priority >= VIP:
+            replica.vip_sent_at[model] = asyncio.get_running_loop().time()
         replica.inflight += 1
+        replica.running[lane] += 1
         metrics.INFLIGHT.labels(replica.address).set(replica.inflight)
         try:
             yield
         finally:
             replica.inflight -= 1
+            replica.running[lane] -= 1
             metrics.INFLIGHT.labels(replica.address).set(replica.inflight)
-            waiting, self._room_waiters = self._room_waiters, []
-            for waiter in waiting:
-                if not waiter.done():
-                    waiter.set_result(None)
+            self._wake_room_waiters()
+
+    def _wake_room_waiters(self) -> None:
+        waiting, self._room_waiters = self._room_waiters, []
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def _wait_for_room(self, model: str, subset: str, limit: int, deadline: float) -> None:
         """Until some batch finishes (any replica: the caller looks again), or
@@ -322,8 +378,8 @@ class ReplicaSet:
             await asyncio.wait_for(waiter, left)
         except TimeoutError:
             raise errors.ResourceExhausted(
-                f"every replica of subset '{subset}' serving model '{model}' had {limit} batches in flight "
-                f"until this batch could no longer finish before its deadline; retry shortly",
+                f"every replica of subset '{subset}' serving model '{model}' had as many batches in flight as "
+                f"it may ({limit}) until this batch could no longer finish before its deadline; retry shortly",
                 retry_after_ms=max(1, round(1000 * self._rpc_s))) from None
         finally:
             if waiter in self._room_waiters:

@@ -394,6 +394,17 @@ class ModelManager:
                                {v: lv.revision for v, lv in loaded.items()}))
         return listed
 
+    def instances(self, name: str) -> tuple[int, int, bool]:
+        """(instances, reserved for VIP, whether those are lent out now) of the
+        model's newest ready version, the one a request naming no version runs
+        on; (0, 0, False) when none is ready."""
+        model = self._models.get(name)
+        ready = model.ready_versions() if model is not None else []
+        if not ready:
+            return 0, 0, False
+        gate = model.serving[ready[0]].gate
+        return gate.capacity, gate.reserved, gate.lending()
+
     def is_ready(self, name: str, version: str = "") -> bool:
         model = self._models.get(name)
         if model is None:

@@ -207,6 +207,15 @@ class PriorityGate:
             self._count_waiting(-1)
         return True
 
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def reserved(self) -> int:
+        """Instances reserved for batches of `reserved_priority` or above."""
+        return self._capacity - self._general
+
     def waiting_above(self, priority: int) -> bool:
         """Whether a batch of a higher priority than `priority` waits for an instance."""
         return any(-p > priority and not future.done() for p, _, future, _ in self._waiting)

@@ -40,8 +40,9 @@ class ModelServerServicer(model_server_pb2_grpc.ModelServerServicer):
         return model_server_pb2.ExecuteResponse(model=request.model, version=version, outputs=tensors_to_proto(outputs))
 
     async def ListModels(self, request, context):
-        return model_server_pb2.ListModelsResponse(models=[_model_info(*entry) for entry in self._manager.models()],
-                                                   labels=self._labels)
+        return model_server_pb2.ListModelsResponse(
+            models=[_model_info(*entry, self._manager.instances(entry[0].name)) for entry in self._manager.models()],
+            labels=self._labels)
 
 
 class RepositoryServicer(oip_grpc.GRPCInferenceServiceServicer):
@@ -102,7 +103,7 @@ class RepositoryServicer(oip_grpc.GRPCInferenceServiceServicer):
                 "start the model server with --model-control-mode explicit")
 
 
-def _model_info(config, versions, ready_versions, revisions) -> tensor_pb2.ModelInfo:
+def _model_info(config, versions, ready_versions, revisions, instances: tuple[int, int, bool]) -> tensor_pb2.ModelInfo:
     def specs(items):
         return [tensor_pb2.TensorSpec(name=s.name, datatype=s.datatype, shape=s.shape) for s in items]
 
@@ -116,6 +117,9 @@ def _model_info(config, versions, ready_versions, revisions) -> tensor_pb2.Model
         max_batch_size=config.max_batch_size,
         revisions=revisions,
         fallback=config.fallback,
+        instances=instances[0],
+        reserved_instances=instances[1],
+        lending=instances[2],
     )
 
 
