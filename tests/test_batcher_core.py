@@ -172,6 +172,38 @@ async def test_resource_exhausted_without_a_hint_is_about_the_batch_itself_so_it
     assert all(isinstance(r, errors.ResourceExhausted) for r in results)
 
 
+class VanishingBackend(GatedBackend):
+    """Its one replica can go away: then it has no slots, and a batch sent
+    anyway is answered UNAVAILABLE, as ReplicaSet does."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gone = False
+
+    def slots(self, model):
+        return (0, 0) if self.gone else super().slots(model)
+
+    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
+        if self.gone:
+            raise errors.Unavailable(f"no ready model_server replica serves model '{model}'")
+        return await super().execute(model, version, inputs, outputs, timeout_s, priority)
+
+
+async def test_requests_waiting_for_a_slot_when_the_last_replica_goes_hear_unavailable_at_once():
+    """Not a wait until their deadlines: the router falls back or fails fast on UNAVAILABLE."""
+    backend = VanishingBackend(max_batch=1)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    running = submit(batcher, 0.0)
+    await backend.started.wait()
+    waiting = submit(batcher, 1.0)  # no slot: it waits in the queue
+    await settle()
+    backend.gone = True
+    backend.gate.set()
+    await running
+    with pytest.raises(errors.Unavailable, match="no ready model_server replica serves model 'm'"):
+        await asyncio.wait_for(waiting, 5)
+
+
 async def test_a_request_larger_than_the_batch_size_runs_alone_up_to_the_model_limit():
     backend = GatedBackend(max_batch=4)
     backend.gate.set()

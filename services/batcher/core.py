@@ -91,9 +91,15 @@ class SlotPool:
 
     async def acquire(self, has_vip: Callable[[], bool]) -> str:
         """A reserved slot while VIP requests wait and one is free (it carries
-        a VIP-led batch), else a general one."""
+        a VIP-led batch), else a general one. With no slots at all (no ready
+        replica serves the model) a general one at once: the backend then
+        answers UNAVAILABLE, on which the router falls back or fails fast,
+        rather than the requests waiting out their deadlines here."""
         while True:
             general, reserved = self._sizes()
+            if general + reserved == 0:
+                self.taken["general"] += 1
+                return "general"
             if has_vip() and self.taken["reserved"] < reserved:
                 self.taken["reserved"] += 1
                 return "reserved"
