@@ -313,6 +313,38 @@ async def test_each_level_has_its_own_bound_and_a_full_one_says_when_to_retry():
     await asyncio.gather(running, *queued)
 
 
+async def test_a_request_that_could_no_longer_finish_in_time_is_refused_not_left_to_time_out():
+    backend = GatedBackend(max_batch=1)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    backend.gate.set()
+    await submit(batcher, 0.0)  # the lane's batches take about nothing: refused 25 ms before the deadline
+    backend.gate.clear()
+    running = submit(batcher, 1.0)
+    await settle()
+    loop = asyncio.get_running_loop()
+    sent = loop.time()
+    with pytest.raises(errors.ResourceExhausted, match=r"has \d+ ms left, less than its batch would take"):
+        await submit(batcher, 2.0, timeout_s=0.2)
+    assert loop.time() - sent < 0.2  # while its caller still waits for an answer
+    backend.gate.set()
+    await running
+    assert backend.batches == [[0.0], [1.0]]
+
+
+async def test_with_nothing_running_a_tight_deadline_is_not_refused_on_a_stale_estimate():
+    """After slow batches, a request with less time than they took still runs
+    when the model is idle: only what runs would bring the estimate down."""
+    backend = GatedBackend(max_batch=1)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    slow = submit(batcher, 0.0)
+    await backend.started.wait()
+    await asyncio.sleep(0.1)  # the lane learns that a batch takes 100 ms
+    backend.gate.set()
+    await slow
+    _, (out,) = await submit(batcher, 1.0, timeout_s=0.05)
+    assert to_numpy(out)[0, 0] == 2.0
+
+
 async def test_a_level_default_timeout_bounds_requests_without_a_tighter_deadline():
     backend = GatedBackend(max_batch=1)
     policy = QueuePolicy({VIP: LevelPolicy(10, 30), STANDARD: LevelPolicy(10, 0.01)})

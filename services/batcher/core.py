@@ -216,6 +216,9 @@ class ModelQueue:
         self._slots = slots
         self._default_timeout_s = default_timeout_s
         self._batch_seconds = 0.05  # running estimate of one batch's time, for retry hints
+        # Per lane, a moving average of what its batches took, once one has: how long
+        # before its deadline a waiting request can no longer be run and answered.
+        self._lane_seconds: dict[int, float | None] = {VIP: None, STANDARD: None}
         # Per lane (the level a batch goes out at: the model servers run VIP batches
         # first, and a VIP pool may run them): rows sent and not yet answered, and
         # how fast that lane's batches complete.
@@ -371,6 +374,39 @@ class ModelQueue:
                 best, best_gap = item, gap
         return best
 
+    def give_up_at(self, item: Pending) -> float:
+        """When a request still waiting is refused (give_up): its deadline less
+        what its lane's batches take and the refusal's margin."""
+        run_s = self._lane_seconds[item.priority]
+        return item.deadline - (run_s + errors.REFUSAL_MARGIN_S if run_s is not None else 0.0)
+
+    def give_up(self, item: Pending) -> None:
+        """A request still waiting when a batch could no longer run and answer it
+        in time is refused, RESOURCE_EXHAUSTED like any refusal for lack of
+        room, rather than left to time out; past its deadline, it expires. Not
+        while no batch of its model runs: then it is about to go, and the
+        estimate may be long out of date (after a surge, callers with tight
+        deadlines would otherwise be refused for good, as nothing would run to
+        bring it down)."""
+        if item.future.done():
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        run_s = self._lane_seconds[item.priority]
+        if run_s is None or now >= item.deadline:
+            self.expire(item)
+            return
+        if not self._running:
+            item.timer = loop.call_at(item.deadline, self.expire, item)
+            return
+        name = LEVEL_NAMES[item.priority]
+        metrics.REJECTIONS.labels(self.model, name, "no_time_left").inc()
+        retry_ms = max(10, int(1000 * self._batch_seconds * len(self) / max(self.batch_size, 1)))
+        item.future.set_exception(errors.ResourceExhausted(
+            f"request for model '{self.model}' waited {1000 * (now - item.enqueued):.0f} ms in the {name} queue and "
+            f"has {1000 * (item.deadline - now):.0f} ms left, less than its batch would take (about "
+            f"{1000 * run_s:.0f} ms); it was not run; retry after about {retry_ms} ms", retry_after_ms=retry_ms))
+
     def expire(self, item: Pending) -> None:
         """Answers a request whose deadline passed while it waited; it stays in
         the queue until the batching task skips it, but never runs."""
@@ -461,6 +497,8 @@ class ModelQueue:
             version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout, 0.001),
                                                            priority=lead)
             self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * (loop.time() - now)
+            known = self._lane_seconds[lead]
+            self._lane_seconds[lead] = loop.time() - now if known is None else 0.8 * known + 0.2 * (loop.time() - now)
             self.batch_policy.observe_batch(sum(counts), loop.time() - now)
             completed = sum(counts)
         except errors.InfermeshError as exc:
@@ -573,7 +611,7 @@ class Batcher:
                        length=length)
         queue.put(item)
         if item.deadline is not None:
-            item.timer = loop.call_at(item.deadline, queue.expire, item)
+            item.timer = loop.call_at(queue.give_up_at(item), queue.give_up, item)
         try:
             return await item.future
         finally:

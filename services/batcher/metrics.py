@@ -13,7 +13,7 @@ BATCH_ROWS = prometheus_client.Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 REJECTIONS = prometheus_client.Counter(
     "infermesh_batcher_rejections_total", "Requests answered without running, by model, level and reason "
-    "(queue_full, deadline, cancelled).", ["model", "level", "reason"])
+    "(queue_full, would_miss_deadline, no_time_left, deadline, cancelled).", ["model", "level", "reason"])
 INFLIGHT = prometheus_client.Gauge(
     "infermesh_batcher_inflight_batches", "Batches in flight, by replica.", ["replica"])
 REPLICA_READY = prometheus_client.Gauge(
