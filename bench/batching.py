@@ -55,8 +55,8 @@ STANDARD_TIMEOUT_S = 2  # the overload's standard callers' deadline
 # what they see is partly their own queue. Its rate is taken off the heavy caller's.
 LIGHT_CALLER_RPS = 40
 TRICKLE_VIP_REQUESTS = 8  # at one a second: about as long as the standard traffic beside them
-# A refusal slower than this came after the request was batched (the model server refused its
-# batch as unable to finish in time), not from the router's or the batcher's admission.
+# A refusal slower than this came after the request had waited (in the batcher's queue once too
+# little time was left, or at the model server), not from the router's or the batcher's admission.
 LATE_REFUSAL_MS = 100
 SLICE_MS = 30  # the sliced layout's --slice-ms (a scratch A/B of 30 and 60 ms favoured 30)
 LAYOUTS = {  # overload layouts: report key -> column title
@@ -324,7 +324,7 @@ def markdown(report: dict) -> str:
         "standard refused | " + " | ".join(
             f"≤ {o['router_vip_p99_ms']:.1f} ms; ≤ {o['router_refused_p99_ms']:.1f} ms"
             for o in overloads) + " | |",
-        f"| standard refusals that came after batching (slower than {LATE_REFUSAL_MS} ms; all runs, both callers) | "
+        f"| standard refusals that came late, after waiting (slower than {LATE_REFUSAL_MS} ms; all runs, both callers) | "
         + " | ".join(f"{o['standard_rejected_late']} of {o['standard_rejected_total']}"
                      for o in overloads) + " | |",
         "| standard requests that timed out instead (all runs) | " + " | ".join(

@@ -37,6 +37,9 @@ PRIORITIES = (STANDARD, VIP)
 LENGTH_WINDOW = 128  # how far into a level length-aware batching looks for a similar request
 RATE_WINDOW_S = 5.0  # the completions that estimate a queue's service rate: the last few busy seconds' ...
 RATE_BATCHES = 8  # ... and of those at most the last few batches, so that the rate follows a change of load
+# A waiting request is refused once less time is left than its lane's mean batch time plus this
+# many mean deviations (the model server checks a batch's own run with the same margin).
+BATCH_TIME_DEVIATIONS = 2.0
 
 
 LEVEL_NAMES = {VIP: "vip", STANDARD: "standard"}
@@ -160,6 +163,28 @@ class ServiceRate:
         return sum(rows for _, rows in itertools.islice(self._completed, 1, None)) / span if span > 0 else None
 
 
+class BatchTime:
+    """What one lane's batches take, as TCP keeps round trips: a moving mean
+    and mean deviation; `cautious` is the mean plus BATCH_TIME_DEVIATIONS of
+    them, None until a batch has finished. On a loaded machine one batch takes
+    severalfold another's time, and the mean alone is missed half the time."""
+
+    def __init__(self):
+        self.mean: float | None = None
+        self.deviation = 0.0
+
+    def observe(self, seconds: float) -> None:
+        if self.mean is None:
+            self.mean = seconds
+            return
+        self.deviation = 0.75 * self.deviation + 0.25 * abs(seconds - self.mean)
+        self.mean = 0.8 * self.mean + 0.2 * seconds
+
+    @property
+    def cautious(self) -> float | None:
+        return None if self.mean is None else self.mean + BATCH_TIME_DEVIATIONS * self.deviation
+
+
 class Backend(Protocol):
     """Where batches run: the model_server replicas."""
 
@@ -216,9 +241,9 @@ class ModelQueue:
         self._slots = slots
         self._default_timeout_s = default_timeout_s
         self._batch_seconds = 0.05  # running estimate of one batch's time, for retry hints
-        # Per lane, a moving average of what its batches took, once one has: how long
-        # before its deadline a waiting request can no longer be run and answered.
-        self._lane_seconds: dict[int, float | None] = {VIP: None, STANDARD: None}
+        # Per lane, what its batches take: how long before its deadline a waiting
+        # request can no longer be run and answered.
+        self._batch_times = {VIP: BatchTime(), STANDARD: BatchTime()}
         # Per lane (the level a batch goes out at: the model servers run VIP batches
         # first, and a VIP pool may run them): rows sent and not yet answered, and
         # how fast that lane's batches complete.
@@ -376,8 +401,8 @@ class ModelQueue:
 
     def give_up_at(self, item: Pending) -> float:
         """When a request still waiting is refused (give_up): its deadline less
-        what its lane's batches take and the refusal's margin."""
-        run_s = self._lane_seconds[item.priority]
+        what its lane's batches take (cautiously) and the refusal's margin."""
+        run_s = self._batch_times[item.priority].cautious
         return item.deadline - (run_s + errors.REFUSAL_MARGIN_S if run_s is not None else 0.0)
 
     def give_up(self, item: Pending) -> None:
@@ -392,7 +417,7 @@ class ModelQueue:
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
-        run_s = self._lane_seconds[item.priority]
+        run_s = self._batch_times[item.priority].cautious
         if run_s is None or now >= item.deadline:
             self.expire(item)
             return
@@ -497,8 +522,7 @@ class ModelQueue:
             version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout, 0.001),
                                                            priority=lead)
             self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * (loop.time() - now)
-            known = self._lane_seconds[lead]
-            self._lane_seconds[lead] = loop.time() - now if known is None else 0.8 * known + 0.2 * (loop.time() - now)
+            self._batch_times[lead].observe(loop.time() - now)
             self.batch_policy.observe_batch(sum(counts), loop.time() - now)
             completed = sum(counts)
         except errors.InfermeshError as exc:
