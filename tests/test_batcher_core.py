@@ -495,6 +495,22 @@ def test_a_lanes_batch_time_is_its_mean_plus_deviations_once_a_batch_has_finishe
     assert times.cautious == pytest.approx(0.28 + BATCH_TIME_DEVIATIONS * 0.1)
 
 
+def test_the_service_rate_follows_the_slots_the_lane_has_now():
+    """Measured while a lent VIP instance gave standard batches two slots, the
+    rate halves once the loan ends and they have one."""
+    rate = ServiceRate()
+    clock = 0.0
+    for _ in range(4):  # two batches of 10 rows at once, 0.1 s each, on two slots
+        rate.started(clock)
+        rate.started(clock)
+        clock += 0.1
+        rate.finished(clock, 10, slots=2)
+        rate.finished(clock, 10, slots=2)
+    # The first batch only marks where the span starts: 70 rows in the 0.3 s after it.
+    assert rate.rows_per_second(clock, slots=2) == pytest.approx(70 / 0.3)
+    assert rate.rows_per_second(clock, slots=1) == pytest.approx(35 / 0.3)
+
+
 def test_the_service_rate_counts_busy_time_only_and_follows_the_last_few_batches():
     rate = ServiceRate()
     clock = 0.0

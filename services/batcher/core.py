@@ -88,7 +88,7 @@ class SlotPool:
     lends its VIP-only instances to standard batches while no VIP work comes."""
 
     def __init__(self, sizes: Callable[[], tuple[int, int]]):
-        self._sizes = sizes
+        self.sizes = sizes  # () -> (general, reserved) now
         self.taken = {"general": 0, "reserved": 0}
         self._changed = asyncio.Event()
 
@@ -99,7 +99,7 @@ class SlotPool:
         answers UNAVAILABLE, on which the router falls back or fails fast,
         rather than the requests waiting out their deadlines here."""
         while True:
-            general, reserved = self._sizes()
+            general, reserved = self.sizes()
             if general + reserved == 0:
                 self.taken["general"] += 1
                 return "general"
@@ -125,14 +125,20 @@ class ServiceRate:
     """Rows one lane's batches complete per second of busy time: time with no
     batch in flight is not counted, as no demand is not slowness. (Counting it,
     a pause in traffic made the model look slow, admission then refused
-    requests, the router shed more, traffic paused again: a loop.)"""
+    requests, the router shed more, traffic paused again: a loop.)
+
+    Each batch is recorded with how many batches the lane could run at once
+    then (its slots), and the rate is scaled to the slots it has now: when a
+    model server stops lending its VIP instance, standard traffic has half
+    the instances, and a rate measured on two would let admission fill the
+    queue twice too deep until batches on one had replaced it."""
 
     def __init__(self):
         self._busy_s = 0.0  # busy time accumulated before the current busy period
         self._busy_since = 0.0
         self._running = 0
-        # (busy clock, rows) of recent batches; the oldest only marks where the span starts
-        self._completed: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_BATCHES + 1)
+        # (busy clock, rows, slots) of recent batches; the oldest only marks where the span starts
+        self._completed: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=RATE_BATCHES + 1)
 
     def busy_clock(self, now: float) -> float:
         return self._busy_s + (now - self._busy_since if self._running else 0.0)
@@ -142,25 +148,30 @@ class ServiceRate:
             self._busy_since = now
         self._running += 1
 
-    def finished(self, now: float, rows: int | None) -> None:
-        """A batch ended; `rows` it completed, None when it failed."""
+    def finished(self, now: float, rows: int | None, slots: int = 1) -> None:
+        """A batch ended; `rows` it completed, None when it failed, while the
+        lane had `slots`."""
         if rows is not None:
-            self._completed.append((self.busy_clock(now), rows))
+            self._completed.append((self.busy_clock(now), rows, slots))
         self._running -= 1
         if not self._running:
             self._busy_s += now - self._busy_since
 
-    def rows_per_second(self, now: float) -> float | None:
+    def rows_per_second(self, now: float, slots: int = 1) -> float | None:
         """Over the last few batches within the last RATE_WINDOW_S of busy time
-        (a rate measured before a surge of load would overstate it); None
-        until enough batches have finished to tell."""
+        (a rate measured before a surge of load would overstate it), for a lane
+        with `slots` now; None until enough batches have finished to tell."""
         clock = self.busy_clock(now)
         while self._completed and clock - self._completed[0][0] > RATE_WINDOW_S:
             self._completed.popleft()
         if len(self._completed) < 3:
             return None
         span = clock - self._completed[0][0]
-        return sum(rows for _, rows in itertools.islice(self._completed, 1, None)) / span if span > 0 else None
+        if span <= 0:
+            return None
+        counted = list(itertools.islice(self._completed, 1, None))
+        measured_slots = sum(batch_slots for _, _, batch_slots in counted) / len(counted)
+        return sum(rows for _, rows, _ in counted) / span * slots / measured_slots
 
 
 class BatchTime:
@@ -289,6 +300,12 @@ class ModelQueue:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"batcher-{self.model}-{self.version}")
 
+    def _lane_slots(self, lane: int) -> int:
+        """How many batches the lane may have in flight now: standard batches the
+        general slots, VIP batches those and the reserved ones."""
+        general, reserved = self._slots.sizes()
+        return max(1, general + (reserved if lane == VIP else 0))
+
     def _admit(self, item: Pending, level_name: str) -> None:
         """Deadline-aware admission: a request that would wait in the queue past
         its deadline is refused now, in microseconds, instead of timing out
@@ -303,7 +320,7 @@ class ModelQueue:
         ahead += item.rows + (self._inflight_rows[STANDARD] if item.priority < VIP else 0)
         if ahead <= self.batch_size:
             return
-        rate = self._service_rates[item.priority].rows_per_second(item.enqueued)
+        rate = self._service_rates[item.priority].rows_per_second(item.enqueued, self._lane_slots(item.priority))
         if rate is None:
             return
         wait_s = ahead / rate
@@ -536,7 +553,7 @@ class ModelQueue:
             return
         finally:
             self._inflight_rows[lead] -= sum(counts)
-            self._service_rates[lead].finished(loop.time(), completed)
+            self._service_rates[lead].finished(loop.time(), completed, self._lane_slots(lead))
         parts = {out.name: split_rows(out, counts) for out in outputs}
         for i, item in enumerate(batch):
             if not item.future.done():
