@@ -457,7 +457,7 @@ async def test_a_request_that_would_wait_past_its_deadline_is_refused_at_once():
     await asyncio.gather(*(batcher.submit("m", "1", row(float(i)), []) for i in range(5)))  # learn ~100 rows/s
     backlog = [submit(batcher, float(i), timeout_s=30) for i in range(40)]  # ~0.4 s of work
     await settle()
-    with pytest.raises(errors.ResourceExhausted, match="of the 50 ms left before this request's deadline") as info:
+    with pytest.raises(errors.ResourceExhausted, match="that its deadline, 50 ms away, leaves after its own batch") as info:
         await batcher.submit("m", "1", row(99.0), [], timeout_s=0.05)
     assert info.value.retry_after_ms > 100
     vip = await batcher.submit("m", "1", row(7.0), [], priority=VIP, timeout_s=0.2)  # nothing ahead at VIP
@@ -482,6 +482,22 @@ async def test_admission_keeps_a_share_of_the_deadline_as_margin(share, admitted
     else:
         with pytest.raises(errors.ResourceExhausted, match="more than 50% of the 600 ms left"):
             await late
+    await asyncio.gather(*backlog)
+
+
+async def test_admission_leaves_a_request_time_for_its_own_batch():
+    """Batches of 0.1 s, about 0.5 s of work up to and with the request, 0.55 s
+    left and no share kept back: it would be done in time on average, but still
+    be waiting when less than a batch's time is left, and be refused then; so
+    it is refused at once."""
+    backend = TimedBackend(0.1, max_batch=1)
+    policy = QueuePolicy.uniform(1000, 30, admission_share=1.0)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
+    await asyncio.gather(*(batcher.submit("m", "1", row(float(i)), []) for i in range(4)))  # learn ~10 rows/s
+    backlog = [submit(batcher, float(i), timeout_s=30) for i in range(4)]
+    await settle()
+    with pytest.raises(errors.ResourceExhausted, match=r"that its deadline, 550 ms away, leaves after its own batch"):
+        await batcher.submit("m", "1", row(99.0), [], timeout_s=0.55)
     await asyncio.gather(*backlog)
 
 

@@ -310,8 +310,10 @@ class ModelQueue:
         """Deadline-aware admission: a request that would wait in the queue past
         its deadline is refused now, in microseconds, instead of timing out
         later having held a place; "past" with a margin (admission_share), as
-        the rate is an average and a loaded machine's batches vary severalfold.
-        Only with a real backlog and a measured rate."""
+        the rate is an average and a loaded machine's batches vary severalfold,
+        and never so late that the request would still be waiting when too
+        little time is left for its batch (give_up would refuse it then, after
+        the wait). Only with a real backlog and a measured rate."""
         if item.deadline is None:
             return
         ahead = sum(rows for level, rows in self._queued_rows.items() if level >= item.priority)
@@ -326,14 +328,19 @@ class ModelQueue:
         wait_s = ahead / rate
         left_s = item.deadline - item.enqueued
         allowed_s = self._policy.admission_share * left_s
+        limit = f"{self._policy.admission_share:.0%} of the {1000 * left_s:.0f} ms left before this request's deadline"
+        run_s = self._batch_times[item.priority].cautious
+        if run_s is not None and left_s - run_s - errors.REFUSAL_MARGIN_S < allowed_s:
+            allowed_s = left_s - run_s - errors.REFUSAL_MARGIN_S
+            limit = (f"the {1000 * max(allowed_s, 0.0):.0f} ms that its deadline, {1000 * left_s:.0f} ms away, "
+                     f"leaves after its own batch (about {1000 * run_s:.0f} ms)")
         if wait_s > allowed_s:
             metrics.REJECTIONS.labels(self.model, level_name, "would_miss_deadline").inc()
             retry_ms = max(10, int(1000 * (wait_s - allowed_s)))
             raise errors.ResourceExhausted(
                 f"model '{self.model}' has {ahead} rows to finish up to this request at {level_name} priority or "
-                f"above (queued, running, its own), about {1000 * wait_s:.0f} ms of work, more than "
-                f"{self._policy.admission_share:.0%} of the {1000 * left_s:.0f} ms left before this request's "
-                f"deadline; retry after about {retry_ms} ms", retry_after_ms=retry_ms)
+                f"above (queued, running, its own), about {1000 * wait_s:.0f} ms of work, more than {limit}; "
+                f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
 
     async def _run(self) -> None:
         while True:
