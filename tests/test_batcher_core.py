@@ -5,9 +5,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from services.batcher.core import (BATCH_TIME_DEVIATIONS, STANDARD, VIP, Batcher, BatchTime, LevelPolicy, ModelLimits,
-                                   QueuePolicy, ServiceRate)
+from services.batcher.core import STANDARD, VIP, Batcher, LevelPolicy, ModelLimits, QueuePolicy, ServiceRate
 from services.common import errors
+from services.common.latency import CAUTIOUS_DEVIATIONS, MovingTime
 from services.common.tensors import from_numpy, to_numpy
 from tests.conftest import settle
 
@@ -502,13 +502,13 @@ async def test_admission_leaves_a_request_time_for_its_own_batch():
 
 
 def test_a_lanes_batch_time_is_its_mean_plus_deviations_once_a_batch_has_finished():
-    times = BatchTime()
-    assert times.cautious is None  # nothing to go by: a waiting request only expires at its deadline
+    times = MovingTime()
+    assert times.estimate(CAUTIOUS_DEVIATIONS) is None  # nothing to go by: a waiting request only expires at its deadline
     times.observe(0.2)
-    assert times.cautious == pytest.approx(0.2)
+    assert times.estimate(CAUTIOUS_DEVIATIONS) == pytest.approx(0.2)
     times.observe(0.6)  # one batch three times as long: the margin widens at once
     assert times.mean == pytest.approx(0.28) and times.deviation == pytest.approx(0.1)
-    assert times.cautious == pytest.approx(0.28 + BATCH_TIME_DEVIATIONS * 0.1)
+    assert times.estimate(CAUTIOUS_DEVIATIONS) == pytest.approx(0.28 + CAUTIOUS_DEVIATIONS * 0.1)
 
 
 def test_the_service_rate_follows_the_slots_the_lane_has_now():

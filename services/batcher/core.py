@@ -27,6 +27,7 @@ from typing import Protocol
 from services.batcher import metrics
 from services.batcher.policy import FixedPolicy, Policy, QueueView, make_policy
 from services.common import errors
+from services.common.latency import CAUTIOUS_DEVIATIONS, MovingTime
 from services.common.tensors import TensorData, concat_rows, split_rows
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,6 @@ PRIORITIES = (STANDARD, VIP)
 LENGTH_WINDOW = 128  # how far into a level length-aware batching looks for a similar request
 RATE_WINDOW_S = 5.0  # the completions that estimate a queue's service rate: the last few busy seconds' ...
 RATE_BATCHES = 8  # ... and of those at most the last few batches, so that the rate follows a change of load
-# A waiting request is refused once less time is left than its lane's mean batch time plus this
-# many mean deviations (the model server checks a batch's own run with the same margin).
-BATCH_TIME_DEVIATIONS = 2.0
 
 
 LEVEL_NAMES = {VIP: "vip", STANDARD: "standard"}
@@ -174,28 +172,6 @@ class ServiceRate:
         return sum(rows for _, rows, _ in counted) / span * slots / measured_slots
 
 
-class BatchTime:
-    """What one lane's batches take, as TCP keeps round trips: a moving mean
-    and mean deviation; `cautious` is the mean plus BATCH_TIME_DEVIATIONS of
-    them, None until a batch has finished. On a loaded machine one batch takes
-    severalfold another's time, and the mean alone is missed half the time."""
-
-    def __init__(self):
-        self.mean: float | None = None
-        self.deviation = 0.0
-
-    def observe(self, seconds: float) -> None:
-        if self.mean is None:
-            self.mean = seconds
-            return
-        self.deviation = 0.75 * self.deviation + 0.25 * abs(seconds - self.mean)
-        self.mean = 0.8 * self.mean + 0.2 * seconds
-
-    @property
-    def cautious(self) -> float | None:
-        return None if self.mean is None else self.mean + BATCH_TIME_DEVIATIONS * self.deviation
-
-
 class Backend(Protocol):
     """Where batches run: the model_server replicas."""
 
@@ -253,8 +229,8 @@ class ModelQueue:
         self._default_timeout_s = default_timeout_s
         self._batch_seconds = 0.05  # running estimate of one batch's time, for retry hints
         # Per lane, what its batches take: how long before its deadline a waiting
-        # request can no longer be run and answered.
-        self._batch_times = {VIP: BatchTime(), STANDARD: BatchTime()}
+        # request can no longer be run and answered (_cautious_batch_s).
+        self._batch_times = {VIP: MovingTime(), STANDARD: MovingTime()}
         # Per lane (the level a batch goes out at: the model servers run VIP batches
         # first, and a VIP pool may run them): rows sent and not yet answered, and
         # how fast that lane's batches complete.
@@ -285,7 +261,7 @@ class ModelQueue:
         if len(level) >= limit:
             metrics.REJECTIONS.labels(self.model, name, "queue_full").inc()
             # About how long until a place frees up: the batches ahead of it.
-            retry_ms = max(10, int(1000 * self._batch_seconds * len(self) / max(self.batch_size, 1)))
+            retry_ms = self._drain_retry_ms()
             raise errors.ResourceExhausted(
                 f"the {name} queue of model '{self.model}' is full ({limit} requests waiting); "
                 f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
@@ -299,6 +275,16 @@ class ModelQueue:
         self._arrived.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"batcher-{self.model}-{self.version}")
+
+    def _drain_retry_ms(self) -> int:
+        """A retry hint for a refusal for lack of room: about how long until the
+        batches waiting ahead have gone."""
+        return max(10, int(1000 * self._batch_seconds * len(self) / max(self.batch_size, 1)))
+
+    def _cautious_batch_s(self, lane: int) -> float | None:
+        """What the lane's batches take, cautiously (CAUTIOUS_DEVIATIONS); None
+        until one has finished."""
+        return self._batch_times[lane].estimate(CAUTIOUS_DEVIATIONS)
 
     def _lane_slots(self, lane: int) -> int:
         """How many batches the lane may have in flight now: standard batches the
@@ -329,7 +315,7 @@ class ModelQueue:
         left_s = item.deadline - item.enqueued
         allowed_s = self._policy.admission_share * left_s
         limit = f"{self._policy.admission_share:.0%} of the {1000 * left_s:.0f} ms left before this request's deadline"
-        run_s = self._batch_times[item.priority].cautious
+        run_s = self._cautious_batch_s(item.priority)
         if run_s is not None and left_s - run_s - errors.REFUSAL_MARGIN_S < allowed_s:
             allowed_s = left_s - run_s - errors.REFUSAL_MARGIN_S
             limit = (f"the {1000 * max(allowed_s, 0.0):.0f} ms that its deadline, {1000 * left_s:.0f} ms away, "
@@ -426,31 +412,27 @@ class ModelQueue:
     def give_up_at(self, item: Pending) -> float:
         """When a request still waiting is refused (give_up): its deadline less
         what its lane's batches take (cautiously) and the refusal's margin."""
-        run_s = self._batch_times[item.priority].cautious
+        run_s = self._cautious_batch_s(item.priority)
         return item.deadline - (run_s + errors.REFUSAL_MARGIN_S if run_s is not None else 0.0)
 
     def give_up(self, item: Pending) -> None:
         """A request still waiting when a batch could no longer run and answer it
         in time is refused, RESOURCE_EXHAUSTED like any refusal for lack of
-        room, rather than left to time out; past its deadline, it expires. Not
-        while no batch of its model runs: then it is about to go, and the
-        estimate may be long out of date (after a surge, callers with tight
-        deadlines would otherwise be refused for good, as nothing would run to
-        bring it down)."""
+        room, rather than left to time out; past its deadline, it expires.
+        On an idle model a request with less time than the estimate is taken
+        before this runs (its arrival wakes the batching task, whose step
+        takes it, ahead of a timer already due), so a stale estimate after a
+        surge cannot refuse tight deadlines for good."""
         if item.future.done():
             return
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        run_s = self._batch_times[item.priority].cautious
+        now = asyncio.get_running_loop().time()
+        run_s = self._cautious_batch_s(item.priority)
         if run_s is None or now >= item.deadline:
             self.expire(item)
             return
-        if not self._running:
-            item.timer = loop.call_at(item.deadline, self.expire, item)
-            return
         name = LEVEL_NAMES[item.priority]
         metrics.REJECTIONS.labels(self.model, name, "no_time_left").inc()
-        retry_ms = max(10, int(1000 * self._batch_seconds * len(self) / max(self.batch_size, 1)))
+        retry_ms = self._drain_retry_ms()
         item.future.set_exception(errors.ResourceExhausted(
             f"request for model '{self.model}' waited {1000 * (now - item.enqueued):.0f} ms in the {name} queue and "
             f"has {1000 * (item.deadline - now):.0f} ms left, less than its batch would take (about "

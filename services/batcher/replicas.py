@@ -44,12 +44,16 @@ class Replica:
         self.models: dict[str, object] = {}  # name -> common.v1.ModelInfo
         self.history: collections.deque = collections.deque(maxlen=MESH_HISTORY_POLLS)  # behind a mesh
         self.labels: dict[str, str] = {}
-        self.inflight = 0
         self.running: collections.Counter = collections.Counter()  # (model, VIP or STANDARD) -> batches in flight
         self.polled_at = 0.0  # loop time the last answered poll was sent
         self.vip_sent_at: dict[str, float] = {}  # model -> loop time its latest VIP batch was sent here
         self.ready = False
         self.failed_polls = 0  # in a row
+
+    @property
+    def inflight(self) -> int:
+        """Batches in flight here, of every model and lane."""
+        return sum(self.running.values())
 
 
 class ReplicaSet:
@@ -347,13 +351,11 @@ class ReplicaSet:
         lane = (model, VIP if priority >= VIP else STANDARD)
         if priority >= VIP:
             replica.vip_sent_at[model] = asyncio.get_running_loop().time()
-        replica.inflight += 1
         replica.running[lane] += 1
         metrics.INFLIGHT.labels(replica.address).set(replica.inflight)
         try:
             yield
         finally:
-            replica.inflight -= 1
             replica.running[lane] -= 1
             metrics.INFLIGHT.labels(replica.address).set(replica.inflight)
             self._wake_room_waiters()

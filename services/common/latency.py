@@ -1,9 +1,16 @@
-"""How long a batch runs, learned online per size class: the batcher's
-adaptive policy plans with it, the model server decides refusals with it."""
+"""How long a batch runs, learned online: the batcher's adaptive policy plans
+with it per size class, the model server decides refusals with it, and the
+batcher refuses waiting requests with it per lane."""
 
 from __future__ import annotations
 
 import math
+
+# Decisions that must hold for nearly every batch, not the average one, take the
+# mean plus this many mean deviations: on a loaded machine one batch takes
+# severalfold another's time, and a batch let run on the mean alone misses a
+# tight deadline about every other time.
+CAUTIOUS_DEVIATIONS = 2.0
 
 
 def size_class(rows: int) -> int:
@@ -11,34 +18,50 @@ def size_class(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
-class LatencyProfile:
-    """Seconds per batch per size class: a moving average, and a moving mean
-    deviation from it (as TCP estimates a round trip and its variation), for
-    decisions that must hold for nearly every batch, not the average one."""
+class MovingTime:
+    """A moving mean of seconds and a moving mean deviation from it, as TCP
+    estimates a round trip and its variation; None until observed."""
 
     def __init__(self, alpha: float = 0.2, beta: float = 0.25):
         self._alpha = alpha
         self._beta = beta
-        self._seconds: dict[int, float] = {}
-        self._deviation: dict[int, float] = {}
+        self.mean: float | None = None
+        self.deviation = 0.0
+
+    def observe(self, seconds: float) -> None:
+        if self.mean is None:  # no variation seen yet
+            self.mean = seconds
+            return
+        self.deviation = (1 - self._beta) * self.deviation + self._beta * abs(seconds - self.mean)
+        self.mean = (1 - self._alpha) * self.mean + self._alpha * seconds
+
+    def estimate(self, deviations: float = 0.0) -> float | None:
+        """The mean plus `deviations` mean deviations; None before any observation."""
+        return None if self.mean is None else self.mean + deviations * self.deviation
+
+
+class LatencyProfile:
+    """Seconds per batch per size class, each a MovingTime."""
+
+    def __init__(self, alpha: float = 0.2, beta: float = 0.25):
+        self._alpha = alpha
+        self._beta = beta
+        self._classes: dict[int, MovingTime] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
         key = size_class(rows)
-        old = self._seconds.get(key)
-        if old is None:  # no variation seen yet
-            self._seconds[key], self._deviation[key] = seconds, 0.0
-            return
-        self._deviation[key] = (1 - self._beta) * self._deviation[key] + self._beta * abs(seconds - old)
-        self._seconds[key] = (1 - self._alpha) * old + self._alpha * seconds
+        if key not in self._classes:
+            self._classes[key] = MovingTime(self._alpha, self._beta)
+        self._classes[key].observe(seconds)
 
     def estimate(self, rows: int, shrink: bool = True, deviations: float = 0.0) -> float | None:
         """The learned time of a batch of `rows`, plus `deviations` times its mean
         deviation; from the nearest class, scaled by rows, when its own is still
         unknown (with `shrink` False, never scaled down: a cautious estimate, as
         small batches are not proportionally quicker); None before any batch ran."""
-        if not self._seconds:
+        if not self._classes:
             return None
         key = size_class(rows)
-        nearest = key if key in self._seconds else min(self._seconds, key=lambda k: abs(math.log2(k) - math.log2(key)))
+        nearest = key if key in self._classes else min(self._classes, key=lambda k: abs(math.log2(k) - math.log2(key)))
         scale = key / nearest
-        return (self._seconds[nearest] + deviations * self._deviation[nearest]) * (scale if shrink else max(scale, 1.0))
+        return self._classes[nearest].estimate(deviations) * (scale if shrink else max(scale, 1.0))

@@ -27,7 +27,7 @@ import numpy as np
 import onnxruntime as ort
 
 from services.common import errors
-from services.common.latency import LatencyProfile
+from services.common.latency import CAUTIOUS_DEVIATIONS, LatencyProfile
 from services.common.tensors import NUMPY_DTYPES, TensorData, concat_rows, from_numpy, split_rows, to_numpy
 from services.model_server import metrics
 from services.model_server.repository import Golden, ModelConfig, version_fingerprint
@@ -83,13 +83,6 @@ def load_cuda_libraries() -> None:
         ort.preload_dlls()
     if said.getvalue().strip():
         log.warning("loading the CUDA libraries: %s", " ".join(said.getvalue().split()))
-
-
-# A batch with a deadline waits for its turn, and runs at its turn, only if it would still
-# finish by its deadline taking what batches of its size took lately plus this many mean
-# deviations: on a loaded machine one batch takes severalfold another's time, and a batch
-# let run on the average alone misses its deadline about every other time it is tight.
-OWN_RUN_DEVIATIONS = 2.0
 
 
 class NoTurn(Exception):
@@ -369,7 +362,7 @@ class LoadedVersion:
         loop = asyncio.get_running_loop()
         arrived = loop.time()
         rows = next(iter(inputs.values())).rows if inputs else 1
-        own_s = self.estimate_s(rows, OWN_RUN_DEVIATIONS)
+        own_s = self.estimate_s(rows, CAUTIOUS_DEVIATIONS)
         wait_s = None if time_left_s is None else time_left_s - own_s - errors.REFUSAL_MARGIN_S
         retry_s = own_s
         try:
@@ -433,7 +426,7 @@ class LoadedVersion:
         if time_left_s is None:
             return 0.0
         left_s = arrived + time_left_s - asyncio.get_running_loop().time()
-        return self.estimate_s(rows, OWN_RUN_DEVIATIONS) + errors.REFUSAL_MARGIN_S - left_s
+        return self.estimate_s(rows, CAUTIOUS_DEVIATIONS) + errors.REFUSAL_MARGIN_S - left_s
 
     def _count_loan(self, index: int, priority: int) -> None:
         """Counts a caller's batch (not the golden probe's, below every caller) starting on a lent instance."""
