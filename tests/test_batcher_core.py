@@ -205,6 +205,34 @@ async def test_requests_waiting_for_a_slot_when_the_last_replica_goes_hear_unava
         await asyncio.wait_for(waiting, 5)
 
 
+class VipPoolOnlyBackend(GatedBackend):
+    """Under a traffic policy whose standard route reaches no ready replica
+    while the VIP pool is up: no general slots, one for VIP work; a standard
+    batch sent anyway is answered as Envoy answers "no healthy upstream"."""
+
+    def slots(self, model):
+        return 0, 1
+
+    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
+        if priority < VIP:
+            raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset 'blue'")
+        return await super().execute(model, version, inputs, outputs, timeout_s, priority)
+
+
+async def test_with_no_replica_on_the_standard_route_standard_work_hears_unavailable_at_once_and_vip_work_runs():
+    backend = VipPoolOnlyBackend(max_batch=1)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    first_vip = submit(batcher, 0.0, priority=VIP)
+    await backend.started.wait()
+    with pytest.raises(errors.Unavailable, match="no healthy upstream"):  # not held for a slot it can never get
+        await asyncio.wait_for(submit(batcher, 1.0), 5)
+    second_vip = submit(batcher, 2.0, priority=VIP)  # waits for the VIP slot, and takes no other
+    await settle()
+    assert backend.batches == [[0.0]]
+    backend.gate.set()
+    assert [to_numpy((await call)[1][0])[:, 0].tolist() for call in (first_vip, second_vip)] == [[0.0], [4.0]]
+
+
 async def test_a_request_larger_than_the_batch_size_runs_alone_up_to_the_model_limit():
     backend = GatedBackend(max_batch=4)
     backend.gate.set()

@@ -214,6 +214,41 @@ async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_
         await manager.close()
 
 
+async def test_under_a_traffic_policy_each_tier_counts_the_slots_its_route_reaches(repo, tmp_path):
+    """Two blue replicas, a green one at weight 0 and a VIP pool: standard
+    batches get the blue ones' slots, less an ejected one; VIP batches get the
+    VIP pool's alone; a new weight brings green in."""
+    policy_file = tmp_path / "traffic.yaml"
+    policy_file.write_text((ROOT / "mesh" / "istio" / "model-server-traffic.yaml").read_text())
+    policy = traffic.PolicyFiles([policy_file], "model-server")
+    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    await manager.start()
+    servers = [await build_server(ModelServerConfig(model_repository=str(repo), labels=labels), manager, port=0)
+               for labels in ("version=blue", "version=blue", "version=green", "pool=vip")]
+    addresses = tuple(f"127.0.0.1:{port}" for _, port, _ in servers)
+    replicas = ReplicaSet(addresses, 1, 60.0, 1 << 24, policy)
+    try:
+        await replicas.start()
+        # One instance each: a standard batch apiece on blue; the VIP pool's one and one more.
+        assert replicas.slots("mlp") == (2, 2)
+        without_policy = ReplicaSet(addresses, 1, 60.0, 1 << 24)
+        await without_policy.poll_once()
+        assert without_policy.slots("mlp") == (4, 4)  # every replica, for either tier
+        await without_policy.close()
+        blue = replicas._detectors["blue"]  # noqa: SLF001
+        now = asyncio.get_running_loop().time()
+        assert [blue.record(addresses[0], "UNAVAILABLE", now) for _ in range(3)][-1]  # ejected
+        assert replicas.slots("mlp") == (1, 2)
+        policy_file.write_text(policy_file.read_text().replace("weight: 100", "weight: 50").replace("weight: 0", "weight: 50"))
+        await replicas.poll_once()  # reloads the policy; its outlier counts start afresh
+        assert replicas.slots("mlp") == (3, 2)
+    finally:
+        await replicas.close()
+        for server, _, _ in servers:
+            await server.stop(0)
+        await manager.close()
+
+
 async def until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.01)

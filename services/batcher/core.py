@@ -92,19 +92,18 @@ class SlotPool:
 
     async def acquire(self, has_vip: Callable[[], bool]) -> str:
         """A reserved slot while VIP requests wait and one is free (it carries
-        a VIP-led batch), else a general one. With no slots at all (no ready
-        replica serves the model) a general one at once: the backend then
-        answers UNAVAILABLE, on which the router falls back or fails fast,
-        rather than the requests waiting out their deadlines here."""
+        a VIP-led batch), else a general one. With no general slots at all (no
+        ready replica, or none that standard work may reach) a general one at
+        once, unless VIP work waits for a reserved one: the backend then answers
+        UNAVAILABLE, on which the router falls back or fails fast, rather than
+        the requests waiting out their deadlines here."""
         while True:
             general, reserved = self.sizes()
-            if general + reserved == 0:
-                self.taken["general"] += 1
-                return "general"
-            if has_vip() and self.taken["reserved"] < reserved:
+            vip_waits = has_vip() and reserved > 0
+            if vip_waits and self.taken["reserved"] < reserved:
                 self.taken["reserved"] += 1
                 return "reserved"
-            if self.taken["general"] < general:
+            if self.taken["general"] < general or (general == 0 and not vip_waits):
                 self.taken["general"] += 1
                 return "general"
             self._changed.clear()

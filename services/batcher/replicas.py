@@ -177,10 +177,35 @@ class ReplicaSet:
 
     def slots(self, model: str) -> tuple[int, int]:
         """(batches of any tier, more batches for VIP work only) that the ready
-        replicas serving the model can take at once now."""
+        replicas serving the model can take at once now. Each tier counts the
+        replicas it can reach (see _reachable): under Istio's VIP-pool route,
+        the VIP pool's room is VIP work's alone, and a standard batch sent for
+        room only that pool has would wait for its own pool (_hosts_with_room)."""
+        standard, vip = self._reachable(model, STANDARD), self._reachable(model, VIP)
+        general = sum(self._bound(r, model, STANDARD) for r in standard)
+        shared = sum(self._bound(r, model, STANDARD) for r in vip if r in standard)  # VIP may use those too
+        return general, sum(self._bound(r, model, VIP) for r in vip) - shared
+
+    def _reachable(self, model: str, priority: int) -> list[Replica]:
+        """The ready replicas serving the model that a batch led by `priority`
+        may be sent to: all of them, or under a traffic policy those of the
+        subsets its route weighs above 0, less those ejected."""
         serving = [r for r in self._replicas if r.ready and model in r.models]
-        general = sum(self._bound(r, model, STANDARD) for r in serving)
-        return general, sum(self._bound(r, model, VIP) for r in serving) - general
+        if self._policy is None:
+            return serving
+        route = self._policy.service.route(dict(tier_metadata(priority)))
+        if route is None:
+            return []
+        now = asyncio.get_running_loop().time()
+        reachable = []
+        for destination in route.destinations:
+            if destination.weight == 0:
+                continue
+            detector = self._detectors.get(destination.subset)
+            reachable += [r for r in self._subset_hosts(destination.subset)
+                          if r in serving and r not in reachable
+                          and not (detector is not None and detector.is_ejected(r.address, now))]
+        return reachable
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Calls `listener` after each round of polls: the slots may have changed."""
@@ -329,8 +354,8 @@ class ReplicaSet:
                                deadline: float) -> list[Replica]:
         """The healthy hosts of the destination's subset that serve the version
         and have room for the batch (see the class), waiting for room if need
-        be: the batcher's slots are counted over all replicas, and one subset
-        may have far fewer of them."""
+        be: the batcher's slots are counted over every subset the route
+        reaches, and the weighted pick chose one of them."""
         loop = asyncio.get_running_loop()
         while True:
             hosts = [r for r in self._subset_hosts(destination.subset)
