@@ -187,7 +187,7 @@ def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
     # Open loop: enough ghz workers that the rate holds even while every request waits out
     # its 2 s deadline (with fewer, ghz sends only as fast as answers come back).
     workers = int(2 * saturation * STANDARD_TIMEOUT_S * 1.25)
-    before, machine_before = scrape(mesh.router_metrics), cpu_times()
+    before, machine_before, gc_before = scrape(mesh.router_metrics), cpu_times(), full_collections(mesh)
     heavy_rps = max(2 * saturation - LIGHT_CALLER_RPS, 1.0)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         standard = pool.submit(ghz, mesh.router, f"st{tag}", int(heavy_rps * seconds), workers,
@@ -200,6 +200,8 @@ def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
     # cores the load generator's own wait for a core is part of what ghz sees.
     after = scrape(mesh.router_metrics)
     result["steal"] = steal_share(machine_before, cpu_times())
+    result["full_gc"] = {role: [after - before for after, before in zip(counts, gc_before[role])]
+                         for role, counts in full_collections(mesh).items()}
     seconds_name = "infermesh_router_request_duration_seconds"
     result["router"] = {
         "refused_p99_ms": 1000 * bucket_quantile(before, after, seconds_name, 0.99, tier="standard",
@@ -207,6 +209,22 @@ def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
         "vip_p99_ms": 1000 * bucket_quantile(before, after, seconds_name, 0.99, tier="vip", code="OK")}
     time.sleep(10)  # measured: the mesh needs a few seconds after such a load before it is quiet again
     return result
+
+
+def full_collections(mesh: Mesh) -> dict[str, tuple[float, float]]:
+    """Full garbage collections so far and the seconds they held their process,
+    by role (the router, the batcher, the model servers together): each one
+    stalls every call in flight there at once."""
+    totals = {}
+    for name in mesh.processes:
+        role = "model_server" if name.startswith("model_server") else name
+        if role not in ("router", "batcher", "model_server"):
+            continue
+        samples = scrape(mesh.router_metrics if name == "router" else mesh.metrics_url(name))
+        count, spent = totals.get(role, (0.0, 0.0))
+        totals[role] = (count + samples.get(("infermesh_gc_pause_seconds_count", (("generation", "2"),)), 0.0),
+                        spent + samples.get(("infermesh_gc_pause_seconds_sum", (("generation", "2"),)), 0.0))
+    return totals
 
 
 def summarise_overload(runs: list[dict], layout: str) -> dict:
@@ -236,6 +254,8 @@ def summarise_overload(runs: list[dict], layout: str) -> dict:
                                                    for r in runs),
         "vip_p99_ratio_per_run": ratios,
         "steal_per_run": [r.get("steal") for r in rs],
+        "full_gc": {role: [sum(r["full_gc"][role][i] for r in rs) for i in (0, 1)]
+                    for role in ("router", "batcher", "model_server")},
     }
 
 
@@ -333,6 +353,11 @@ def markdown(report: dict) -> str:
             f"{o['standard_served_p99_ms']:.0f} ms" for o in overloads) + " | |",
         "| standard requests served per second (share of saturation) | " + " | ".join(
             f"{o['standard_served_rps']:.0f} ({o['standard_served_share_of_saturation']:.0%})"
+            for o in overloads) + " | |",
+        "| full garbage collections during the overloads (all runs), and the mean pause: router; batcher; "
+        "model server(s) | " + " | ".join(
+            "; ".join(f"{count:.0f} ({1000 * spent / count:.1f} ms)" if count else "0"
+                      for count, spent in (o["full_gc"][role] for role in ("router", "batcher", "model_server")))
             for o in overloads) + " | |",
         "| VIP p99 ratio in each run (CPU taken by the hypervisor during that overload) | " + " | ".join(
             ", ".join(f"× {ratio:.2f} ({_share(steal)})" for ratio, steal in zip(o["vip_p99_ratio_per_run"],

@@ -217,6 +217,9 @@ async def test_every_service_serves_health_reflection_and_metrics(mesh, service)
     assert expected_service in services
     url = mesh.router_metrics if service == "router" else mesh.metrics_url(service)
     assert metric(url, "infermesh_grpc_requests_total") > 0
+    # Its startup heap is out of the collector's walks, and each collection is timed.
+    assert metric(url, "infermesh_gc_frozen_objects") > 10_000
+    assert metric(url, "infermesh_gc_pause_seconds_count", generation="2") >= 1  # the one before freezing
 
 
 def test_metrics_cover_requests_latency_queue_batches_and_cache(mesh):
