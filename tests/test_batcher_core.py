@@ -3,6 +3,7 @@
 import asyncio
 
 import numpy as np
+import prometheus_client
 import pytest
 
 from services.batcher.core import STANDARD, VIP, Batcher, LevelPolicy, ModelLimits, QueuePolicy, ServiceRate
@@ -203,6 +204,29 @@ async def test_requests_waiting_for_a_slot_when_the_last_replica_goes_hear_unava
     await running
     with pytest.raises(errors.Unavailable, match="no ready model_server replica serves model 'm'"):
         await asyncio.wait_for(waiting, 5)
+
+
+class OutOfTimeBackend(GatedBackend):
+    """Its batches run past their deadline at the model server, which the
+    batcher's RPC reports as gRPC's own DEADLINE_EXCEEDED."""
+
+    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
+        self.batches.append(to_numpy(inputs[0])[:, 0].tolist())
+        raise errors.DeadlineExceeded("Deadline Exceeded")
+
+
+async def test_a_batch_that_runs_out_of_time_after_it_was_sent_is_counted_and_logged(caplog):
+    count = prometheus_client.REGISTRY.get_sample_value(
+        "infermesh_batcher_batch_timeouts_total", {"model": "m", "level": "standard"}) or 0.0
+    backend = OutOfTimeBackend(max_batch=2)
+    batcher = Batcher(backend, max_batch_size=2, max_queue_delay_ms=60_000, max_queue_size=10)
+    results = await asyncio.gather(submit(batcher, 1.0), submit(batcher, 2.0), return_exceptions=True)
+    assert all(isinstance(r, errors.DeadlineExceeded) for r in results)
+    assert backend.batches == [[1.0, 2.0]]  # no time is left to run them one by one
+    assert prometheus_client.REGISTRY.get_sample_value(
+        "infermesh_batcher_batch_timeouts_total", {"model": "m", "level": "standard"}) == count + 1
+    assert "batch of 2 rows for model m (standard) ran out of its" in caplog.text
+    assert "the lane's batches take about (no estimate yet)" in caplog.text
 
 
 class VipPoolOnlyBackend(GatedBackend):

@@ -14,6 +14,11 @@ BATCH_ROWS = prometheus_client.Histogram(
 REJECTIONS = prometheus_client.Counter(
     "infermesh_batcher_rejections_total", "Requests answered without running, by model, level and reason "
     "(queue_full, would_miss_deadline, no_time_left, deadline, cancelled).", ["model", "level", "reason"])
+BATCH_TIMEOUTS = prometheus_client.Counter(
+    "infermesh_batcher_batch_timeouts_total",
+    "Batches sent to a model server that ran out of time there (their requests answered DEADLINE_EXCEEDED): "
+    "admission and the refusal for lack of time took the lane's batches to be shorter than this one was, "
+    "by model and the batch's level.", ["model", "level"])
 INFLIGHT = prometheus_client.Gauge(
     "infermesh_batcher_inflight_batches", "Batches in flight, by replica.", ["replica"])
 REPLICA_READY = prometheus_client.Gauge(
