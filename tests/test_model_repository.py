@@ -602,6 +602,28 @@ async def test_while_vip_batches_come_a_standard_batch_runs_in_slices_and_a_vip_
         assert metrics.STEPPED_ASIDE.labels("mlp")._value.get() == aside_before + 1  # noqa: SLF001
 
 
+async def test_a_sliced_batch_whose_rest_could_not_finish_in_time_is_refused_before_its_deadline(repo):
+    """Its first slice ran long (here: held 150 ms of its 250): the second, by the
+    profile that slice taught, would end past the deadline, so the batch is refused
+    then, RESOURCE_EXHAUSTED, rather than answered after its caller gave up."""
+    async with model_server(repo, slice_s=0.025) as ms:
+        loaded = ms.manager.resolve("mlp", "")
+        await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1)  # VIP traffic, lately: slices of 2
+        _learned(loaded, (2, 0.02), (4, 0.04))
+        shed_before = metrics.SHED.labels("mlp")._value.get()  # noqa: SLF001
+        order, first_running, release = _recording_runs(loaded)
+        standard = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), [], time_left_s=0.25))
+        await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
+        started = asyncio.get_running_loop().time()
+        await asyncio.sleep(0.15)  # the profile then has 2 rows at about 110 ms, cautiously; 100 ms are left
+        release.set()
+        with pytest.raises(errors.ResourceExhausted, match="would not finish before its deadline"):
+            await standard
+        assert asyncio.get_running_loop().time() - started < 0.25
+        assert order == [(3.0, 2)]  # the second slice never ran
+        assert metrics.SHED.labels("mlp")._value.get() == shed_before + 1  # noqa: SLF001
+
+
 async def test_without_vip_batches_lately_a_standard_batch_runs_whole(repo):
     async with model_server(repo, slice_s=0.025) as ms:
         loaded = ms.manager.resolve("mlp", "")
