@@ -503,6 +503,37 @@ class TimedBackend(GatedBackend):
         return await super().execute(model, version, inputs, outputs, timeout_s, priority)
 
 
+class ScriptedBackend(TimedBackend):
+    """Each batch takes the next of `durations` seconds, the last one for good."""
+
+    def __init__(self, durations: list[float], **kwargs):
+        super().__init__(durations[0], **kwargs)
+        self.durations = durations
+
+    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
+        self.seconds = self.durations.pop(0) if len(self.durations) > 1 else self.durations[0]
+        return await super().execute(model, version, inputs, outputs, timeout_s, priority)
+
+
+async def test_a_request_whose_lane_slowed_while_it_waited_is_refused_when_its_turn_comes_not_sent_to_time_out():
+    backend = ScriptedBackend([0.01, 0.01, 0.01, 0.5, 0.01], max_batch=1)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    for value in range(3):  # the lane's batches take 10 ms
+        await batcher.submit("m", "1", row(float(value)), [])
+    slow = submit(batcher, 3.0)
+    await settle()
+    # Its refusal timer is set for 35 ms before its deadline; when its turn comes, after the slow
+    # batch, it has about 300 ms left, and the lane's batches now take about 350 ms (cautiously).
+    late = submit(batcher, 4.0, timeout_s=0.8)
+    with pytest.raises(errors.ResourceExhausted, match=r"waited \d+ ms in the standard queue and has \d+ ms left, "
+                                                      r"less than its batch would take \(about 3\d\d ms\)"):
+        await late
+    await slow
+    assert backend.batches == [[0.0], [1.0], [2.0], [3.0]]  # it was not sent
+    # A request that comes after the lane's latest batch still goes, however tight: the estimate may be stale.
+    assert (await batcher.submit("m", "1", row(5.0), [], timeout_s=0.2))[0] == "1"
+
+
 async def test_a_request_that_would_wait_past_its_deadline_is_refused_at_once():
     backend = TimedBackend(0.01, max_batch=1)
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=1000)

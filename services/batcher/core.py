@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -230,6 +231,7 @@ class ModelQueue:
         # Per lane, what its batches take: how long before its deadline a waiting
         # request can no longer be run and answered (_cautious_batch_s).
         self._batch_times = {VIP: MovingTime(), STANDARD: MovingTime()}
+        self._lane_done_at = {VIP: -math.inf, STANDARD: -math.inf}  # when each lane's latest batch ended
         # Per lane (the level a batch goes out at: the model servers run VIP batches
         # first, and a VIP pool may run them): rows sent and not yet answered, and
         # how fast that lane's batches complete.
@@ -437,6 +439,20 @@ class ModelQueue:
             f"has {1000 * (item.deadline - now):.0f} ms left, less than its batch would take (about "
             f"{1000 * run_s:.0f} ms); it was not run; retry after about {retry_ms} ms", retry_after_ms=retry_ms))
 
+    def _out_of_time(self, item: Pending) -> bool:
+        """Whether a request about to be sent is refused instead (give_up): it
+        waited while its lane's batches ran, and has less time left than they
+        take now. Its give_up timer was set by the estimate when it arrived,
+        which a slow batch since may have raised; sent, it would time out. A
+        request that arrived after its lane's latest batch ended goes however
+        tight its deadline: the estimate may be stale then (see give_up)."""
+        if item.deadline is None or item.enqueued >= self._lane_done_at[item.priority]:
+            return False
+        if asyncio.get_running_loop().time() < self.give_up_at(item):
+            return False
+        self.give_up(item)
+        return True
+
     def expire(self, item: Pending) -> None:
         """Answers a request whose deadline passed while it waited; it stays in
         the queue until the batching task skips it, but never runs."""
@@ -494,7 +510,7 @@ class ModelQueue:
 
     async def _execute(self, batch: list[Pending], slot: str) -> None:
         try:
-            live = [item for item in batch if not item.future.done()]
+            live = [item for item in batch if not item.future.done() and not self._out_of_time(item)]
             if live:
                 await self._run_batch(live, split_on_error=True)
         except Exception as exc:  # noqa: BLE001 - resolved below, never lost
@@ -545,6 +561,7 @@ class ModelQueue:
         finally:
             self._inflight_rows[lead] -= sum(counts)
             self._service_rates[lead].finished(loop.time(), completed, self._lane_slots(lead))
+            self._lane_done_at[lead] = loop.time()
         parts = {out.name: split_rows(out, counts) for out in outputs}
         for i, item in enumerate(batch):
             if not item.future.done():
