@@ -187,8 +187,7 @@ def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
     # Open loop: enough ghz workers that the rate holds even while every request waits out
     # its 2 s deadline (with fewer, ghz sends only as fast as answers come back).
     workers = int(2 * saturation * STANDARD_TIMEOUT_S * 1.25)
-    before, machine_before, gc_before = scrape(mesh.router_metrics), cpu_times(), full_collections(mesh)
-    timed_out_before = batch_timeouts(mesh)
+    before, machine_before, counters_before = scrape(mesh.router_metrics), cpu_times(), service_counters(mesh)
     heavy_rps = max(2 * saturation - LIGHT_CALLER_RPS, 1.0)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         standard = pool.submit(ghz, mesh.router, f"st{tag}", int(heavy_rps * seconds), workers,
@@ -201,9 +200,10 @@ def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
     # cores the load generator's own wait for a core is part of what ghz sees.
     after = scrape(mesh.router_metrics)
     result["steal"] = steal_share(machine_before, cpu_times())
-    result["batch_timeouts"] = batch_timeouts(mesh) - timed_out_before
-    result["full_gc"] = {role: [after - before for after, before in zip(counts, gc_before[role])]
-                         for role, counts in full_collections(mesh).items()}
+    counters = service_counters(mesh)
+    result["batch_timeouts"] = counters["batch_timeouts"] - counters_before["batch_timeouts"]
+    result["full_gc"] = {role: [now - then for now, then in zip(counts, counters_before["full_gc"][role])]
+                         for role, counts in counters["full_gc"].items()}
     seconds_name = "infermesh_router_request_duration_seconds"
     result["router"] = {
         "refused_p99_ms": 1000 * bucket_quantile(before, after, seconds_name, 0.99, tier="standard",
@@ -213,26 +213,23 @@ def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
     return result
 
 
-def batch_timeouts(mesh: Mesh) -> float:
-    """Batches so far that ran out of time at a model server after the batcher sent them."""
-    return sum(value for (name, _), value in scrape(mesh.metrics_url("batcher")).items()
-               if name == "infermesh_batcher_batch_timeouts_total")
-
-
-def full_collections(mesh: Mesh) -> dict[str, tuple[float, float]]:
-    """Full garbage collections so far and the seconds they held their process,
-    by role (the router, the batcher, the model servers together): each one
-    stalls every call in flight there at once."""
-    totals = {}
+def service_counters(mesh: Mesh) -> dict:
+    """One scrape of each service so far: its full garbage collections and the
+    seconds they held it, by role (the router, the batcher, the model servers
+    together; each one stalls every call in flight there at once), and the
+    batches that ran out of time at a model server after the batcher sent them."""
+    full_gc, timed_out = {}, 0.0
     for name in mesh.processes:
         role = "model_server" if name.startswith("model_server") else name
         if role not in ("router", "batcher", "model_server"):
             continue
         samples = scrape(mesh.router_metrics if name == "router" else mesh.metrics_url(name))
-        count, spent = totals.get(role, (0.0, 0.0))
-        totals[role] = (count + samples.get(("infermesh_gc_pause_seconds_count", (("generation", "2"),)), 0.0),
-                        spent + samples.get(("infermesh_gc_pause_seconds_sum", (("generation", "2"),)), 0.0))
-    return totals
+        count, spent = full_gc.get(role, (0.0, 0.0))
+        full_gc[role] = (count + samples.get(("infermesh_gc_pause_seconds_count", (("generation", "2"),)), 0.0),
+                         spent + samples.get(("infermesh_gc_pause_seconds_sum", (("generation", "2"),)), 0.0))
+        timed_out += sum(value for (sample, _), value in samples.items()
+                         if sample == "infermesh_batcher_batch_timeouts_total")
+    return {"full_gc": full_gc, "batch_timeouts": timed_out}
 
 
 def summarise_overload(runs: list[dict], layout: str) -> dict:

@@ -351,8 +351,8 @@ class LoadedVersion:
         with RESOURCE_EXHAUSTED at once when the batches running and waiting
         ahead of it leave it no time to run, and otherwise waits only while it
         could still finish; when its turn comes, it runs only if it can still
-        finish by what its size takes now (_time_lacking), and sliced, each
-        slice after the first only if the rest still can (_slices_lacking). It is refused before
+        finish by what its size takes now, and sliced, each slice after the
+        first only if the rest still can (_time_lacking). It is refused before
         its deadline, never left to time out. Envoy counts a timeout (504)
         against the replica and would eject a busy but healthy one; it counts
         429 as no failure. Times are
@@ -381,7 +381,7 @@ class LoadedVersion:
             if len(counts) > 1 and slice_rows is None:
                 metrics.SLICED.labels(self.config.name).inc()
             async with self.gate.hold(priority, wait_s, counts[0]) as held:
-                if (lacking_s := self._time_lacking(arrived, time_left_s, rows)) > 0:
+                if (lacking_s := self._time_lacking(arrived, time_left_s, [rows])) > 0:
                     retry_s = lacking_s
                     raise NoTurn
                 self._count_loan(held.index, priority)
@@ -392,7 +392,7 @@ class LoadedVersion:
                 for i, (piece, count) in enumerate(zip(pieces, counts)):
                     if i and await self.gate.step_aside(held, count):
                         metrics.STEPPED_ASIDE.labels(self.config.name).inc()
-                    if i and (lacking_s := self._slices_lacking(arrived, time_left_s, counts[i:])) > 0:
+                    if i and (lacking_s := self._time_lacking(arrived, time_left_s, counts[i:])) > 0:
                         retry_s = lacking_s
                         raise NoTurn  # refused before its deadline, not finished after it
                     results.append(await self._run_on(held.index, piece, outputs, Running(0.0, count, left, priority)))
@@ -421,23 +421,15 @@ class LoadedVersion:
                          rows, priority, 1000 * (took_s - time_left_s), 1000 * took_s, 1000 * time_left_s,
                          1000 * own_s)
 
-    def _time_lacking(self, arrived: float, time_left_s: float | None, rows: int) -> float:
-        """Checked again when a batch's turn comes: how much more time than it has
-        left the batch needs, by what its size takes now. The batches it waited for
-        may have run longer than estimated (a loaded machine's batches vary
-        severalfold), and each of them taught the profile so: such a batch is
-        refused at its turn rather than run past its deadline."""
-        if time_left_s is None:
-            return 0.0
-        left_s = arrived + time_left_s - asyncio.get_running_loop().time()
-        return self.estimate_s(rows, CAUTIOUS_DEVIATIONS) + errors.REFUSAL_MARGIN_S - left_s
-
-    def _slices_lacking(self, arrived: float, time_left_s: float | None, counts: list[int]) -> float:
-        """Checked before each slice after the first: how much more time than it
-        has left the rest of a sliced batch needs, its next slice cautiously.
-        Slices interleave with VIP batches, and on a loaded machine a batch
-        estimated at 150 ms was seen to take 1.6 s so: the rest is refused
-        before the deadline rather than run past it (the caller would get a
+    def _time_lacking(self, arrived: float, time_left_s: float | None, counts: list[int]) -> float:
+        """Checked again when a batch's turn comes, and before each slice after
+        the first: how much more time than it has left the batch (or the rest
+        of its slices, `counts`) needs, its next run cautiously and any later
+        slices by their mean. The batches it waited for may have run longer
+        than estimated (a loaded machine's batches vary severalfold), and each
+        of them taught the profile so; slices interleave with VIP batches, and
+        a batch estimated at 150 ms was seen to take 1.6 s so. Such a batch is
+        refused then rather than run past its deadline (the caller would get a
         timeout, and the work would be wasted all the same)."""
         if time_left_s is None:
             return 0.0
