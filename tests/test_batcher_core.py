@@ -633,6 +633,58 @@ def test_the_service_rate_counts_busy_time_only_and_follows_the_last_few_batches
     assert rate.rows_per_second(clock) == pytest.approx(25)
 
 
+def test_the_service_rate_counts_time_its_requests_wait_between_its_batches():
+    """Standard batches of 0.1 s with a 0.1 s VIP batch between each two, on
+    one shared instance: the standard backlog drains at 50 rows/s, not the
+    100 rows/s its batches alone would say. Time with nothing waiting and
+    nothing running still does not count."""
+    rate = ServiceRate()
+    clock = 0.0
+    rate.waiting(clock, True)
+    for _ in range(4):
+        rate.waiting(clock, True)  # the VIP batch runs, standard requests wait
+        clock += 0.1
+        rate.waiting(clock, False)  # the next standard batch takes the waiting rows
+        rate.started(clock)
+        clock += 0.1
+        rate.finished(clock, 10)
+    assert rate.rows_per_second(clock) == pytest.approx(30 / 0.6)
+    clock += 30.0  # nothing waits: no demand
+    assert rate.rows_per_second(clock) == pytest.approx(30 / 0.6)
+
+
+class SharedSlotBackend(TimedBackend):
+    """One instance for both tiers: no slot reserved for VIP work."""
+
+    def slots(self, model):
+        return 1, 0
+
+
+@pytest.mark.parametrize("vip_between, admitted", [(True, False), (False, True)])
+async def test_admission_counts_the_vip_batches_a_standard_backlog_waits_behind(vip_between, admitted):
+    """Standard batches of 50 ms, on an instance VIP batches share: 20 rows/s
+    on their own, about 9 rows/s with a VIP batch before each. 16 rows up to a
+    request with 2.4 s left are 0.8 s of work at the first rate (within half
+    its deadline) and 1.9 s at the second: where VIP batches come between, it
+    is refused at once rather than left to wait past its deadline."""
+    backend = SharedSlotBackend(0.05, max_batch=1)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=1000)
+    first = submit(batcher, 0.0)
+    await backend.started.wait()
+    vip = [submit(batcher, 100.0 + i, priority=VIP) for i in range(4 if vip_between else 0)]
+    await asyncio.gather(first, *vip, *(submit(batcher, float(i)) for i in range(1, 4)))
+    backlog = [submit(batcher, float(i), timeout_s=30) for i in range(15)]
+    await settle()
+    late = submit(batcher, 99.0, timeout_s=2.4)
+    await settle()
+    if admitted:
+        assert float(to_numpy((await late)[1][0])[0, 0]) == 198.0
+    else:
+        with pytest.raises(errors.ResourceExhausted, match="more than 50% of the 2400 ms left"):
+            await late
+    await asyncio.gather(*backlog)
+
+
 async def test_queued_row_counts_follow_every_way_out_of_the_queue():
     backend = TextBackend(max_batch=4)
     batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)

@@ -120,10 +120,16 @@ class SlotPool:
 
 
 class ServiceRate:
-    """Rows one lane's batches complete per second of busy time: time with no
-    batch in flight is not counted, as no demand is not slowness. (Counting it,
-    a pause in traffic made the model look slow, admission then refused
-    requests, the router shed more, traffic paused again: a loop.)
+    """Rows one lane's batches complete per second of busy time: time with a
+    batch of the lane in flight or a request of its level waiting. Time with
+    neither is not counted, as no demand is not slowness. (Counting it, a pause
+    in traffic made the model look slow, admission then refused requests, the
+    router shed more, traffic paused again: a loop.) Time with requests waiting
+    but no batch in flight is counted, as that is how fast a backlog drains:
+    where VIP batches share the instances, standard ones run only between
+    them, and a rate per second of standard batch time alone overstated it by
+    the VIP share, so that admission let requests wait past what their
+    deadlines allowed.
 
     Each batch is recorded with how many batches the lane could run at once
     then (its slots), and the rate is scaled to the slots it has now: when a
@@ -135,25 +141,40 @@ class ServiceRate:
         self._busy_s = 0.0  # busy time accumulated before the current busy period
         self._busy_since = 0.0
         self._running = 0
+        self._waiting = False
         # (busy clock, rows, slots) of recent batches; the oldest only marks where the span starts
         self._completed: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=RATE_BATCHES + 1)
 
+    @property
+    def _busy(self) -> bool:
+        return self._running > 0 or self._waiting
+
     def busy_clock(self, now: float) -> float:
-        return self._busy_s + (now - self._busy_since if self._running else 0.0)
+        return self._busy_s + (now - self._busy_since if self._busy else 0.0)
+
+    def _change(self, now: float, running: int = 0, waiting: bool | None = None) -> None:
+        was_busy = self._busy
+        self._running += running
+        if waiting is not None:
+            self._waiting = waiting
+        if self._busy and not was_busy:
+            self._busy_since = now
+        elif was_busy and not self._busy:
+            self._busy_s += now - self._busy_since
+
+    def waiting(self, now: float, any_waiting: bool) -> None:
+        """Whether requests of the lane's level wait in the queue from `now` on."""
+        self._change(now, waiting=any_waiting)
 
     def started(self, now: float) -> None:
-        if not self._running:
-            self._busy_since = now
-        self._running += 1
+        self._change(now, running=1)
 
     def finished(self, now: float, rows: int | None, slots: int = 1) -> None:
         """A batch ended; `rows` it completed, None when it failed, while the
         lane had `slots`."""
         if rows is not None:
             self._completed.append((self.busy_clock(now), rows, slots))
-        self._running -= 1
-        if not self._running:
-            self._busy_s += now - self._busy_since
+        self._change(now, running=-1)
 
     def rows_per_second(self, now: float, slots: int = 1) -> float | None:
         """Over the last few batches within the last RATE_WINDOW_S of busy time
@@ -268,7 +289,7 @@ class ModelQueue:
                 f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
         self._admit(item, name)
         level.append(item)
-        self._queued_rows[item.priority] += item.rows
+        self._count_queued(item.priority, item.rows, item.enqueued)
         self.batch_policy.observe_arrival(item.enqueued, item.rows)
         if item.priority == VIP:
             self._slots.poke()
@@ -276,6 +297,10 @@ class ModelQueue:
         self._arrived.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"batcher-{self.model}-{self.version}")
+
+    def _count_queued(self, level: int, rows: int, now: float) -> None:
+        self._queued_rows[level] += rows
+        self._service_rates[level].waiting(now, self._queued_rows[level] > 0)
 
     def _drain_retry_ms(self) -> int:
         """A retry hint for a refusal for lack of room: about how long until the
@@ -380,7 +405,7 @@ class ModelQueue:
                     self.expire(item)
                 if item.future.done():  # expired, or its caller went away
                     queue.popleft()
-                    self._queued_rows[level] -= item.rows
+                    self._count_queued(level, -item.rows, now)
                     if item.future.cancelled():
                         metrics.REJECTIONS.labels(self.model, LEVEL_NAMES[level], "cancelled").inc()
                     continue
@@ -391,7 +416,7 @@ class ModelQueue:
                 else:
                     item = self._closest(queue, room, near_length, now)
                     queue.remove(item)
-                self._queued_rows[level] -= item.rows
+                self._count_queued(level, -item.rows, now)
                 if alone:
                     self._last_led = level
                 item.taken()
