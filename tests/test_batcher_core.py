@@ -30,7 +30,7 @@ class GatedBackend:
         return ModelLimits(self._max_batch, ("X",)) if model == "m" else None
 
     def slots(self, model):
-        return self._capacity, 1  # one replica: one more slot for VIP work
+        return self._capacity, 1, self._capacity  # one replica: one more slot for VIP work, which reaches all
 
     def on_change(self, listener):
         pass
@@ -183,7 +183,7 @@ class VanishingBackend(GatedBackend):
         self.gone = False
 
     def slots(self, model):
-        return (0, 0) if self.gone else super().slots(model)
+        return (0, 0, 0) if self.gone else super().slots(model)
 
     async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
         if self.gone:
@@ -235,7 +235,7 @@ class VipPoolOnlyBackend(GatedBackend):
     batch sent anyway is answered as Envoy answers "no healthy upstream"."""
 
     def slots(self, model):
-        return 0, 1
+        return 0, 1, 0
 
     async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
         if priority < VIP:
@@ -255,6 +255,42 @@ async def test_with_no_replica_on_the_standard_route_standard_work_hears_unavail
     assert backend.batches == [[0.0]]
     backend.gate.set()
     assert [to_numpy((await call)[1][0])[:, 0].tolist() for call in (first_vip, second_vip)] == [[0.0], [4.0]]
+
+
+class PoolsBackend(GatedBackend):
+    """Istio's VIP-pool route: a standard pool and a VIP pool of one slot each,
+    and VIP batches reach only their own pool."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.priorities = []
+
+    def slots(self, model):
+        return 1, 1, 0
+
+    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
+        self.priorities.append(priority)
+        return await super().execute(model, version, inputs, outputs, timeout_s, priority)
+
+
+async def test_a_vip_batch_does_not_take_a_slot_of_a_pool_its_route_cannot_reach():
+    """While the VIP pool is busy a VIP request waits for it, not on the
+    standard pool's slot (where it would wait for its own pool all the same,
+    holding that slot); standard requests take that slot, in a batch of their
+    own that the waiting VIP request does not join."""
+    backend = PoolsBackend(max_batch=4)
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=10)
+    first_vip = submit(batcher, 0.0, priority=VIP)
+    await backend.started.wait()
+    second_vip = submit(batcher, 1.0, priority=VIP)
+    await settle()
+    assert backend.batches == [[0.0]]
+    standard = [submit(batcher, 2.0), submit(batcher, 3.0)]
+    await settle()
+    assert backend.batches == [[0.0], [2.0, 3.0]] and backend.priorities == [VIP, STANDARD]
+    backend.gate.set()
+    await asyncio.gather(first_vip, second_vip, *standard)
+    assert backend.batches[2:] == [[1.0]] and backend.priorities[2:] == [VIP]
 
 
 async def test_a_request_larger_than_the_batch_size_runs_alone_up_to_the_model_limit():
@@ -657,7 +693,7 @@ class SharedSlotBackend(TimedBackend):
     """One instance for both tiers: no slot reserved for VIP work."""
 
     def slots(self, model):
-        return 1, 0
+        return 1, 0, 1
 
 
 @pytest.mark.parametrize("vip_between, admitted", [(True, False), (False, True)])

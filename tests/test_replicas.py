@@ -230,18 +230,18 @@ async def test_under_a_traffic_policy_each_tier_counts_the_slots_its_route_reach
     try:
         await replicas.start()
         # One instance each: a standard batch apiece on blue; the VIP pool's one and one more.
-        assert replicas.slots("mlp") == (2, 2)
+        assert replicas.slots("mlp") == (2, 2, 0)  # no standard slot VIP batches reach
         without_policy = ReplicaSet(addresses, 1, 60.0, 1 << 24)
         await without_policy.poll_once()
-        assert without_policy.slots("mlp") == (4, 4)  # every replica, for either tier
+        assert without_policy.slots("mlp") == (4, 4, 4)  # every replica, for either tier
         await without_policy.close()
         blue = replicas._detectors["blue"]  # noqa: SLF001
         now = asyncio.get_running_loop().time()
         assert [blue.record(addresses[0], "UNAVAILABLE", now) for _ in range(3)][-1]  # ejected
-        assert replicas.slots("mlp") == (1, 2)
+        assert replicas.slots("mlp") == (1, 2, 0)
         policy_file.write_text(policy_file.read_text().replace("weight: 100", "weight: 50").replace("weight: 0", "weight: 50"))
         await replicas.poll_once()  # reloads the policy; its outlier counts start afresh
-        assert replicas.slots("mlp") == (3, 2)
+        assert replicas.slots("mlp") == (3, 2, 0)
     finally:
         await replicas.close()
         for server, _, _ in servers:
@@ -269,7 +269,7 @@ async def test_a_replica_is_sent_as_many_batches_as_its_instances_can_start(repo
         (replica,) = replicas._replicas  # noqa: SLF001
         info = replica.models["mlp"]
         assert (info.instances, info.reserved_instances, info.lending) == (3, 1, False)
-        assert replicas.slots("mlp") == (2, 2)
+        assert replicas.slots("mlp") == (2, 2, 2)
         gate = manager.resolve("mlp", "").gate
         async with contextlib.AsyncExitStack() as held:
             for _ in range(3):  # every instance busy: what is sent waits at the model server
@@ -301,14 +301,14 @@ async def test_while_the_vip_instance_is_lent_out_standard_batches_may_use_it_un
     try:
         await replicas.start()
         assert replicas._replicas[0].models["mlp"].lending  # noqa: SLF001
-        assert replicas.slots("mlp") == (2, 1)
+        assert replicas.slots("mlp") == (2, 1, 2)
         await replicas.execute("mlp", "", mlp_batch(), [], 30.0, priority=VIP)
-        assert replicas.slots("mlp") == (1, 2)
+        assert replicas.slots("mlp") == (1, 2, 1)
         await replicas.poll_once()
-        assert replicas.slots("mlp") == (2, 1)
+        assert replicas.slots("mlp") == (2, 1, 2)
         queued = ReplicaSet((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24, queued_per_replica=1)
         await queued.poll_once()  # --queued-batches-per-replica 1: one more standard batch waits there
-        assert queued.slots("mlp") == (3, 1)
+        assert queued.slots("mlp") == (3, 1, 3)
         await queued.close()
     finally:
         await replicas.close()

@@ -86,27 +86,35 @@ class SlotPool:
     are is the backend's to say (Backend.slots), and changes: a model server
     lends its VIP-only instances to standard batches while no VIP work comes."""
 
-    def __init__(self, sizes: Callable[[], tuple[int, int]]):
-        self.sizes = sizes  # () -> (general, reserved) now
+    def __init__(self, sizes: Callable[[], tuple[int, int, int]]):
+        self.sizes = sizes  # () -> (general, reserved, general ones VIP work reaches) now
         self.taken = {"general": 0, "reserved": 0}
         self._changed = asyncio.Event()
 
-    async def acquire(self, has_vip: Callable[[], bool]) -> str:
-        """A reserved slot while VIP requests wait and one is free (it carries
-        a VIP-led batch), else a general one. With no general slots at all (no
-        ready replica, or none that standard work may reach) a general one at
-        once, unless VIP work waits for a reserved one: the backend then answers
+    async def acquire(self, has_vip: Callable[[], bool],
+                      has_standard: Callable[[], bool]) -> tuple[str, tuple[int, ...]]:
+        """A slot, and the levels whose requests its batch may carry. A reserved
+        slot while VIP requests wait and one is free (it carries a VIP-led
+        batch), else a general one. A general slot carries VIP requests only
+        where VIP batches can reach the replicas it counts (or VIP work has no
+        slots of its own): under a VIP-pool route a VIP batch on the standard
+        pool's slot would wait for its own pool while holding the slot, and the
+        standard replica would idle. With no general slots at all (no ready
+        replica, or none that standard work may reach) a general one at once,
+        unless VIP work waits for a reserved one: the backend then answers
         UNAVAILABLE, on which the router falls back or fails fast, rather than
         the requests waiting out their deadlines here."""
         while True:
-            general, reserved = self.sizes()
+            general, reserved, vip_general = self.sizes()
             vip_waits = has_vip() and reserved > 0
             if vip_waits and self.taken["reserved"] < reserved:
                 self.taken["reserved"] += 1
-                return "reserved"
-            if self.taken["general"] < general or (general == 0 and not vip_waits):
+                return "reserved", (VIP,)
+            levels = PRIORITIES if vip_general > 0 or reserved == 0 or general == 0 else (STANDARD,)
+            if ((self.taken["general"] < general or (general == 0 and not vip_waits))
+                    and (VIP in levels or has_standard())):
                 self.taken["general"] += 1
-                return "general"
+                return "general", levels
             self._changed.clear()
             await self._changed.wait()
 
@@ -199,9 +207,10 @@ class Backend(Protocol):
     def limits(self, model: str) -> ModelLimits | None:
         """None when no ready replica serves the model."""
 
-    def slots(self, model: str) -> tuple[int, int]:
+    def slots(self, model: str) -> tuple[int, int, int]:
         """How many batches of the model may be in flight at once across
-        replicas now: (of any tier, more for VIP work only)."""
+        replicas now: (of any tier, more for VIP work only, of the first how
+        many VIP batches can reach)."""
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Calls `listener` whenever `slots` may have grown."""
@@ -291,7 +300,8 @@ class ModelQueue:
         level.append(item)
         self._count_queued(item.priority, item.rows, item.enqueued)
         self.batch_policy.observe_arrival(item.enqueued, item.rows)
-        if item.priority == VIP:
+        if item.priority == VIP or len(level) == 1:
+            # A VIP request may take a reserved slot; the first standard one a slot VIP work cannot use.
             self._slots.poke()
         metrics.QUEUE_LENGTH.labels(self.model, name).set(len(level))
         self._arrived.set()
@@ -314,9 +324,9 @@ class ModelQueue:
 
     def _lane_slots(self, lane: int) -> int:
         """How many batches the lane may have in flight now: standard batches the
-        general slots, VIP batches those and the reserved ones."""
-        general, reserved = self._slots.sizes()
-        return max(1, general + (reserved if lane == VIP else 0))
+        general slots, VIP batches the reserved ones and the general ones they reach."""
+        general, reserved, vip_general = self._slots.sizes()
+        return max(1, reserved + vip_general if lane == VIP else general)
 
     def _admit(self, item: Pending, level_name: str) -> None:
         """Deadline-aware admission: a request that would wait in the queue past
@@ -359,11 +369,12 @@ class ModelQueue:
             while not len(self):
                 self._arrived.clear()
                 await self._arrived.wait()
-            slot = await self._slots.acquire(lambda: bool(self._levels[VIP]))
+            slot, levels = await self._slots.acquire(lambda: bool(self._levels[VIP]),
+                                                     lambda: bool(self._levels[STANDARD]))
             try:
                 # A slot reserved for VIP work carries a VIP-led batch, even when aged
                 # standard requests are due a turn: theirs comes with a general slot.
-                batch = await self._collect(vip_only=slot == "reserved")
+                batch = await self._collect(levels)
             except BaseException:
                 self._slots.release(slot)
                 raise
@@ -379,7 +390,8 @@ class ModelQueue:
         self._batches.discard(task)
         self._running.pop(task, None)
 
-    def _take(self, room: int, alone: bool, near_length: float | None = None, vip_only: bool = False) -> Pending | None:
+    def _take(self, room: int, alone: bool, near_length: float | None = None,
+              levels: tuple[int, ...] = PRIORITIES) -> Pending | None:
         """The next live request that fits in `room` rows (any size when `alone`):
         strict priority, FIFO within a level; expired and cancelled requests are
         answered and dropped on the way. Given `near_length` (length-aware
@@ -395,9 +407,7 @@ class ModelQueue:
             # that merely waits behind its own backlog is not promoted, so a
             # standard overload never pushes VIP requests back.
             order = (STANDARD, VIP)
-        if vip_only:
-            order = (VIP,)
-        for level in order:
+        for level in (level for level in order if level in levels):
             queue = self._levels[level]
             while queue:
                 item = queue[0]
@@ -488,7 +498,8 @@ class ModelQueue:
         item.future.set_exception(errors.DeadlineExceeded(
             f"request for model '{self.model}' waited {waited_ms:.1f} ms in the queue, past its deadline; it was not run"))
 
-    async def _collect(self, vip_only: bool = False) -> list[Pending]:
+    async def _collect(self, levels: tuple[int, ...] = PRIORITIES) -> list[Pending]:
+        """A batch of requests from `levels` (see SlotPool.acquire)."""
         loop = asyncio.get_running_loop()
         batch: list[Pending] = []
         rows = 0
@@ -498,8 +509,8 @@ class ModelQueue:
             # A VIP-led batch carries VIP requests only: filled up with standard
             # ones it would run as long as any standard batch, and VIP latency
             # under a standard overload would be a full batch's time.
-            vip_led = bool(batch) and batch[0].priority == VIP
-            item = self._take(size - rows, alone=not batch, near_length=near, vip_only=vip_only or vip_led)
+            allowed = (VIP,) if batch and batch[0].priority == VIP else levels
+            item = self._take(size - rows, alone=not batch, near_length=near, levels=allowed)
             if item is not None:
                 if not batch:
                     size, dispatch_by = self._plan(item)
@@ -508,7 +519,7 @@ class ModelQueue:
                 if rows >= size:
                     break
                 continue
-            if not batch or (len(self._levels[VIP]) if vip_led else len(self)) > 0:
+            if not batch or any(self._levels[level] for level in allowed):
                 break  # nothing waiting, or the next request does not fit
             remaining = dispatch_by - loop.time()
             if remaining <= 0:

@@ -175,16 +175,18 @@ class ReplicaSet:
             return None
         return ModelLimits(min(i.max_batch_size for i in infos), tuple(spec.name for spec in infos[0].inputs))
 
-    def slots(self, model: str) -> tuple[int, int]:
-        """(batches of any tier, more batches for VIP work only) that the ready
-        replicas serving the model can take at once now. Each tier counts the
-        replicas it can reach (see _reachable): under Istio's VIP-pool route,
-        the VIP pool's room is VIP work's alone, and a standard batch sent for
-        room only that pool has would wait for its own pool (_hosts_with_room)."""
+    def slots(self, model: str) -> tuple[int, int, int]:
+        """(batches of any tier, more batches for VIP work only, how many of the
+        first VIP batches can reach) that the ready replicas serving the model
+        can take at once now. Each tier counts the replicas it can reach (see
+        _reachable): under Istio's VIP-pool route, the VIP pool's room is VIP
+        work's alone, and the standard pool's is standard work's alone, as a
+        batch sent for room only the other pool has would wait for its own
+        (_hosts_with_room)."""
         standard, vip = self._reachable(model, STANDARD), self._reachable(model, VIP)
         general = sum(self._bound(r, model, STANDARD) for r in standard)
         shared = sum(self._bound(r, model, STANDARD) for r in vip if r in standard)  # VIP may use those too
-        return general, sum(self._bound(r, model, VIP) for r in vip) - shared
+        return general, sum(self._bound(r, model, VIP) for r in vip) - shared, shared
 
     def _reachable(self, model: str, priority: int) -> list[Replica]:
         """The ready replicas serving the model that a batch led by `priority`
