@@ -584,6 +584,22 @@ async def test_a_request_that_would_wait_past_its_deadline_is_refused_at_once():
     await asyncio.gather(*backlog)
 
 
+async def behind_a_backlog(batcher, backlog: int, timeout_s: float, admitted: bool, refusal: str) -> None:
+    """`backlog` requests with time to spare, then one with `timeout_s` left:
+    it is served (and doubled) when `admitted`, else refused at once with a
+    message matching `refusal`; the backlog is served either way."""
+    waiting = [submit(batcher, float(i), timeout_s=30) for i in range(backlog)]
+    await settle()
+    late = submit(batcher, 99.0, timeout_s=timeout_s)
+    await settle()
+    if admitted:
+        assert float(to_numpy((await late)[1][0])[0, 0]) == 198.0
+    else:
+        with pytest.raises(errors.ResourceExhausted, match=refusal):
+            await late
+    await asyncio.gather(*waiting)
+
+
 @pytest.mark.parametrize("share, admitted", [(1.0, True), (0.5, False)])
 async def test_admission_keeps_a_share_of_the_deadline_as_margin(share, admitted):
     """About 0.4 s of work ahead and 0.6 s left: enough on average, but not with
@@ -592,16 +608,7 @@ async def test_admission_keeps_a_share_of_the_deadline_as_margin(share, admitted
     policy = QueuePolicy.uniform(1000, 30, admission_share=share)
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
     await asyncio.gather(*(batcher.submit("m", "1", row(float(i)), []) for i in range(5)))  # learn ~100 rows/s
-    backlog = [submit(batcher, float(i), timeout_s=30) for i in range(40)]
-    await settle()
-    late = submit(batcher, 99.0, timeout_s=0.6)
-    await settle()
-    if admitted:
-        assert float(to_numpy((await late)[1][0])[0, 0]) == 198.0
-    else:
-        with pytest.raises(errors.ResourceExhausted, match="more than 50% of the 600 ms left"):
-            await late
-    await asyncio.gather(*backlog)
+    await behind_a_backlog(batcher, 40, 0.6, admitted, refusal="more than 50% of the 600 ms left")
 
 
 async def test_admission_leaves_a_request_time_for_its_own_batch():
@@ -709,16 +716,7 @@ async def test_admission_counts_the_vip_batches_a_standard_backlog_waits_behind(
     await backend.started.wait()
     vip = [submit(batcher, 100.0 + i, priority=VIP) for i in range(4 if vip_between else 0)]
     await asyncio.gather(first, *vip, *(submit(batcher, float(i)) for i in range(1, 4)))
-    backlog = [submit(batcher, float(i), timeout_s=30) for i in range(15)]
-    await settle()
-    late = submit(batcher, 99.0, timeout_s=2.4)
-    await settle()
-    if admitted:
-        assert float(to_numpy((await late)[1][0])[0, 0]) == 198.0
-    else:
-        with pytest.raises(errors.ResourceExhausted, match="more than 50% of the 2400 ms left"):
-            await late
-    await asyncio.gather(*backlog)
+    await behind_a_backlog(batcher, 15, 2.4, admitted, refusal="more than 50% of the 2400 ms left")
 
 
 async def test_queued_row_counts_follow_every_way_out_of_the_queue():

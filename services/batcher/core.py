@@ -392,8 +392,8 @@ class ModelQueue:
 
     def _take(self, room: int, alone: bool, near_length: float | None = None,
               levels: tuple[int, ...] = PRIORITIES) -> Pending | None:
-        """The next live request that fits in `room` rows (any size when `alone`):
-        strict priority, FIFO within a level; expired and cancelled requests are
+        """The next live request of `levels` that fits in `room` rows (any size
+        when `alone`): strict priority, FIFO within a level; expired and cancelled requests are
         answered and dropped on the way. Given `near_length` (length-aware
         batching), it is the request of the most similar length among the
         first few that fit, so that short texts are not padded to long ones."""
