@@ -77,6 +77,24 @@ async def test_while_a_batch_runs_a_partial_batch_leaves_after_the_queue_delay()
     await asyncio.gather(running, *waiting)
 
 
+@pytest.mark.parametrize("policy, expected", [
+    ("fixed", [[0.0, 1.0, 2.0, 3.0]]),  # everything waiting, on one instance
+    ("adaptive", [[0.0, 1.0], [2.0, 3.0]]),  # half each on two: done in half the time
+])
+async def test_the_adaptive_policy_spreads_a_short_queue_over_the_free_instances(policy, expected):
+    backend = GatedBackend(max_batch=4, capacity=2)
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100,
+                      batch_policy=policy)
+    learned = batcher._queue("m", "1").batch_policy
+    learned.observe_batch(1, 0.012)  # what batches took before: 12 ms a row alone, 8 ms in fours
+    learned.observe_batch(4, 0.032)
+    tasks = [submit(batcher, float(i)) for i in range(4)]
+    await settle()
+    assert backend.batches == expected
+    backend.gate.set()
+    await asyncio.gather(*tasks)
+
+
 async def test_vip_goes_first_and_fifo_holds_within_a_level():
     backend = GatedBackend(max_batch=2)
     batcher = Batcher(backend, max_batch_size=2, max_queue_delay_ms=0, max_queue_size=100)

@@ -299,7 +299,7 @@ class ModelQueue:
         self._admit(item, name)
         level.append(item)
         self._count_queued(item.priority, item.rows, item.enqueued)
-        self.batch_policy.observe_arrival(item.enqueued, item.rows)
+        self.batch_policy.observe_arrival(item.enqueued, item.rows, item.priority)
         if item.priority == VIP or len(level) == 1:
             # A VIP request may take a reserved slot; the first standard one a slot VIP work cannot use.
             self._slots.poke()
@@ -537,9 +537,11 @@ class ModelQueue:
         limits = self._backend.limits(self.model)
         view = QueueView(
             now=asyncio.get_running_loop().time(), oldest_enqueued=lead.enqueued, level=lead.priority,
-            waiting_rows=lead.rows + sum(self._queued_rows.values()),
+            # What the lead's batch and those after it drain: its level and those above.
+            waiting_rows=lead.rows + sum(rows for level, rows in self._queued_rows.items() if level >= lead.priority),
             running=tuple(self._running.values()),
-            max_rows=limits.max_batch_size if limits else self._configured_batch_size)
+            max_rows=limits.max_batch_size if limits else self._configured_batch_size,
+            slots=self._lane_slots(lead.priority))
         size, dispatch_by = self.batch_policy.plan(view)
         metrics.TARGET_ROWS.labels(self.model).set(size)
         return max(size, 1), dispatch_by
