@@ -98,9 +98,9 @@ class InProcessMinilm:
     (same graph and tokenizer, padding to the longest text of each batch, one
     intra-op thread per core): the baseline the mesh is measured against."""
 
-    def __init__(self, model_dir: pathlib.Path):
+    def __init__(self, model_dir: pathlib.Path, threads: int | None = None):
         options = ort.SessionOptions()
-        options.intra_op_num_threads = os.cpu_count() or 1
+        options.intra_op_num_threads = threads or os.cpu_count() or 1
         self._session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self._tokenizer.enable_truncation(max_length=256)
