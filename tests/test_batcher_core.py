@@ -400,6 +400,24 @@ async def test_while_a_batch_runs_the_next_one_waits_for_company():
     assert backend.batches == [[0.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]]
 
 
+async def test_a_vip_batch_does_not_wait_for_company_behind_standard_batches():
+    backend = GatedBackend(max_batch=8, capacity=2)
+    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100)
+    standard = submit(batcher, 0.0)
+    await backend.started.wait()
+    backend.started.clear()
+    vip = submit(batcher, 1.0, priority=VIP)  # its reserved instance is idle: nothing to wait for
+    await asyncio.wait_for(backend.started.wait(), timeout=5)
+    backend.started.clear()
+    later = [submit(batcher, float(v), priority=VIP) for v in range(2, 5)]  # behind a VIP batch they wait ...
+    await settle()
+    assert backend.batches == [[0.0], [1.0]]
+    later += [submit(batcher, float(v), priority=VIP) for v in range(5, 10)]  # ... until their batch is full
+    backend.gate.set()
+    await asyncio.gather(standard, vip, *later)
+    assert backend.batches == [[0.0], [1.0], [float(v) for v in range(2, 10)]]
+
+
 async def test_each_level_has_its_own_bound_and_a_full_one_says_when_to_retry():
     backend = GatedBackend(max_batch=1)
     policy = QueuePolicy({VIP: LevelPolicy(2, 30), STANDARD: LevelPolicy(1, 30)})

@@ -270,7 +270,7 @@ class ModelQueue:
         self._length_aware = length_aware
         self._last_led = STANDARD  # the level of the request that led the last batch
         self.batch_policy = batch_policy if batch_policy is not None else FixedPolicy(max_batch_size, max_delay_s)
-        self._running: dict[asyncio.Task, tuple[float, int]] = {}  # batches in flight: (start, rows)
+        self._running: dict[asyncio.Task, tuple[float, int, int]] = {}  # batches in flight: (start, rows, lane)
         self._levels = {VIP: collections.deque(), STANDARD: collections.deque()}
         self._queued_rows = {VIP: 0, STANDARD: 0}  # kept with the levels: admission and planning read them per request
         self._arrived = asyncio.Event()
@@ -383,7 +383,8 @@ class ModelQueue:
                 continue
             task = asyncio.create_task(self._execute(batch, slot))
             self._batches.add(task)
-            self._running[task] = (asyncio.get_running_loop().time(), sum(item.rows for item in batch))
+            self._running[task] = (asyncio.get_running_loop().time(), sum(item.rows for item in batch),
+                                   max(item.priority for item in batch))
             task.add_done_callback(self._batch_done)
 
     def _batch_done(self, task: asyncio.Task) -> None:
@@ -539,7 +540,10 @@ class ModelQueue:
             now=asyncio.get_running_loop().time(), oldest_enqueued=lead.enqueued, level=lead.priority,
             # What the lead's batch and those after it drain: its level and those above.
             waiting_rows=lead.rows + sum(rows for level, rows in self._queued_rows.items() if level >= lead.priority),
-            running=tuple(self._running.values()),
+            # A VIP batch waits for company only behind VIP batches: standard ones do not
+            # hold its instance, and at VIP rates the wait would only add to its latency.
+            running=tuple((start, rows) for start, rows, lane in self._running.values()
+                          if lead.priority == STANDARD or lane == VIP),
             max_rows=limits.max_batch_size if limits else self._configured_batch_size,
             slots=self._lane_slots(lead.priority))
         size, dispatch_by = self.batch_policy.plan(view)

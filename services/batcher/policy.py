@@ -32,7 +32,7 @@ class QueueView:
     oldest_enqueued: float  # of the request leading the batch
     level: int  # of that request
     waiting_rows: int  # queued at the lead's level or above, the lead included
-    running: tuple[tuple[float, int], ...]  # (start, rows) of this model's batches in flight
+    running: tuple[tuple[float, int], ...]  # (start, rows) of the model's batches in flight (a VIP lead: VIP ones)
     max_rows: int  # the model's and the configuration's cap
     slots: int = 1  # batches of the lead's lane that may run at once
 
