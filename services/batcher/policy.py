@@ -2,8 +2,8 @@
 it may wait for them. The batcher asks once a batch has its first request.
 
 - fixed: the configured size; wait up to max_queue_delay_ms while a batch of
-  the model is running, not at all while it is idle (Triton's rule, plus the
-  idle exception).
+  the model is running (for a VIP lead, a VIP batch), not at all while it is
+  idle (Triton's rule, plus the idle exception).
 - baseline: our source material's rule — start at 32, double up to 128 while
   more than 100 requests wait, halve down to 8 while fewer than 0.5 arrive per
   second — with the fixed policy's waiting.
