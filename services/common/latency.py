@@ -1,6 +1,7 @@
-"""How long a batch runs, learned online: the batcher's adaptive policy plans
-with it per size class, the model server decides refusals with it, and the
-batcher refuses waiting requests with it per lane."""
+"""How long a batch runs, learned online: the model server decides refusals
+with it per size class, the batcher refuses waiting requests with it per lane,
+and the batcher's adaptive policy learns a row's cost per size class from its
+parts (MovingTime, size_class)."""
 
 from __future__ import annotations
 
