@@ -141,7 +141,7 @@ class AdaptivePolicy:
         self._targets = latency_targets_s
         # Capacity kept above the arrival rate: the cost per row learned is that
         # of the call to the model server, and a batch also costs the rest of
-        # the mesh work (caps of 4 and 8 rows served 10% less than 32 at
+        # the mesh's work (caps of 4 and 8 rows served 10% less than 32 at
         # saturation here).
         self._headroom = headroom
         self._arrivals: dict[int, ArrivalRate] = collections.defaultdict(lambda: ArrivalRate(tau_s))
