@@ -21,7 +21,7 @@ import dataclasses
 import math
 from typing import Protocol
 
-from services.common.latency import MovingTime, size_class
+from services.common.latency import MovingTime, nearest_class, size_class
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +125,7 @@ class RowCost:
         class's; None before any batch ran."""
         if not self._classes:
             return None
-        key = size_class(rows)
-        nearest = key if key in self._classes else min(self._classes, key=lambda k: abs(math.log2(k / key)))
-        rows_seen, seconds_seen = self._classes[nearest]
+        rows_seen, seconds_seen = self._classes[nearest_class(self._classes, rows)]
         return seconds_seen.mean * rows / rows_seen.mean
 
 
@@ -161,13 +159,12 @@ class AdaptivePolicy:
         largest = min(self._max_rows, view.max_rows)
         needed = self._headroom * self._arrivals[view.level].rate(view.now)
         target = self._targets.get(view.level, math.inf)
+        if self.cost.seconds(largest) is None:  # no batch seen yet
+            return largest
         free = max(view.slots - len(view.running), 1)  # this batch's slot among them
         chosen = largest
         for rows in _sizes(largest):
-            seconds = self.cost.seconds(rows)
-            if seconds is None:
-                return largest
-            if view.slots * rows >= needed * seconds and view.waiting_rows <= free * rows:
+            if view.slots * rows >= needed * self.cost.seconds(rows) and view.waiting_rows <= free * rows:
                 chosen = rows
                 break
         while chosen > 1 and self.cost.seconds(chosen) > target:

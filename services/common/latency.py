@@ -19,6 +19,13 @@ def size_class(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+def nearest_class(known: dict[int, object], rows: int) -> int:
+    """The size class of `rows` when `known` has it, else the known class nearest
+    it on a log scale (a tie goes to the class learned first)."""
+    key = size_class(rows)
+    return key if key in known else min(known, key=lambda k: abs(math.log2(k / key)))
+
+
 class MovingTime:
     """A moving mean of seconds and a moving mean deviation from it, as TCP
     estimates a round trip and its variation; None until observed."""
@@ -62,7 +69,6 @@ class LatencyProfile:
         small batches are not proportionally quicker); None before any batch ran."""
         if not self._classes:
             return None
-        key = size_class(rows)
-        nearest = key if key in self._classes else min(self._classes, key=lambda k: abs(math.log2(k) - math.log2(key)))
-        scale = key / nearest
+        nearest = nearest_class(self._classes, rows)
+        scale = size_class(rows) / nearest
         return self._classes[nearest].estimate(deviations) * (scale if shrink else max(scale, 1.0))
