@@ -17,9 +17,10 @@ class GatedBackend:
     """Records each batch and holds it until the test opens the gate. It runs
     no model: these tests are about which requests form which batch."""
 
-    def __init__(self, max_batch: int = 4, capacity: int = 1):
+    def __init__(self, max_batch: int = 4, capacity: int = 1, reserved: int = 1):
         self._max_batch = max_batch
         self._capacity = capacity
+        self._reserved = reserved  # 0: one shared instance, VIP and standard batches take turns on it
         self.batches: list[list[float]] = []
         self.timeouts: list[float] = []  # the time each batch was given to finish
         self.gate = asyncio.Event()
@@ -30,7 +31,7 @@ class GatedBackend:
         return ModelLimits(self._max_batch, ("X",)) if model == "m" else None
 
     def slots(self, model):
-        return self._capacity, 1, self._capacity  # one replica: one more slot for VIP work, which reaches all
+        return self._capacity, self._reserved, self._capacity  # one replica: VIP work reaches every slot
 
     def on_change(self, listener):
         pass
@@ -96,7 +97,7 @@ async def test_the_adaptive_policy_spreads_a_short_queue_over_the_free_instances
 
 
 async def test_vip_goes_first_and_fifo_holds_within_a_level():
-    backend = GatedBackend(max_batch=2)
+    backend = GatedBackend(max_batch=2, reserved=0)  # no slot of VIP's own: the order decides
     batcher = Batcher(backend, max_batch_size=2, max_queue_delay_ms=0, max_queue_size=100)
     blocker = submit(batcher, 0.0)
     await backend.started.wait()  # the only slot is busy from now on
@@ -503,7 +504,7 @@ async def test_aging_lets_standard_requests_alternate_with_a_steady_vip_stream()
 
 
 async def test_a_standard_backlog_does_not_push_vip_back():
-    backend = GatedBackend(max_batch=1)
+    backend = GatedBackend(max_batch=1, reserved=0)
     policy = QueuePolicy.uniform(100, 30, aging_s=0.0)  # every standard request is "aged"
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
     running = submit(batcher, 0.0)
@@ -517,7 +518,7 @@ async def test_a_standard_backlog_does_not_push_vip_back():
 
 
 async def test_a_vip_led_batch_carries_vip_requests_only():
-    backend = GatedBackend(max_batch=4)
+    backend = GatedBackend(max_batch=4, reserved=0)
     batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
     running = submit(batcher, 0.0)
     await backend.started.wait()
@@ -527,6 +528,148 @@ async def test_a_vip_led_batch_carries_vip_requests_only():
     await asyncio.gather(running, *waiting)
     # Not [2, 1, 3]: filled up with standard rows, the VIP batch would run as long as theirs.
     assert backend.batches == [[0.0], [2.0], [1.0, 3.0]]
+
+
+async def test_a_vip_request_does_not_wait_in_a_standard_batch_gathering_company():
+    """Its reserved slot is free: it goes at once, not into the standard batch
+    that waits out --max-queue-delay-ms (and would then run a standard batch's time)."""
+    backend = GatedBackend(max_batch=8, capacity=2)
+    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100)
+    tasks = [submit(batcher, 0.0)]
+    await backend.started.wait()  # a batch runs: the next one waits for company
+    tasks += [submit(batcher, 1.0), submit(batcher, 2.0)]
+    await settle()
+    assert backend.batches == [[0.0]]
+    tasks.append(submit(batcher, 10.0, priority=VIP))
+    await settle()
+    assert backend.batches == [[0.0], [1.0, 2.0], [10.0]]
+    backend.gate.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_without_a_slot_of_its_own_a_vip_request_joins_the_gathering_batch():
+    """On one shared instance the batch gathering company is the VIP request's
+    quickest way out: it rides along, after the standard requests already there."""
+    backend = GatedBackend(max_batch=8, capacity=2, reserved=0)
+    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=20, max_queue_size=100)
+    tasks = [submit(batcher, 0.0)]
+    await backend.started.wait()
+    backend.started.clear()
+    tasks.append(submit(batcher, 1.0))
+    await settle()  # taken as the next batch's lead, gathering company
+    tasks.append(submit(batcher, 10.0, priority=VIP))
+    await asyncio.wait_for(backend.started.wait(), timeout=5)
+    assert backend.batches == [[0.0], [1.0, 10.0]]
+    backend.gate.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_an_aged_standard_turn_carries_standard_rows_first():
+    """The aging bound's turn is standard traffic's: filled with VIP rows first
+    it would carry one standard row a turn."""
+    backend = GatedBackend(max_batch=4, reserved=0)
+    policy = QueuePolicy.uniform(100, 30, aging_s=0.02)
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, policy=policy)
+    tasks = [submit(batcher, 100.0, priority=VIP)]
+    await backend.started.wait()  # the last batch was VIP-led
+    tasks += [submit(batcher, float(i)) for i in range(1, 5)]
+    await asyncio.sleep(0.03)  # the standard requests age past the bound
+    tasks += [submit(batcher, 200.0 + i, priority=VIP) for i in range(8)]
+    await settle()
+    backend.gate.set()
+    await asyncio.gather(*tasks)
+    assert backend.batches[:3] == [[100.0], [1.0, 2.0, 3.0, 4.0], [200.0, 201.0, 202.0, 203.0]]
+
+
+async def test_requests_answered_while_they_wait_give_their_place_back_at_once():
+    """An expired or cancelled request stops counting at once, not when the
+    batching task next passes it: in the queue's bound, its length gauge and
+    the aging bound, which reads the oldest request still waiting."""
+    backend = GatedBackend(max_batch=1, reserved=0)
+    policy = QueuePolicy(levels={level: LevelPolicy(max_queue_size=2, default_timeout_s=30) for level in (VIP, STANDARD)},
+                         aging_s=0.05)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
+    tasks = [submit(batcher, 100.0, priority=VIP)]
+    await backend.started.wait()  # the only slot is busy; the last batch was VIP-led
+    expiring, leaving = submit(batcher, 1.0, timeout_s=0.005), submit(batcher, 2.0)
+    await settle()
+    leaving.cancel()
+    await asyncio.sleep(0.06)  # 1.0 expires; both would have aged past the bound
+    with pytest.raises(errors.DeadlineExceeded):
+        await expiring
+    assert batcher.queue_length() == 0
+    assert prometheus_client.REGISTRY.get_sample_value(
+        "infermesh_batcher_queue_length", {"model": "m", "level": "standard"}) == 0
+    tasks += [submit(batcher, 3.0), submit(batcher, 4.0)]  # the full level's two places
+    await settle()
+    tasks.append(submit(batcher, 101.0, priority=VIP))
+    await settle()
+    backend.gate.set()
+    await asyncio.gather(*tasks)
+    # No standard request has aged: the VIP one goes first, then the standard ones in order.
+    assert backend.batches == [[100.0], [101.0], [3.0], [4.0]]
+
+
+async def test_a_failed_batch_reruns_only_requests_that_can_still_be_answered():
+    """Split after a failure, a batch reruns each request alone, except those
+    whose caller left or whose deadline passed meanwhile; each request's queue
+    wait is observed once, and the failed batch is off the books (rows in
+    flight, the lane's running batches) before the reruns go."""
+    backend = GatedBackend(max_batch=4, reserved=0)
+    backend.poison = 13.0
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100)
+    queue = batcher._queue("m", "1")
+
+    def waits() -> float:
+        return prometheus_client.REGISTRY.get_sample_value(
+            "infermesh_batcher_queue_wait_seconds_count", {"model": "m", "level": "standard"}) or 0.0
+
+    before = waits()
+    tasks = [submit(batcher, 1.0), submit(batcher, 13.0), submit(batcher, 3.0, timeout_s=0.02), submit(batcher, 4.0)]
+    await backend.started.wait()
+    tasks[3].cancel()
+    await asyncio.sleep(0.03)  # 3.0's deadline passes while its batch runs
+    in_flight = []
+    original = backend.execute
+
+    async def execute(*args, **kwargs):
+        in_flight.append((dict(queue._inflight_rows), queue._service_rates[STANDARD]._running))
+        return await original(*args, **kwargs)
+
+    backend.execute = execute
+    backend.gate.set()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert backend.batches == [[1.0, 13.0, 3.0, 4.0], [1.0], [13.0]]
+    assert [type(r).__name__ for r in results] == ["tuple", "InvalidArgument", "DeadlineExceeded", "CancelledError"]
+    assert waits() - before == 4
+    assert in_flight == [({VIP: 0, STANDARD: 1}, 1)] * 2
+
+
+async def test_a_request_whose_deadline_passes_while_its_batch_gathers_is_never_sent():
+    backend = GatedBackend(max_batch=8, capacity=2)
+    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=30, max_queue_size=100)
+    running = submit(batcher, 0.0)
+    await backend.started.wait()  # a batch runs: the next one waits for company
+    with pytest.raises(errors.DeadlineExceeded, match="past its deadline; it was not run"):
+        await batcher.submit("m", "1", row(1.0), [], timeout_s=0.005)
+    await asyncio.sleep(0.04)  # the gathering ends
+    assert backend.batches == [[0.0]]
+    backend.gate.set()
+    await running
+
+
+async def test_closing_answers_a_batch_still_gathering_company():
+    backend = GatedBackend(max_batch=8, capacity=2)
+    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100)
+    running = submit(batcher, 0.0)
+    await backend.started.wait()
+    gathering = submit(batcher, 1.0)  # taken as the next batch's lead, waiting for company
+    await settle()
+    backend.gate.set()
+    await batcher.close()
+    with pytest.raises(errors.Unavailable, match="shutting down"):
+        await asyncio.wait_for(gathering, timeout=5)
+    await running
 
 
 class TextBackend(GatedBackend):

@@ -233,6 +233,7 @@ class Pending:
     enqueued: float
     timer: asyncio.TimerHandle | None = None
     length: float = 0.0  # bytes per row of its BYTES inputs: a cheap proxy for token count
+    queued: bool = False  # holds a place in its level: counted in the queue's length and rows
 
     @property
     def rows(self) -> int:
@@ -272,7 +273,12 @@ class ModelQueue:
         self.batch_policy = batch_policy if batch_policy is not None else FixedPolicy(max_batch_size, max_delay_s)
         self._running: dict[asyncio.Task, tuple[float, int, int]] = {}  # batches in flight: (start, rows, lane)
         self._levels = {VIP: collections.deque(), STANDARD: collections.deque()}
-        self._queued_rows = {VIP: 0, STANDARD: 0}  # kept with the levels: admission and planning read them per request
+        # Kept with the levels for the requests still waiting there (a request answered while
+        # queued, expired or cancelled, leaves its deque only when the batching task passes it,
+        # but stops counting at once): admission, planning, the bound and the gauge read them.
+        self._queued_rows = {VIP: 0, STANDARD: 0}
+        self._queued = {VIP: 0, STANDARD: 0}
+        self._forming: list[Pending] = []  # the batch _collect is filling: taken from the levels, not yet sent
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._batches: set[asyncio.Task] = set()
@@ -283,13 +289,14 @@ class ModelQueue:
         return min(self._configured_batch_size, limits.max_batch_size) if limits else self._configured_batch_size
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._levels.values())
+        """Requests waiting to be run (not those answered while they waited)."""
+        return sum(self._queued.values())
 
     def put(self, item: Pending) -> None:
         level = self._levels[item.priority]
         limit = self._policy.levels[item.priority].max_queue_size
         name = LEVEL_NAMES[item.priority]
-        if len(level) >= limit:
+        if self._queued[item.priority] >= limit:
             metrics.REJECTIONS.labels(self.model, name, "queue_full").inc()
             # About how long until a place frees up: the batches ahead of it.
             retry_ms = self._drain_retry_ms()
@@ -298,19 +305,29 @@ class ModelQueue:
                 f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
         self._admit(item, name)
         level.append(item)
-        self._count_queued(item.priority, item.rows, item.enqueued)
+        item.queued = True
+        item.future.add_done_callback(lambda _: self._leave(item))  # answered while it waits: a place frees
+        self._count_queued(item.priority, 1, item.rows, item.enqueued)
         self.batch_policy.observe_arrival(item.enqueued, item.rows, item.priority)
-        if item.priority == VIP or len(level) == 1:
+        if item.priority == VIP or self._queued[item.priority] == 1:
             # A VIP request may take a reserved slot; the first standard one a slot VIP work cannot use.
             self._slots.poke()
-        metrics.QUEUE_LENGTH.labels(self.model, name).set(len(level))
         self._arrived.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"batcher-{self.model}-{self.version}")
 
-    def _count_queued(self, level: int, rows: int, now: float) -> None:
+    def _count_queued(self, level: int, requests: int, rows: int, now: float) -> None:
+        self._queued[level] += requests
         self._queued_rows[level] += rows
         self._service_rates[level].waiting(now, self._queued_rows[level] > 0)
+        metrics.QUEUE_LENGTH.labels(self.model, LEVEL_NAMES[level]).set(self._queued[level])
+
+    def _leave(self, item: Pending) -> None:
+        """The request no longer holds a place in its level: taken into a batch,
+        or answered while it waited (its deque entry goes when passed over)."""
+        if item.queued:
+            item.queued = False
+            self._count_queued(item.priority, -1, -item.rows, asyncio.get_running_loop().time())
 
     def _drain_retry_ms(self) -> int:
         """A retry hint for a refusal for lack of room: about how long until the
@@ -369,14 +386,17 @@ class ModelQueue:
             while not len(self):
                 self._arrived.clear()
                 await self._arrived.wait()
-            slot, levels = await self._slots.acquire(lambda: bool(self._levels[VIP]),
-                                                     lambda: bool(self._levels[STANDARD]))
+            slot, levels = await self._slots.acquire(lambda: bool(self._queued[VIP]),
+                                                     lambda: bool(self._queued[STANDARD]))
             try:
                 # A slot reserved for VIP work carries a VIP-led batch, even when aged
                 # standard requests are due a turn: theirs comes with a general slot.
                 batch = await self._collect(levels)
             except BaseException:
                 self._slots.release(slot)
+                # Taken from the queue and not yet sent: no one else would answer them.
+                _fail_all(self._forming, errors.Unavailable(
+                    f"batcher is shutting down; model '{self.model}' request not run"))
                 raise
             if not batch:  # everything waiting had expired or been cancelled
                 self._slots.release(slot)
@@ -394,13 +414,16 @@ class ModelQueue:
     def _take(self, room: int, alone: bool, near_length: float | None = None,
               levels: tuple[int, ...] = PRIORITIES) -> Pending | None:
         """The next live request of `levels` that fits in `room` rows (any size
-        when `alone`): strict priority, FIFO within a level; expired and cancelled requests are
-        answered and dropped on the way. Given `near_length` (length-aware
+        when `alone`): a batch's lead by strict priority, the rest from `levels`
+        in the order given; FIFO within a level; expired and cancelled requests
+        are answered and dropped on the way. Given `near_length` (length-aware
         batching), it is the request of the most similar length among the
         first few that fit, so that short texts are not padded to long ones."""
         now = asyncio.get_running_loop().time()
-        order = (VIP, STANDARD)
+        order = (VIP, STANDARD) if alone else levels
         standard = self._levels[STANDARD]
+        while standard and not self._live(standard[0], now):  # the aging bound reads the oldest still waiting
+            standard.popleft()
         if (alone and self._last_led == VIP and standard
                 and now - standard[0].enqueued >= self._policy.aging_s):
             # Starvation bound: while VIP batches follow each other, a standard
@@ -412,13 +435,8 @@ class ModelQueue:
             queue = self._levels[level]
             while queue:
                 item = queue[0]
-                if item.deadline is not None and now >= item.deadline:
-                    self.expire(item)
-                if item.future.done():  # expired, or its caller went away
+                if not self._live(item, now):
                     queue.popleft()
-                    self._count_queued(level, -item.rows, now)
-                    if item.future.cancelled():
-                        metrics.REJECTIONS.labels(self.model, LEVEL_NAMES[level], "cancelled").inc()
                     continue
                 if item.rows > room and not alone:
                     break
@@ -427,12 +445,25 @@ class ModelQueue:
                 else:
                     item = self._closest(queue, room, near_length, now)
                     queue.remove(item)
-                self._count_queued(level, -item.rows, now)
+                self._leave(item)
                 if alone:
                     self._last_led = level
                 item.taken()
                 return item
         return None
+
+    def _live(self, item: Pending, now: float) -> bool:
+        """Whether a queued request may still run: one past its deadline is
+        answered now (expire); one answered already, or whose caller went
+        away, is not."""
+        if item.deadline is not None and now >= item.deadline:
+            self.expire(item)
+        if item.future.done():
+            self._leave(item)  # at once, not when its done callback comes round
+            if item.future.cancelled():
+                metrics.REJECTIONS.labels(self.model, LEVEL_NAMES[item.priority], "cancelled").inc()
+            return False
+        return True
 
     def _closest(self, queue: collections.deque, room: int, length: float, now: float) -> Pending:
         """Among the first LENGTH_WINDOW live requests that fit, the one nearest
@@ -475,6 +506,18 @@ class ModelQueue:
             f"has {1000 * (item.deadline - now):.0f} ms left, less than its batch would take (about "
             f"{1000 * run_s:.0f} ms); it was not run; retry after about {retry_ms} ms", retry_after_ms=retry_ms))
 
+    def _sendable(self, item: Pending) -> bool:
+        """Whether a request taken into a batch still goes to the model: not
+        answered meanwhile (its caller gone), not past its deadline (answered
+        DEADLINE_EXCEEDED now: the batch's gathering may outlast a deadline
+        tighter than it), not out of time (_out_of_time)."""
+        if item.future.done():
+            return False
+        if item.deadline is not None and asyncio.get_running_loop().time() >= item.deadline:
+            self.expire(item)
+            return False
+        return not self._out_of_time(item)
+
     def _out_of_time(self, item: Pending) -> bool:
         """Whether a request about to be sent is refused instead (give_up): it
         waited while its lane's batches ran, and has less time left than they
@@ -502,15 +545,12 @@ class ModelQueue:
     async def _collect(self, levels: tuple[int, ...] = PRIORITIES) -> list[Pending]:
         """A batch of requests from `levels` (see SlotPool.acquire)."""
         loop = asyncio.get_running_loop()
-        batch: list[Pending] = []
+        batch = self._forming = []
         rows = 0
         size, dispatch_by = self.batch_size, loop.time()
         while True:
             near = batch[0].length if batch and self._length_aware else None
-            # A VIP-led batch carries VIP requests only: filled up with standard
-            # ones it would run as long as any standard batch, and VIP latency
-            # under a standard overload would be a full batch's time.
-            allowed = (VIP,) if batch and batch[0].priority == VIP else levels
+            allowed = self._fill_levels(batch[0].priority, levels) if batch else levels
             item = self._take(size - rows, alone=not batch, near_length=near, levels=allowed)
             if item is not None:
                 if not batch:
@@ -520,8 +560,10 @@ class ModelQueue:
                 if rows >= size:
                     break
                 continue
-            if not batch or any(self._levels[level] for level in allowed):
+            if not batch or any(self._queued[level] for level in allowed):
                 break  # nothing waiting, or the next request does not fit
+            if self._queued[VIP] and VIP not in allowed:
+                break  # a VIP request this batch will not carry: the batching task is its way out
             remaining = dispatch_by - loop.time()
             if remaining <= 0:
                 break
@@ -530,9 +572,26 @@ class ModelQueue:
                 await asyncio.wait_for(self._arrived.wait(), remaining)
             except TimeoutError:
                 break
-        for level, queue in self._levels.items():
-            metrics.QUEUE_LENGTH.labels(self.model, LEVEL_NAMES[level]).set(len(queue))
+        self._forming = []
         return batch
+
+    def _fill_levels(self, lead: int, levels: tuple[int, ...]) -> tuple[int, ...]:
+        """Which levels fill a batch after its lead, in order.
+        - A VIP-led batch carries VIP requests only: filled up with standard
+          ones it would run as long as any standard batch, and VIP latency
+          under a standard overload would be a full batch's time.
+        - A standard-led batch takes standard requests first: when its lead
+          was promoted by the aging bound, VIP rows first would leave the turn
+          that bound gives standard traffic one row.
+        - It takes VIP requests only where VIP work has no slots of its own:
+          one that arrives while the batch gathers company would wait out the
+          gathering and then a standard batch's run, its reserved instance
+          idle. The batch leaves then instead (_collect), and the VIP request
+          takes its slot."""
+        if lead == VIP:
+            return (VIP,)
+        _, reserved, _ = self._slots.sizes()
+        return (STANDARD, VIP) if VIP in levels and reserved == 0 else (STANDARD,)
 
     def _plan(self, lead: Pending) -> tuple[int, float]:
         limits = self._backend.limits(self.model)
@@ -552,7 +611,7 @@ class ModelQueue:
 
     async def _execute(self, batch: list[Pending], slot: str) -> None:
         try:
-            live = [item for item in batch if not item.future.done() and not self._out_of_time(item)]
+            live = [item for item in batch if self._sendable(item)]
             if live:
                 await self._run_batch(live, split_on_error=True)
         except Exception as exc:  # noqa: BLE001 - resolved below, never lost
@@ -562,7 +621,9 @@ class ModelQueue:
             self._slots.release(slot)
             _fail_all(batch, errors.Internal("request was not answered"))
 
-    async def _run_batch(self, batch: list[Pending], split_on_error: bool) -> None:
+    async def _run_batch(self, batch: list[Pending], split_on_error: bool, waited: bool = True) -> None:
+        """Sends one batch and answers its requests; `waited`: their queue wait
+        is observed here (not again when a failed batch is rerun one by one)."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         # A batch runs by its latest request's deadline: by its earliest, a VIP request with time to
@@ -575,13 +636,13 @@ class ModelQueue:
         # One execution serves every request: ask for the union of what they want ([] means all).
         wanted = [] if any(not item.outputs for item in batch) else sorted({o for item in batch for o in item.outputs})
         metrics.BATCH_ROWS.labels(self.model).observe(sum(counts))
-        for item in batch:
+        for item in batch if waited else ():
             metrics.QUEUE_WAIT.labels(self.model, LEVEL_NAMES[item.priority]).observe(now - item.enqueued)
         lead = max(item.priority for item in batch)  # the model server runs VIP batches first
         expected_s = self._cautious_batch_s(lead)
         self._inflight_rows[lead] += sum(counts)
         self._service_rates[lead].started(now)
-        completed = None
+        completed, split = None, False
         try:
             version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout, 0.001),
                                                            priority=lead)
@@ -591,19 +652,25 @@ class ModelQueue:
             completed = sum(counts)
         except errors.InfermeshError as exc:
             if split_on_error and len(batch) > 1 and not exc.retryable and not _no_time_or_room(exc):
-                # One bad request must not fail its neighbours: run each alone. Not when the
-                # model server is out of time or room: one RPC per request would only add load.
+                # One bad request must not fail its neighbours: run each alone (below, once
+                # this batch is off the books). Not when the model server is out of time or
+                # room: one RPC per request would only add load.
                 log.warning("batch of %d for model %s failed (%s); retrying one by one", len(batch), self.model, exc.message)
-                await asyncio.gather(*(self._run_batch([item], split_on_error=False) for item in batch))
+                split = True
+            else:
+                if isinstance(exc, errors.DeadlineExceeded):
+                    self._ran_out_of_time(batch, lead, now, timeout, expected_s)
+                _fail_all(batch, exc)
                 return
-            if isinstance(exc, errors.DeadlineExceeded):
-                self._ran_out_of_time(batch, lead, now, timeout, expected_s)
-            _fail_all(batch, exc)
-            return
         finally:
             self._inflight_rows[lead] -= sum(counts)
             self._service_rates[lead].finished(loop.time(), completed, self._lane_slots(lead))
             self._lane_done_at[lead] = loop.time()
+        if split:
+            # Each request that can still be answered: its caller has not gone, its deadline has not passed.
+            alone = [item for item in batch if self._sendable(item)]
+            await asyncio.gather(*(self._run_batch([item], split_on_error=False, waited=False) for item in alone))
+            return
         parts = {out.name: split_rows(out, counts) for out in outputs}
         for i, item in enumerate(batch):
             if not item.future.done():
@@ -626,10 +693,11 @@ class ModelQueue:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        shutting_down = errors.Unavailable(f"batcher is shutting down; model '{self.model}' request not run")
+        _fail_all(self._forming, shutting_down)
         for queue in self._levels.values():
-            _fail_all(list(queue), errors.Unavailable(f"batcher is shutting down; model '{self.model}' request not run"))
+            _fail_all(list(queue), shutting_down)  # each leaves its place as it is answered
             queue.clear()
-        self._queued_rows = {level: 0 for level in self._queued_rows}
         if self._batches:
             await asyncio.gather(*self._batches, return_exceptions=True)
 
