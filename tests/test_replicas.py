@@ -7,6 +7,7 @@ import collections
 import contextlib
 import os
 import pathlib
+import shutil
 import signal
 import sys
 import uuid
@@ -17,9 +18,10 @@ import prometheus_client
 import pytest
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from infermesh.common.v1 import tensor_pb2
+from infermesh.model_server.v1 import model_server_pb2
 
 from services.batcher.core import STANDARD, VIP, Batcher
-from services.batcher.replicas import FAILED_POLLS, MESH_HISTORY_POLLS, ReplicaSet, _merge_polls
+from services.batcher.replicas import FAILED_POLLS, MESH_HISTORY_POLLS, ReplicaSet, _merge_polls, _transport_failure
 from services.common import errors, traffic
 from services.common.tensors import from_numpy
 from services.launcher.mesh import MODEL_SERVER_NICE, Mesh, Process
@@ -336,6 +338,57 @@ async def test_a_failed_batch_marks_the_address_unready_only_when_the_batcher_ba
             with pytest.raises(errors.Unavailable, match="no ready model_server replica"):
                 await replicas.execute("mlp", "", mlp_batch(), [], 10.0)
         await replicas.close()
+
+
+async def test_a_models_own_unavailable_goes_once_elsewhere_else_reaches_the_caller_and_the_replica_serves_on(repo):
+    """A model whose version drifted since the last poll is the model server's
+    UNAVAILABLE for that model alone: the batch is tried once on another
+    replica, or the caller gets the model server's message, and the replica
+    keeps serving its other models."""
+    shutil.copytree(repo / "mlp", repo / "twin")
+    _config(repo / "twin", name="twin")
+    managers = [ModelManager(str(repo), "cpu", 1, probe_interval_s=0) for _ in range(2)]
+    servers = []
+    for manager in managers:
+        await manager.start()
+        servers.append(await build_server(ModelServerConfig(model_repository=str(repo)), manager, port=0))
+    drifted, healthy = (f"127.0.0.1:{port}" for _, port, _ in servers)
+    alone = ReplicaSet((drifted,), 4, 60.0, 1 << 24)  # polled once, at start
+    pair = ReplicaSet((drifted, healthy), 4, 60.0, 1 << 24)
+    try:
+        await alone.start()
+        await pair.start()
+        assert [m.name for m in alone.models()] == ["mlp", "twin"]
+        managers[0]._models["mlp"].drifted["1"] = "correctness probe failed"  # noqa: SLF001 - since the poll
+        with pytest.raises(errors.Unavailable, match="model 'mlp' has no ready version: .*correctness probe failed"):
+            await alone.execute("mlp", "", mlp_batch(), [], 10.0)
+        assert alone._replicas[0].ready  # noqa: SLF001
+        assert (await alone.execute("twin", "", mlp_batch(), [], 10.0))[0] == "1"
+        with pytest.raises(grpc.aio.AioRpcError) as sent:  # marked as the model server's own status
+            await alone._replicas[0].stub.Execute(model_server_pb2.ExecuteRequest(model="mlp"), timeout=10)  # noqa: SLF001
+        assert errors.is_server_status(sent.value.trailing_metadata())
+        retries = metric_value("infermesh_batcher_retries_total", code="UNAVAILABLE")
+        assert (await pair.execute("mlp", "", mlp_batch(), [], 10.0))[0] == "1"  # the drifted one (first) failed it
+        assert metric_value("infermesh_batcher_retries_total", code="UNAVAILABLE") == retries + 1
+        assert all(r.ready for r in pair._replicas)  # noqa: SLF001
+    finally:
+        await alone.close()
+        await pair.close()
+        for server, _, _ in servers:
+            await server.stop(0)
+        for manager in managers:
+            await manager.close()
+
+
+def test_a_status_our_server_sent_is_no_transport_failure_whatever_its_message_quotes():
+    def unavailable(details: str, *trailers) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers),
+                                    details=details)
+
+    lost_shard = "model 'mlp' version 1 lost a tensor-parallel shard (RuntimeError: Connection reset by peer)"
+    assert not _transport_failure(unavailable(lost_shard, (errors.ERROR_METADATA, "UNAVAILABLE")))
+    assert _transport_failure(unavailable("recvmsg:Connection reset by peer"))
+    assert not _transport_failure(unavailable("model 'mlp' has no ready version: {}"))
 
 
 @pytest.mark.parametrize("behind_mesh", [True, False], ids=["behind a mesh", "own replicas"])

@@ -30,10 +30,11 @@ from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.tensors import TensorData
 
 log = logging.getLogger(__name__)
-# Worth one try on another replica: this one is down (UNAVAILABLE), or too busy to
-# finish the batch in time (a refusal: RESOURCE_EXHAUSTED with a retry-after-ms
-# hint; gRPC's own RESOURCE_EXHAUSTED, e.g. a message over the size limit, is no
-# reason to try elsewhere). See _retry_elsewhere.
+# Worth one try on another replica: this one is down or has no ready version of the
+# model (UNAVAILABLE), or too busy to finish the batch in time (a refusal:
+# RESOURCE_EXHAUSTED with a retry-after-ms hint; gRPC's own RESOURCE_EXHAUSTED,
+# e.g. a message over the size limit, is no reason to try elsewhere). See
+# _retry_elsewhere.
 
 
 class Replica:
@@ -264,10 +265,15 @@ class ReplicaSet:
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if _retry_elsewhere(exc) and not self._behind_mesh:  # behind a mesh its sidecar has retried already
-                    if code == grpc.StatusCode.UNAVAILABLE:
-                        replica.ready = False  # until its next poll says otherwise; a busy one stays ready
-                    # A refusal from a busy replica stands when no other replica could take the batch.
-                    elsewhere = code == grpc.StatusCode.UNAVAILABLE or self._choose(model, version, priority, tried) is not None
+                    # Out until its next poll says otherwise only when the connection failed: the model
+                    # server's own UNAVAILABLE (a model with no ready version, a lost shard) is about
+                    # one model, and the replica keeps serving the others.
+                    gone = _transport_failure(exc)
+                    if gone:
+                        replica.ready = False
+                    # The model server's own status stands when no other replica could take the batch;
+                    # a lost connection's is gRPC's, so the next turn answers why: no replica serves the model.
+                    elsewhere = gone or self._choose(model, version, priority, tried) is not None
                     if len(tried) < 2 and deadline - loop.time() > 0 and elsewhere:
                         log.warning("batch for %s failed on %s (%s); retrying once elsewhere", model, replica.address, code.name)
                         metrics.RETRIES.labels(code.name).inc()
@@ -479,7 +485,8 @@ TRANSPORT_MARKERS = ("failed to connect", "socket closed", "connection reset", "
 
 
 def _retry_elsewhere(exc: grpc.aio.AioRpcError) -> bool:
-    """Down, or refused for being busy (our servers' refusals carry a retry hint)."""
+    """Down or without a ready version of the model, or refused for being busy
+    (our servers' refusals carry a retry hint)."""
     return exc.code() == grpc.StatusCode.UNAVAILABLE or (
         exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and errors.retry_after_ms(exc.trailing_metadata()) > 0)
 
@@ -508,8 +515,12 @@ def _gone(exc: grpc.aio.AioRpcError) -> bool:
 
 
 def _transport_failure(exc: grpc.aio.AioRpcError) -> bool:
+    """gRPC's UNAVAILABLE for a connection or stream that failed; never a
+    status our server sent, whose message may quote such a failure of its own."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE or errors.is_server_status(exc.trailing_metadata()):
+        return False
     details = (exc.details() or "").lower()
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and any(marker in details for marker in TRANSPORT_MARKERS)
+    return any(marker in details for marker in TRANSPORT_MARKERS)
 
 
 def _version_order(version: str) -> tuple[int, str]:

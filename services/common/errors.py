@@ -51,6 +51,17 @@ def retry_after_ms(trailing_metadata) -> int:
     return int(value) if value.isdigit() else 0
 
 
+# Every status one of our servers sends carries this trailer (the status's code
+# name), so that a client can tell it from one gRPC made up for a connection that
+# failed or a stream that was lost, whatever either's message says.
+ERROR_METADATA = "infermesh-error"
+
+
+def is_server_status(trailing_metadata) -> bool:
+    """Whether one of our servers sent the status (see ERROR_METADATA)."""
+    return any(key == ERROR_METADATA for key, _ in (trailing_metadata or ()))
+
+
 class ResourceExhausted(InfermeshError):
     """RESOURCE_EXHAUSTED: a queue is full or a request too large; Envoy does not
     count it as a server failure, so busy replicas are not ejected. A queue

@@ -131,10 +131,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return wrapper
 
     async def _abort(self, context, exc: Exception, method: str, started: float):
+        trailers = ()
         if isinstance(exc, errors.InfermeshError):
             code, message = status_code(exc), exc.message
             if getattr(exc, "retry_after_ms", 0):
-                context.set_trailing_metadata(((errors.RETRY_AFTER_METADATA, str(exc.retry_after_ms)),))
+                trailers = ((errors.RETRY_AFTER_METADATA, str(exc.retry_after_ms)),)
         elif isinstance(exc, asyncio.CancelledError):
             self._record(method, "CANCELLED", started)
             raise exc
@@ -145,6 +146,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             log.error("unexpected error in %s: %s", method, "".join(traceback.format_exception(exc)))
             code, message = grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log"
         self._record(method, code.name, started)
+        context.set_trailing_metadata(((errors.ERROR_METADATA, code.name), *trailers))
         await context.abort(code, message)
 
 
