@@ -672,6 +672,42 @@ async def test_closing_answers_a_batch_still_gathering_company():
     await running
 
 
+class VersionedBackend(GatedBackend):
+    """Says which versions its replicas hold, and tells the batcher when that changes."""
+
+    def __init__(self, versions: set[str]):
+        super().__init__(max_batch=4)
+        self.versions = versions
+        self.listeners = []
+
+    def limits(self, model):
+        return ModelLimits(self._max_batch, ("X",), frozenset(self.versions))
+
+    def on_change(self, listener):
+        self.listeners.append(listener)
+
+
+async def test_queues_exist_only_for_versions_the_replicas_hold():
+    """A version no replica holds is refused before it gets a queue, and the
+    queue of a version that left the catalog goes once nothing waits there:
+    queues do not pile up per version string asked for, nor over rollouts."""
+    backend = VersionedBackend({"1", "2"})
+    backend.gate.set()
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    with pytest.raises(errors.Unavailable, match=r"serves model 'm' version 7; they hold versions \['1', '2'\]"):
+        await batcher.submit("m", "7", row(1.0), [])
+    for version in ("", "1", "2"):
+        await batcher.submit("m", version, row(1.0), [])
+    assert set(batcher._queues) == {("m", ""), ("m", "1"), ("m", "2")}
+    backend.versions = {"2"}  # version 1 retired
+    for listener in backend.listeners:
+        listener()
+    await settle()
+    assert set(batcher._queues) == {("m", ""), ("m", "2")}  # the default queue keeps what it learned
+    assert (await batcher.submit("m", "2", row(3.0), []))[0] == "1"
+    await batcher.close()
+
+
 class TextBackend(GatedBackend):
     """Records the texts of each batch (their lengths are what matters here)."""
 

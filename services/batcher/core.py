@@ -77,6 +77,8 @@ class ModelLimits:
 
     max_batch_size: int
     inputs: tuple[str, ...]
+    # The versions some ready replica holds; empty: the backend does not say, any may be asked for.
+    versions: frozenset[str] = frozenset()
 
 
 class SlotPool:
@@ -690,6 +692,15 @@ class ModelQueue:
                     sum(item.rows for item in batch), self.model, LEVEL_NAMES[lead], 1000 * given_s, 1000 * took_s,
                     1000 * waited_s, "(no estimate yet)" if expected_s is None else f"{1000 * expected_s:.0f} ms")
 
+    def idle(self) -> bool:
+        """Nothing waits, gathers or runs here."""
+        return not len(self) and not self._forming and not self._batches
+
+    def stop(self) -> None:
+        """Ends the batching task of an idle queue (see Batcher._prune)."""
+        if self._task is not None:
+            self._task.cancel()
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -739,6 +750,19 @@ class Batcher:
     def _poke_slots(self) -> None:
         for slots in self._slots.values():
             slots.poke()
+        self._prune()
+
+    def _prune(self) -> None:
+        """Drops the queue of a version no replica holds any more once nothing
+        waits or runs there, so queues do not pile up over rollouts. The
+        default version's queue (no version named) stays: it holds what the
+        batch policy learned of the model."""
+        for (model, version), queue in list(self._queues.items()):
+            limits = self._backend.limits(model)
+            gone = limits is None or (limits.versions and version not in limits.versions)
+            if version and gone and queue.idle():
+                del self._queues[(model, version)]
+                queue.stop()
 
     def _queue(self, model: str, version: str) -> ModelQueue:
         key = (model, version)
@@ -772,6 +796,13 @@ class Batcher:
         if rows > limits.max_batch_size:
             raise errors.InvalidArgument(
                 f"request of {rows} rows exceeds max_batch_size {limits.max_batch_size} of model '{model}'")
+        if version and limits.versions and version not in limits.versions:
+            # Refused before it has a queue (a queue per version string asked for would grow without
+            # bound), as the replicas would refuse it: UNAVAILABLE, since the router, whose catalog may
+            # be a poll ahead of this batcher's, has already answered NOT_FOUND for versions it knows
+            # nothing of.
+            raise errors.Unavailable(f"no ready model_server replica serves model '{model}' version {version}; "
+                                     f"they hold versions {sorted(limits.versions)}")
         queue = self._queue(model, version)
         now = loop.time()
         # A request's own deadline may only shorten its level's default wait.

@@ -174,7 +174,8 @@ class ReplicaSet:
         infos = [r.models[model] for r in self._replicas if r.ready and model in r.models]
         if not infos:
             return None
-        return ModelLimits(min(i.max_batch_size for i in infos), tuple(spec.name for spec in infos[0].inputs))
+        return ModelLimits(min(i.max_batch_size for i in infos), tuple(spec.name for spec in infos[0].inputs),
+                           frozenset(v for i in infos for v in i.versions))
 
     def slots(self, model: str) -> tuple[int, int, int]:
         """(batches of any tier, more batches for VIP work only, how many of the
