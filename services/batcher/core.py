@@ -509,16 +509,10 @@ class ModelQueue:
             f"{1000 * run_s:.0f} ms); it was not run; retry after about {retry_ms} ms", retry_after_ms=retry_ms))
 
     def _sendable(self, item: Pending) -> bool:
-        """Whether a request taken into a batch still goes to the model: not
-        answered meanwhile (its caller gone), not past its deadline (answered
-        DEADLINE_EXCEEDED now: the batch's gathering may outlast a deadline
-        tighter than it), not out of time (_out_of_time)."""
-        if item.future.done():
-            return False
-        if item.deadline is not None and asyncio.get_running_loop().time() >= item.deadline:
-            self.expire(item)
-            return False
-        return not self._out_of_time(item)
+        """Whether a request taken into a batch still goes to the model: still
+        live (_live: the batch's gathering may outlast a deadline tighter than
+        it, or its caller may have gone) and not out of time (_out_of_time)."""
+        return self._live(item, asyncio.get_running_loop().time()) and not self._out_of_time(item)
 
     def _out_of_time(self, item: Pending) -> bool:
         """Whether a request about to be sent is refused instead (give_up): it
@@ -615,7 +609,7 @@ class ModelQueue:
         try:
             live = [item for item in batch if self._sendable(item)]
             if live:
-                await self._run_batch(live, split_on_error=True)
+                await self._run_batch(live)
         except Exception as exc:  # noqa: BLE001 - resolved below, never lost
             log.exception("batch of model %s failed unexpectedly", self.model)
             _fail_all(batch, errors.Internal(f"batch of model '{self.model}' failed: {type(exc).__name__}"))
@@ -623,9 +617,10 @@ class ModelQueue:
             self._slots.release(slot)
             _fail_all(batch, errors.Internal("request was not answered"))
 
-    async def _run_batch(self, batch: list[Pending], split_on_error: bool, waited: bool = True) -> None:
-        """Sends one batch and answers its requests; `waited`: their queue wait
-        is observed here (not again when a failed batch is rerun one by one)."""
+    async def _run_batch(self, batch: list[Pending], rerun: bool = False) -> None:
+        """Sends one batch and answers its requests. A `rerun` is one request of
+        a failed batch run alone: its queue wait was observed with the batch,
+        and it is not split again."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         # A batch runs by its latest request's deadline: by its earliest, a VIP request with time to
@@ -638,7 +633,7 @@ class ModelQueue:
         # One execution serves every request: ask for the union of what they want ([] means all).
         wanted = [] if any(not item.outputs for item in batch) else sorted({o for item in batch for o in item.outputs})
         metrics.BATCH_ROWS.labels(self.model).observe(sum(counts))
-        for item in batch if waited else ():
+        for item in () if rerun else batch:
             metrics.QUEUE_WAIT.labels(self.model, LEVEL_NAMES[item.priority]).observe(now - item.enqueued)
         lead = max(item.priority for item in batch)  # the model server runs VIP batches first
         expected_s = self._cautious_batch_s(lead)
@@ -653,7 +648,7 @@ class ModelQueue:
             self.batch_policy.observe_batch(sum(counts), loop.time() - now)
             completed = sum(counts)
         except errors.InfermeshError as exc:
-            if split_on_error and len(batch) > 1 and not exc.retryable and not _no_time_or_room(exc):
+            if not rerun and len(batch) > 1 and not exc.retryable and not _no_time_or_room(exc):
                 # One bad request must not fail its neighbours: run each alone (below, once
                 # this batch is off the books). Not when the model server is out of time or
                 # room: one RPC per request would only add load.
@@ -671,7 +666,7 @@ class ModelQueue:
         if split:
             # Each request that can still be answered: its caller has not gone, its deadline has not passed.
             alone = [item for item in batch if self._sendable(item)]
-            await asyncio.gather(*(self._run_batch([item], split_on_error=False, waited=False) for item in alone))
+            await asyncio.gather(*(self._run_batch([item], rerun=True) for item in alone))
             return
         parts = {out.name: split_rows(out, counts) for out in outputs}
         for i, item in enumerate(batch):
