@@ -679,9 +679,16 @@ class VersionedBackend(GatedBackend):
         super().__init__(max_batch=4)
         self.versions = versions
         self.listeners = []
+        self.down = False  # no ready replica: nothing described
 
     def limits(self, model):
-        return ModelLimits(self._max_batch, ("X",), frozenset(self.versions))
+        return None if self.down else ModelLimits(self._max_batch, ("X",), frozenset(self.versions))
+
+    def change(self, **state):
+        for name, value in state.items():
+            setattr(self, name, value)
+        for listener in self.listeners:
+            listener()
 
     def on_change(self, listener):
         self.listeners.append(listener)
@@ -699,11 +706,30 @@ async def test_queues_exist_only_for_versions_the_replicas_hold():
     for version in ("", "1", "2"):
         await batcher.submit("m", version, row(1.0), [])
     assert set(batcher._queues) == {("m", ""), ("m", "1"), ("m", "2")}
-    backend.versions = {"2"}  # version 1 retired
-    for listener in backend.listeners:
-        listener()
+    backend.change(versions={"2"})  # version 1 retired
     await settle()
     assert set(batcher._queues) == {("m", ""), ("m", "2")}  # the default queue keeps what it learned
+    assert (await batcher.submit("m", "2", row(3.0), []))[0] == "1"
+    await batcher.close()
+
+
+async def test_an_outage_keeps_the_version_queues():
+    """Every replica unready at once is an outage, not a rollout: the version
+    queues (and what their batch policies learned) are still there after it."""
+    backend = VersionedBackend({"1", "2"})
+    backend.gate.set()
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    for version in ("1", "2"):
+        await batcher.submit("m", version, row(1.0), [])
+    await settle()  # both queues idle
+    queues = dict(batcher._queues)
+    backend.change(down=True)
+    await settle()
+    with pytest.raises(errors.Unavailable, match="no ready model_server replica serves model 'm'"):
+        await batcher.submit("m", "2", row(1.0), [])
+    backend.change(down=False)
+    await settle()
+    assert batcher._queues == queues
     assert (await batcher.submit("m", "2", row(3.0), []))[0] == "1"
     await batcher.close()
 

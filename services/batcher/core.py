@@ -751,11 +751,14 @@ class Batcher:
         """Drops the queue of a version no replica holds any more once nothing
         waits or runs there, so queues do not pile up over rollouts. The
         default version's queue (no version named) stays: it holds what the
-        batch policy learned of the model."""
+        batch policy learned of the model. So does every queue of a model no
+        ready replica describes now: that is an outage (replicas restarting,
+        a network partition), not a rollout, and the version is likely back
+        with them; what its policy learned would be lost for nothing."""
         for (model, version), queue in list(self._queues.items()):
             limits = self._backend.limits(model)
-            gone = limits is None or (limits.versions and version not in limits.versions)
-            if version and gone and queue.idle():
+            retired = limits is not None and limits.versions and version not in limits.versions
+            if version and retired and queue.idle():
                 del self._queues[(model, version)]
                 queue.stop()
 
