@@ -2,6 +2,7 @@
 (the real batcher is exercised end to end elsewhere; here only who waits on what)."""
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -63,6 +64,63 @@ async def test_vip_requests_do_not_ride_on_a_standard_flight():
     assert sorted(tier for tier, _ in batcher.calls) == [0, 1]
 
 
+async def test_a_caller_that_joins_waits_no_longer_than_its_own_deadline():
+    batcher = SlowBatcher(1.0)
+    router = make_router(batcher)
+    patient = asyncio.create_task(router.infer(request(timeout_s=5)))
+    await asyncio.sleep(0.01)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(errors.DeadlineExceeded, match="while an identical request's computation"):
+        await router.infer(request(timeout_s=0.2))
+    assert asyncio.get_running_loop().time() - started < 0.5
+    assert (await patient).outputs[0].shape == (1, 64)  # the shared computation went on
+    assert len(batcher.calls) == 1
+
+
+class AdmittingBatcher:
+    """Refuses a request that cannot finish within its time (a run takes 0.2 s),
+    as the batcher's and the model server's deadline-aware admission do."""
+
+    def __init__(self):
+        self.calls: list[float] = []
+
+    async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+        self.calls.append(timeout_s)
+        await asyncio.sleep(0.02)  # its turn came
+        if timeout_s < 0.2 + 0.02:
+            raise errors.ResourceExhausted("this batch would not finish before its deadline", retry_after_ms=150)
+        await asyncio.sleep(0.2)
+        return version, [from_numpy("OUTPUT0", np.ones((1, 64), np.float32))]
+
+
+async def test_a_joiner_with_time_left_retries_after_the_first_callers_deadline_refusal():
+    batcher = AdmittingBatcher()
+    router = make_router(batcher)
+    impatient = asyncio.create_task(router.infer(request(timeout_s=0.1)))
+    await asyncio.sleep(0.005)
+    result = await router.infer(request(timeout_s=5))  # joined the impatient flight, then ran its own
+    assert result.outputs[0].shape == (1, 64)
+    with pytest.raises(errors.ResourceExhausted, match="would not finish"):
+        await impatient
+    assert len(batcher.calls) == 2 and batcher.calls[1] > 1
+
+
+async def test_a_request_pinned_to_a_version_does_not_ride_on_one_that_named_none():
+    """Mid-swap the model servers may answer a request that named no version
+    with a newer version than the router's catalog knows of yet."""
+
+    class SwappingBatcher(SlowBatcher):
+        async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+            await super().submit(model, version, inputs, outputs, tier, timeout_s)
+            return version or "3", [from_numpy("OUTPUT0", np.ones((1, 64), np.float32))]
+
+    router = make_router(SwappingBatcher(0.05))
+    unpinned = request(timeout_s=5)
+    pinned = dataclasses.replace(unpinned, version=MLP.ready_versions[0])
+    results = await asyncio.gather(router.infer(unpinned), router.infer(pinned))
+    assert [r.version for r in results] == ["3", MLP.ready_versions[0]]
+
+
 async def test_the_shared_computation_stops_only_when_every_caller_left():
     batcher = SlowBatcher(0.2)
     router = make_router(batcher)
@@ -96,7 +154,8 @@ async def test_after_a_full_queue_the_router_refuses_that_tier_itself_for_the_hi
     router = make_router(batcher)
     with pytest.raises(errors.ResourceExhausted, match="is full"):
         await router.infer(distinct_request(1))
-    with pytest.raises(errors.ResourceExhausted, match="refusing standard requests that cannot wait") as info:
+    with pytest.raises(errors.ResourceExhausted, match=r"refusing standard requests of 1 row\(s\) or more that "
+                                                       r"cannot wait .*: the standard queue of model 'mlp' is full") as info:
         await router.infer(distinct_request(2))
     assert 10 <= info.value.retry_after_ms <= 300
     assert batcher.calls == [0]  # the second never reached the batcher
@@ -131,6 +190,35 @@ async def test_one_impatient_callers_refusal_does_not_turn_away_callers_with_tim
         await router.infer(timed_request(2, 0.2))  # no more patient: refused here, not sent
     assert (await router.infer(timed_request(3, 5.0))).outputs  # has the time: goes through
     assert len(batcher.calls) == 2
+
+
+async def test_a_refusal_for_a_large_request_does_not_shed_smaller_ones():
+    """A batch too large to finish in its time says how much time it lacked;
+    a smaller request may fit where it did not, and still goes through."""
+
+    class SizeBatcher:
+        def __init__(self):
+            self.calls: list[int] = []
+
+        async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+            rows = inputs[0].rows
+            self.calls.append(rows)
+            if rows > 4:
+                raise errors.ResourceExhausted(f"a batch of {rows} takes about 5000 ms", retry_after_ms=4800)
+            return version, [from_numpy("OUTPUT0", np.ones((rows, 64), np.float32))]
+
+    batcher = SizeBatcher()
+    router = make_router(batcher)
+
+    def sized(rows: int, value: float) -> InferRequest:
+        return InferRequest("mlp", "", "", [from_numpy("INPUT0", np.full((rows, 64), value, np.float32))], [], 0, 1.0)
+
+    with pytest.raises(errors.ResourceExhausted, match="takes about 5000 ms"):
+        await router.infer(sized(8, 1))
+    assert (await router.infer(sized(1, 2))).outputs[0].shape == (1, 64)
+    with pytest.raises(errors.ResourceExhausted, match=r"requests of 8 row\(s\) or more"):
+        await router.infer(sized(16, 3))  # as large and no more patient: refused here
+    assert batcher.calls == [8, 1]
 
 
 async def test_a_shed_level_is_refused_in_the_callers_own_step():

@@ -123,13 +123,12 @@ class Router:
         self._batcher = batcher
         self._cache = cache
         self._bypass = bypass if bypass is not None else AdaptiveBypass()
-        # Single-flight: the one computation running per (digest, tier), and how
-        # many callers wait on it.
-        self._running: dict[tuple[bytes, int], asyncio.Task] = {}
-        self._waiting: dict[tuple[bytes, int], int] = {}
-        # (model, tier) -> (loop time until which the batcher asked us to hold off,
-        # the time a request must be able to wait to be worth sending meanwhile).
-        self._shedding: dict[tuple[str, int], tuple[float, float]] = {}
+        # Single-flight: the one computation running per (digest, tier, version
+        # asked for), the deadline it runs with, and how many callers wait on it.
+        self._running: dict[tuple[bytes, int, str], tuple[asyncio.Task, float]] = {}
+        self._waiting: dict[tuple[bytes, int, str], int] = {}
+        # (model, tier) -> a refusal of the batcher that requests like it would get too (Shed).
+        self._shedding: dict[tuple[str, int], Shed] = {}
 
     def signature(self, model: str, version: str = "") -> tuple[ModelSignature, str]:
         """The model's signature and the concrete version a request would use."""
@@ -243,14 +242,19 @@ class Router:
         return InferResult(sig.name, used, request.id, outputs, cached=cached)
 
     async def _single_flight(self, flight: "Flight") -> tuple[str, list[TensorData], bool]:
-        """Identical requests of one tier share one lookup-and-compute. It runs
-        with its first caller's deadline; a caller with time left when that
-        deadline ends the flight starts a new one. The flight is cancelled only
-        when every caller has left. A success lingers briefly, covering the
-        moment before its store lands."""
-        key = (flight.digest, flight.tier)
+        """Identical requests of one tier (and one version asked for: a request
+        pinned to a version never rides on one that named none) share one
+        lookup-and-compute. It runs with its first caller's deadline; a caller
+        that joins it waits no longer than its own, and one with more time left
+        when the first caller's deadline ends the flight (a DEADLINE_EXCEEDED,
+        or a RESOURCE_EXHAUSTED that says it would not finish in that time)
+        starts a new one. The flight is cancelled only when every caller has
+        left. A success lingers briefly, covering the moment before its store
+        lands."""
+        key = (flight.digest, flight.tier, flight.requested)
+        loop = asyncio.get_running_loop()
         while True:
-            task = self._running.get(key)
+            task, runs_until = self._running.get(key, (None, 0.0))
             joined = task is not None
             if joined:
                 metrics.CACHE.labels("shared").inc()
@@ -258,17 +262,24 @@ class Router:
                 if self._cache is None or self._bypass.is_bypassed(flight.model):
                     # Nothing to look up first: a shed level is refused right here, in the
                     # caller's own step, not one turn of the event loop later in a task.
-                    self._refuse_if_shed(flight.model, flight.tier, flight.deadline)
-                task = asyncio.create_task(self._resolve(flight))
-                self._running[key] = task
+                    self._refuse_if_shed(flight.model, flight.tier, flight.deadline, flight.inputs[0].rows)
+                task, runs_until = asyncio.create_task(self._resolve(flight)), flight.deadline
+                self._running[key] = (task, runs_until)
                 task.add_done_callback(lambda done, key=key: self._finished(key, done))
             self._waiting[key] = self._waiting.get(key, 0) + 1
             try:
-                return await asyncio.shield(task)
-            except errors.DeadlineExceeded:
-                if not joined or asyncio.get_running_loop().time() >= flight.deadline:
+                if not joined or flight.deadline >= runs_until:
+                    return await asyncio.shield(task)
+                try:  # a caller with less time than the flight's: its own deadline holds
+                    return await asyncio.wait_for(asyncio.shield(task), flight.deadline - loop.time())
+                except TimeoutError:
+                    raise errors.DeadlineExceeded(
+                        f"request for model '{flight.model}' reached its deadline while an identical request's "
+                        f"computation, which it shared, was still running") from None
+            except (errors.DeadlineExceeded, errors.ResourceExhausted):
+                if not joined or flight.deadline <= runs_until or loop.time() >= flight.deadline:
                     raise
-                # Someone else's deadline ended the shared flight; ours has time left.
+                # The first caller's shorter deadline ended the shared flight; ours has time left.
             finally:
                 left = self._waiting[key] - 1
                 if left:
@@ -285,7 +296,7 @@ class Router:
             asyncio.get_running_loop().call_later(SINGLE_FLIGHT_LINGER_S, self._forget, key, task)
 
     def _forget(self, key, task: asyncio.Task) -> None:
-        if self._running.get(key) is task:
+        if self._running.get(key, (None,))[0] is task:
             del self._running[key]
 
     async def _resolve(self, flight: "Flight") -> tuple[str, list[TensorData], bool]:
@@ -316,32 +327,49 @@ class Router:
         remaining = deadline - now
         if remaining <= 0:
             raise errors.DeadlineExceeded(f"request for model '{model}' reached its deadline before it could be queued")
-        self._refuse_if_shed(model, tier, deadline)
+        rows = inputs[0].rows
+        self._refuse_if_shed(model, tier, deadline, rows)
         try:
             return await self._batcher.submit(model, version, inputs, outputs, tier, remaining)
         except errors.ResourceExhausted as exc:
             if exc.retry_after_ms:
                 # The hint is how long until a place frees, or how much time this request
-                # lacked: a request then needs about its own time plus the hint.
-                self._shedding[(model, tier)] = (now + min(exc.retry_after_ms, MAX_SHED_MS) / 1000,
-                                                 remaining + exc.retry_after_ms / 1000)
+                # lacked: a request as large then needs about its own time plus the hint.
+                self._shedding[(model, tier)] = Shed(now + min(exc.retry_after_ms, MAX_SHED_MS) / 1000,
+                                                     remaining + exc.retry_after_ms / 1000, rows, exc.message)
             raise
 
-    def _refuse_if_shed(self, model: str, tier: int, deadline: float) -> None:
-        """The batcher refused this level lately, and this request has no more time
-        than the refused one would have needed: refuse it here, before it costs the
-        batcher anything. A request with more time still goes through."""
+    def _refuse_if_shed(self, model: str, tier: int, deadline: float, rows: int) -> None:
+        """The batcher refused this level lately, and this request is at least as
+        large as the refused one and has no more time than that one would have
+        needed: refuse it here, before it costs the batcher anything. A request
+        with more time, or fewer rows (the refusal may have been for the size of
+        a batch that would not finish in time), still goes through."""
+        shed = self._shedding.get((model, tier))
+        if shed is None:
+            return
         now = asyncio.get_running_loop().time()
-        shed_until, needs_s = self._shedding.get((model, tier), (0.0, 0.0))
         remaining = deadline - now
-        if now >= shed_until or remaining >= needs_s:
+        if now >= shed.until or remaining >= shed.needs_s or rows < shed.rows:
             return
         metrics.SHED.labels(TIER_NAMES[tier]).inc()
-        retry_ms = max(10, int(1000 * (shed_until - now)))
+        retry_ms = max(10, int(1000 * (shed.until - now)))
         raise errors.ResourceExhausted(
-            f"model '{model}' is refusing {TIER_NAMES[tier]} requests that cannot wait about "
-            f"{1000 * needs_s:.0f} ms (this one has {1000 * remaining:.0f} ms) for about {retry_ms} ms more: its "
-            f"queue is full; retry after about {retry_ms} ms", retry_after_ms=retry_ms)
+            f"model '{model}' is refusing {TIER_NAMES[tier]} requests of {shed.rows} row(s) or more "
+            f"that cannot wait about {1000 * shed.needs_s:.0f} ms (this one: {rows} row(s), {1000 * remaining:.0f} "
+            f"ms left) for about {retry_ms} ms more, after the batcher refused one so: {shed.reason}; retry after "
+            f"about {retry_ms} ms", retry_after_ms=retry_ms)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shed:
+    """A refusal of the batcher, with a retry hint, that the router repeats by
+    itself for a while to requests that would get it too."""
+
+    until: float  # loop time
+    needs_s: float  # the time a request must be able to wait to be worth sending meanwhile
+    rows: int  # of the refused request: a smaller one may fit where it did not
+    reason: str  # the batcher's message
 
 
 @dataclasses.dataclass(frozen=True)
