@@ -1,8 +1,10 @@
 """make run's launcher: one ready line, a working router, and SIGTERM stops every
 process it started, redis-server included."""
 
+import concurrent.futures
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -77,13 +79,24 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
             assert status.returncode == 0, status.stderr
             blue = next(line.split() for line in status.stdout.splitlines() if line.startswith("blue"))
             assert blue[1:3] == ["100", "1"] and int(blue[3]) >= 4 and blue[4] == "100.00%"
+            # An idle stream: the drain ends it at once rather than after the router's 10 s grace.
+            outgoing: queue.Queue = queue.Queue()
+            stream = stub.ModelStreamInfer(iter(outgoing.get, None), timeout=60)
+            outgoing.put(text_request(["before the drain"], request_id="s1"))
+            assert next(stream).infer_response.id == "s1"
+            stream_ended = concurrent.futures.ThreadPoolExecutor(1).submit(lambda: (list(stream), time.monotonic()))
             # Long texts keep these in flight for a while; the drain must finish them.
             futures = [stub.ModelInfer.future(text_request([f"in flight {i} " + "word " * 250] * 8), timeout=60)
                        for i in range(6)]
             time.sleep(0.1)
             launcher.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
             for future in futures:
                 assert output_array(future.result(), "EMBEDDING").shape == (8, 384)
+            rest, ended_at = stream_ended.result(timeout=30)
+            assert rest == [] and stream.code() == grpc.StatusCode.OK
+            assert ended_at - signalled < 5, "the idle stream was held until the grace ran out"
+            outgoing.put(None)
         assert launcher.wait(timeout=60) == 0
         assert "infermesh: stopped" in launcher.stdout.read()
         assert not run_file.exists()

@@ -2,6 +2,7 @@
 with our generated stubs: answers, streaming, every error row, health, metrics."""
 
 import asyncio
+import re
 import uuid
 
 import grpc
@@ -177,10 +178,12 @@ async def test_requests_that_cannot_make_their_deadline_never_reach_the_model(st
     await asyncio.sleep(0.05)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.ModelInfer(text_request([unique("in a hurry")]), timeout=1.0)
-    await asyncio.gather(*flood_tasks)
+    # The flood is only the load; on a slow machine some of it may be refused too.
+    await asyncio.gather(*flood_tasks, return_exceptions=True)
     after = refused()
     if info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        assert "left before this request's deadline" in info.value.details()
+        # The limit is a share of the time left, or what is left after the request's own batch.
+        assert re.search(r"left before this request's deadline|leaves after its own batch", info.value.details())
         assert after["would_miss_deadline"] == before["would_miss_deadline"] + 1
     else:
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -259,7 +262,7 @@ async def test_redis_down_answers_still_come_uncached_and_the_cache_recovers(stu
         pytest.fail("the cache did not recover after redis-server came back")
 
 
-async def test_unreadable_messages_are_invalid_argument_and_end_only_their_own_call(mesh):
+async def test_unreadable_messages_are_invalid_argument_and_fail_alone(mesh):
     async with grpc.aio.insecure_channel(mesh.router) as channel:
         raw_unary = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -270,24 +273,49 @@ async def test_unreadable_messages_are_invalid_argument_and_end_only_their_own_c
         raw_stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
         good = text_request([unique("good, before the garbage")], request_id="g1").SerializeToString()
 
+        after = text_request([unique("good, after the garbage")], request_id="g2").SerializeToString()
+
         async def messages():
             yield good
             yield b"\xff\xff\xff garbage"
+            yield after
 
         call = raw_stream(messages(), timeout=30)
-        answers = [pb.ModelStreamInferResponse.FromString(m) async for m in _drain(call)]
-        assert [a.infer_response.id for a in answers] == ["g1"] and not answers[0].error_message
-        assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
+        answers = {}
+        async for message in call:
+            answer = pb.ModelStreamInferResponse.FromString(message)
+            answers[answer.infer_response.id] = answer.error_message
+        assert await call.code() == grpc.StatusCode.OK  # the stream went on past the garbage
+        assert answers.keys() == {"g1", "g2", ""} and not answers["g1"] and not answers["g2"]
+        assert answers[""].startswith("INVALID_ARGUMENT: ModelStreamInfer request of 11 bytes is not a valid message")
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         assert (await stub.ServerLive(pb.ServerLiveRequest())).live
 
 
-async def _drain(call):
-    try:
-        async for message in call:
-            yield message
-    except grpc.aio.AioRpcError:
-        return
+async def test_what_the_router_does_not_serve_it_says_so(stub):
+    """Triton's answers where a client or probe relies on them: a model that is
+    not served is not ready (no error); model control, which the model servers
+    do, is UNIMPLEMENTED naming them; a name too long to echo is cut short
+    rather than making the status itself too large to send."""
+    assert not (await stub.ModelReady(pb.ModelReadyRequest(name="gpt-9"))).ready
+    assert not (await stub.ModelReady(pb.ModelReadyRequest(name="minilm", version="42"))).ready
+    for call, request in ((stub.RepositoryIndex, pb.RepositoryIndexRequest()),
+                          (stub.RepositoryModelLoad, pb.RepositoryModelLoadRequest(model_name="minilm")),
+                          (stub.RepositoryModelUnload, pb.RepositoryModelUnloadRequest(model_name="minilm"))):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call(request)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "loaded and unloaded on the model servers" in info.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.ModelInfer(text_request(["x"], model="m" * 20_000))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "(20000 characters) is not served" in info.value.details()
+    many = text_request(["x"])
+    for i in range(3000):
+        many.outputs.add(name=f"OUT{i}")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.ModelInfer(many)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and ", and 2992 more]" in info.value.details()
 
 
 async def test_an_oversized_request_on_a_stream_fails_alone(stub):

@@ -1,6 +1,8 @@
 """The router's edge validation: every malformed request is INVALID_ARGUMENT or
 NOT_FOUND with a message naming the field and the value."""
 
+import re
+
 import numpy as np
 import pytest
 from inference import grpc_predict_v2_pb2 as pb
@@ -9,6 +11,7 @@ from services.common import errors
 from services.common.tensors import TensorData
 from services.router.core import Catalog, InferRequest, ModelSignature, Router, Spec, request_digest, validate
 from services.router.oip import request_from_proto
+from services.router.server import _stream_error
 from tests.oip import pack_texts, tensor_request, text_request
 
 MINILM = ModelSignature("minilm", ("1",), ("1",), "onnxruntime_onnx", (Spec("TEXT", "BYTES", (-1,)),),
@@ -175,3 +178,60 @@ def test_oip_priority_and_timeout_parameters():
     message.parameters["timeout"].string_param = "1s"
     with pytest.raises(errors.InvalidArgument, match="parameter 'timeout' must be an int64_param or uint64_param"):
         convert(message)
+
+
+
+def _classification(message):
+    message.outputs.add(name="OUTPUT0").parameters["classification"].int64_param = 2
+
+
+def _shared_memory_input(message):
+    message.inputs[0].parameters["shared_memory_region"].string_param = "input0_region"
+
+
+def _shared_memory_output(message):
+    message.outputs.add(name="OUTPUT0").parameters["shared_memory_byte_size"].int64_param = 256
+
+
+def _sequence(message):
+    message.parameters["sequence_id"].int64_param = 42
+
+
+@pytest.mark.parametrize("mutate, fragment", [
+    (_classification, "requested output 'OUTPUT0' has parameter 'classification': classification outputs"),
+    (_shared_memory_input, "input 'INPUT0' has parameter 'shared_memory_region': shared-memory tensors"),
+    (_shared_memory_output, "requested output 'OUTPUT0' has parameter 'shared_memory_byte_size'"),
+    (_sequence, "parameter 'sequence_id' is set: sequence batching"),
+])
+def test_a_feature_this_server_lacks_is_refused_not_ignored(mutate, fragment):
+    """tritonclient asks for these (class_count, shared memory, sequences);
+    answering as if it had not would hand the caller something else."""
+    message = tensor_request(np.zeros((1, 64), np.float32))
+    mutate(message)
+    with pytest.raises(errors.InvalidArgument, match=re.escape(fragment)):
+        convert(message)
+    message = tensor_request(np.zeros((1, 64), np.float32))
+    message.parameters["sequence_id"].int64_param = 0  # tritonclient's default: no sequence
+    assert convert(message).inputs
+
+
+def test_values_echoed_in_messages_are_cut_short():
+    message = tensor_request(np.zeros((1, 64), np.float32))
+    message.inputs[0].datatype = "F" * 10_000
+    with pytest.raises(errors.InvalidArgument) as info:
+        check(message)
+    assert "(10000 characters)" in info.value.message and len(info.value.message) < 400
+    many = tensor_request(np.zeros((1, 64), np.float32))
+    many.outputs.extend(pb.ModelInferRequest.InferRequestedOutputTensor(name=f"NOPE{i}") for i in range(100))
+    with pytest.raises(errors.InvalidArgument, match=r"'NOPE7', and 92 more\]"):
+        check(many)
+
+
+def test_a_refusal_on_a_stream_carries_its_retry_hint_and_the_request_id():
+    """A unary refusal's hint is a trailer; a stream has one per message, so it travels as a parameter."""
+    response = _stream_error(text_request(["x"], request_id="r-9"),
+                             errors.ResourceExhausted("the standard queue is full", retry_after_ms=120))
+    assert response.error_message == "RESOURCE_EXHAUSTED: the standard queue is full"
+    assert response.infer_response.id == "r-9"
+    assert response.infer_response.parameters["grpc_status"].string_param == "RESOURCE_EXHAUSTED"
+    assert response.infer_response.parameters["retry_after_ms"].int64_param == 120

@@ -5,6 +5,34 @@ grpc.StatusCode value, so an error can also travel inside a stream message.
 """
 
 
+MAX_MESSAGE_CHARS = 2000  # a status message travels in a header, which gRPC caps at 16 KiB
+SHOWN_CHARS = 120  # of one value a caller sent, echoed in a message
+SHOWN_ITEMS = 8  # of a list of them
+
+
+def shown(value: str) -> str:
+    """A value the caller sent, quoted for a message: cut short when long, so
+    that an error about it is not itself too large to send."""
+    if len(value) <= SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
+
+
+def shown_list(values) -> str:
+    """A list of values the caller sent, for a message: the first few, each cut short."""
+    values = list(values)
+    listed = ", ".join(shown(str(v)) for v in values[:SHOWN_ITEMS])
+    more = f", and {len(values) - SHOWN_ITEMS} more" if len(values) > SHOWN_ITEMS else ""
+    return f"[{listed}{more}]"
+
+
+def clipped(message: str) -> str:
+    """A whole status message, cut to what a header carries."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}... (message cut at {MAX_MESSAGE_CHARS} of {len(message)} characters)"
+
+
 class InfermeshError(Exception):
     """Base of every error a caller may see; the message says what to fix."""
 
@@ -119,10 +147,17 @@ class Cancelled(InfermeshError):
     code_name = "CANCELLED"
 
 
+class Unimplemented(InfermeshError):
+    """UNIMPLEMENTED: this service does not offer the operation (the message says who does)."""
+
+    code = 12
+    code_name = "UNIMPLEMENTED"
+
+
 BY_CODE: dict[int, type[InfermeshError]] = {
     cls.code: cls
     for cls in (InvalidArgument, DeadlineExceeded, NotFound, ResourceExhausted, Internal, Unavailable, Cancelled,
-                PermissionDenied, Unauthenticated, FailedPrecondition)
+                PermissionDenied, Unauthenticated, FailedPrecondition, Unimplemented)
 }
 
 

@@ -41,13 +41,28 @@ class Oversized:
         self.size = size
 
 
+class Malformed:
+    """A stream message that is not valid protobuf. Under per-message checks
+    (a server with max_request_bytes) it reaches the servicer wrapped so, to be
+    answered alone: the stream's framing is intact, so the stream, and every
+    other request on it, can go on."""
+
+    __slots__ = ("size", "error")
+
+    def __init__(self, size: int, error: errors.InvalidArgument):
+        self.size = size
+        self.error = error
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps domain errors to their gRPC status, anything unexpected to INTERNAL
     (traceback in the log, a generic message to the caller), and records the
     per-RPC metrics. It also parses requests itself, so that a message that is
     not valid protobuf is INVALID_ARGUMENT rather than grpc's UNKNOWN, and a
     unary request over `max_request_bytes` is RESOURCE_EXHAUSTED naming both
-    sizes (stream messages over it arrive wrapped in Oversized)."""
+    sizes (stream messages over it arrive wrapped in Oversized, and with it set
+    unreadable ones in Malformed). A method the servicer leaves unimplemented
+    is UNIMPLEMENTED."""
 
     def __init__(self, service: str, max_request_bytes: int | None = None):
         self._service = service
@@ -84,7 +99,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     async def _messages(self, raw_iterator, parse, method: str):
         async for raw in raw_iterator:
-            message = self._parse(parse, raw, method)
+            try:
+                message = self._parse(parse, raw, method)
+            except errors.InvalidArgument as exc:
+                if self._max_request_bytes is None:
+                    raise
+                yield Malformed(len(raw), exc)
+                continue
             yield Oversized(message, len(raw)) if self._too_large(raw) else message
 
     def _record(self, method: str, code: str, started: float) -> None:
@@ -133,9 +154,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     async def _abort(self, context, exc: Exception, method: str, started: float):
         trailers = ()
         if isinstance(exc, errors.InfermeshError):
-            code, message = status_code(exc), exc.message
+            code, message = status_code(exc), errors.clipped(exc.message)
             if getattr(exc, "retry_after_ms", 0):
                 trailers = ((errors.RETRY_AFTER_METADATA, str(exc.retry_after_ms)),)
+        elif isinstance(exc, NotImplementedError):  # a method of the proto the servicer does not override
+            code, message = grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented by the {self._service}"
         elif isinstance(exc, asyncio.CancelledError):
             self._record(method, "CANCELLED", started)
             raise exc

@@ -27,7 +27,8 @@ async def serve(config: RouterConfig) -> None:
     router = Router(catalog, batcher, cache, bypass, config.default_timeout_s, near, config.breaker_policy(), samples)
     await batcher.start()
     metrics_port = start_metrics_server(config.host, config.metrics_port)
-    server, port, health = await build_server(config, router)
+    draining = asyncio.Event()
+    server, port, health = await build_server(config, router, draining=draining)
 
     async def follow_readiness() -> None:
         announced = False
@@ -48,7 +49,7 @@ async def serve(config: RouterConfig) -> None:
         if cache is not None:
             await cache.close()
 
-    await serving.run_until_signal(server, health, config.drain_grace_s, close)
+    await serving.run_until_signal(server, health, config.drain_grace_s, close, draining)
 
 
 if __name__ == "__main__":

@@ -134,10 +134,11 @@ class Router:
         """The model's signature and the concrete version a request would use."""
         sig = self.catalog.get(model)
         if sig is None:
-            raise errors.NotFound(f"model '{model}' is not served; available models: {self.catalog.names()}")
+            raise errors.NotFound(f"model {errors.shown(model)} is not served; available models: {self.catalog.names()}")
         if version:
             if version not in sig.versions:
-                raise errors.NotFound(f"model '{model}' has no version '{version}'; versions: {list(sig.versions)}")
+                raise errors.NotFound(
+                    f"model '{model}' has no version {errors.shown(version)}; versions: {list(sig.versions)}")
             return sig, version
         return sig, (sig.ready_versions[0] if sig.ready_versions else (sig.versions[0] if sig.versions else ""))
 
@@ -396,13 +397,13 @@ def validate(sig: ModelSignature, request: InferRequest) -> list[TensorData]:
     by_name: dict[str, TensorData] = {}
     for tensor in request.inputs:
         if tensor.name in by_name:
-            raise errors.InvalidArgument(f"input '{tensor.name}' appears twice in the request for model '{model}'")
+            raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} appears twice in the request for model '{model}'")
         by_name[tensor.name] = tensor
     expected = {spec.name for spec in sig.inputs}
     unexpected = sorted(set(by_name) - expected)
     if unexpected:
         raise errors.InvalidArgument(
-            f"unexpected input(s) {unexpected} for model '{model}'; it takes {sorted(expected)}")
+            f"unexpected input(s) {errors.shown_list(unexpected)} for model '{model}'; it takes {sorted(expected)}")
     missing = sorted(expected - set(by_name))
     if missing:
         raise errors.InvalidArgument(f"missing input(s) {missing} for model '{model}'; it takes {sorted(expected)}")
@@ -412,7 +413,7 @@ def validate(sig: ModelSignature, request: InferRequest) -> list[TensorData]:
         tensor = by_name[spec.name]
         where = f"input '{spec.name}' of model '{model}'"
         if tensor.datatype != spec.datatype:
-            raise errors.InvalidArgument(f"{where} has datatype {tensor.datatype!r}; expected {spec.datatype}")
+            raise errors.InvalidArgument(f"{where} has datatype {errors.shown(tensor.datatype)}; expected {spec.datatype}")
         shape = list(tensor.shape)
         if any(d < 0 for d in shape):
             raise errors.InvalidArgument(f"{where} has shape {shape} with a negative dimension")
@@ -443,9 +444,10 @@ def validate(sig: ModelSignature, request: InferRequest) -> list[TensorData]:
     known = {spec.name for spec in sig.outputs}
     unknown = [name for name in request.outputs if name not in known]
     if unknown:
-        raise errors.InvalidArgument(f"requested output(s) {unknown} do not exist in model '{model}'; outputs: {sorted(known)}")
+        raise errors.InvalidArgument(f"requested output(s) {errors.shown_list(unknown)} do not exist in model '{model}'; "
+                                     f"outputs: {sorted(known)}")
     if len(set(request.outputs)) != len(request.outputs):
-        raise errors.InvalidArgument(f"requested outputs {request.outputs} name an output twice")
+        raise errors.InvalidArgument(f"requested outputs {errors.shown_list(request.outputs)} name an output twice")
     return ordered
 
 

@@ -27,18 +27,19 @@ def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], 
         raise errors.InvalidArgument(
             f"raw_input_contents has {len(raw)} entries but the request has {len(request.inputs)} inputs; "
             "give one entry per input, in order")
+    _refuse_unsupported(request)
     inputs = []
     for i, tensor in enumerate(request.inputs):
         has_contents = tensor.HasField("contents") and any(
             len(getattr(tensor.contents, f.name)) for f in tensor.contents.DESCRIPTOR.fields)
         if raw and has_contents:
             raise errors.InvalidArgument(
-                f"input '{tensor.name}' has both contents and raw_input_contents; use one of them")
+                f"input {errors.shown(tensor.name)} has both contents and raw_input_contents; use one of them")
         data = raw[i] if raw else _contents_bytes(tensor)
         inputs.append(TensorData(tensor.name, tensor.datatype, tuple(tensor.shape), data))
     tier_name = metadata.get("x-user-tier", "standard").lower()
     if tier_name not in TIERS:
-        raise errors.InvalidArgument(f"metadata x-user-tier is {tier_name!r}; expected one of {sorted(TIERS)}")
+        raise errors.InvalidArgument(f"metadata x-user-tier is {errors.shown(tier_name)}; expected one of {sorted(TIERS)}")
     tier = TIERS[tier_name]
     # The OIP/Triton request parameters: priority (1 is the highest level, 0 the
     # default) and timeout in microseconds, which may only shorten the deadline.
@@ -66,6 +67,42 @@ def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], 
 
 
 PRIORITY_LEVELS = {1: VIP, 2: STANDARD}
+# Parameters of the protocol (and of Triton's extensions, which tritonclient
+# sends) whose feature this server does not have: a request that asks for one
+# is refused, rather than answered as if it had not asked.
+UNSUPPORTED_TENSOR_PARAMETERS = {
+    "shared_memory_region": "shared-memory tensors are not supported; send the data in the request",
+    "shared_memory_byte_size": "shared-memory tensors are not supported; send the data in the request",
+    "shared_memory_offset": "shared-memory tensors are not supported; send the data in the request",
+}
+UNSUPPORTED_OUTPUT_PARAMETERS = {
+    **UNSUPPORTED_TENSOR_PARAMETERS,
+    "classification": "classification outputs (class_count) are not supported; ask for the raw output",
+}
+SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
+
+
+def _refuse_unsupported(request: pb.ModelInferRequest) -> None:
+    for tensor in request.inputs:
+        for name in tensor.parameters:
+            if name in UNSUPPORTED_TENSOR_PARAMETERS:
+                raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} has parameter '{name}': "
+                                             f"{UNSUPPORTED_TENSOR_PARAMETERS[name]}")
+    for output in request.outputs:
+        for name in output.parameters:
+            if name in UNSUPPORTED_OUTPUT_PARAMETERS:
+                raise errors.InvalidArgument(f"requested output {errors.shown(output.name)} has parameter '{name}': "
+                                             f"{UNSUPPORTED_OUTPUT_PARAMETERS[name]}")
+    for name in SEQUENCE_PARAMETERS:
+        if name in request.parameters and _parameter_set(request.parameters[name]):
+            raise errors.InvalidArgument(f"parameter '{name}' is set: sequence batching (stateful models) is not "
+                                         "supported; send each request on its own")
+
+
+def _parameter_set(parameter) -> bool:
+    """Whether an InferParameter holds anything but its kind's zero value."""
+    kind = parameter.WhichOneof("parameter_choice")
+    return kind is not None and bool(getattr(parameter, kind))
 
 
 def _int_parameter(request: pb.ModelInferRequest, name: str) -> int | None:
@@ -95,19 +132,19 @@ def _contents_bytes(tensor) -> bytes:
     used = [f.name for f in contents.DESCRIPTOR.fields if len(getattr(contents, f.name))]
     if field is None:
         if datatype in NUMPY_DTYPES:
-            raise errors.InvalidArgument(f"input '{tensor.name}' of datatype {datatype} must use raw_input_contents")
-        raise errors.InvalidArgument(f"input '{tensor.name}' has unknown datatype {datatype!r}")
+            raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} of datatype {datatype} must use raw_input_contents")
+        raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} has unknown datatype {errors.shown(datatype)}")
     wrong = [name for name in used if name != field]
     if wrong:
         raise errors.InvalidArgument(
-            f"input '{tensor.name}' of datatype {datatype} carries {wrong[0]}; expected {field}")
+            f"input {errors.shown(tensor.name)} of datatype {datatype} carries {wrong[0]}; expected {field}")
     values = getattr(contents, field)
     if datatype == "BYTES":
         return pack_bytes_elements(list(values))
     try:
         return np.asarray(values, dtype=NUMPY_DTYPES[datatype]).tobytes()
     except (OverflowError, ValueError) as exc:
-        raise errors.InvalidArgument(f"input '{tensor.name}' has a value out of range for {datatype}: {exc}") from None
+        raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} has a value out of range for {datatype}: {exc}") from None
 
 
 def response_to_proto(result: InferResult) -> pb.ModelInferResponse:

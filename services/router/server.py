@@ -1,5 +1,6 @@
 """The router's gRPC face: the Open Inference Protocol, unary and streaming."""
 
+import asyncio
 import logging
 
 from inference import grpc_predict_v2_pb2 as pb
@@ -21,10 +22,12 @@ def _metadata(context) -> dict[str, str]:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, router: Router, max_stream_inflight: int, max_request_bytes: int):
+    def __init__(self, router: Router, max_stream_inflight: int, max_request_bytes: int,
+                 draining: asyncio.Event | None = None):
         self._router = router
         self._max_stream_inflight = max_stream_inflight
         self._max_request_bytes = max_request_bytes
+        self._draining = draining  # set when the router drains: idle streams end then
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -33,7 +36,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self._router.catalog.is_ready())
 
     async def ModelReady(self, request, context):
-        self._router.signature(request.name, request.version)  # NOT_FOUND for unknown names
+        # A model or version this router does not serve is not ready, as Triton
+        # answers: readiness probes written for it expect ready=false, not an error.
         return pb.ModelReadyResponse(ready=self._router.is_model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request, context):
@@ -42,6 +46,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request, context):
         sig, _ = self._router.signature(request.name, request.version)
         return metadata_to_proto(sig)
+
+    async def RepositoryIndex(self, request, context):
+        raise _model_control_elsewhere("RepositoryIndex")
+
+    async def RepositoryModelLoad(self, request, context):
+        raise _model_control_elsewhere("RepositoryModelLoad")
+
+    async def RepositoryModelUnload(self, request, context):
+        raise _model_control_elsewhere("RepositoryModelUnload")
 
     async def ModelInfer(self, request, context):
         infer_request = request_from_proto(request, _metadata(context), context.time_remaining())
@@ -54,6 +67,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         metadata = _metadata(context)
 
         async def answer(request):
+            if isinstance(request, serving.Malformed):
+                raise request.error
             if isinstance(request, serving.Oversized):
                 raise errors.ResourceExhausted(
                     f"request of {request.size} bytes exceeds the limit of {self._max_request_bytes} bytes")
@@ -69,25 +84,44 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         def on_error(request, exc):
             return _stream_error(request, errors.Internal("internal error in the router; see its log"))
 
-        async for response in answer_concurrently(request_iterator, handle, on_error, self._max_stream_inflight):
+        async for response in answer_concurrently(request_iterator, handle, on_error, self._max_stream_inflight,
+                                                  self._draining):
             yield response
 
 
+def _model_control_elsewhere(method: str) -> errors.InfermeshError:
+    return errors.Unimplemented(
+        f"{method} is not served by the router: models are loaded and unloaded on the model servers "
+        "(their GRPCInferenceService, or python -m services.meshctl), and the router follows their catalog")
+
+
 def _stream_error(request, exc: errors.InfermeshError) -> pb.ModelStreamInferResponse:
-    if isinstance(request, serving.Oversized):
-        request = request.message
-    response = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version, id=request.id)
+    """The one answer of a stream request that failed: its error, with the
+    request's model, version and id (none for a message that could not be
+    read), the gRPC status name and a refusal's retry hint as parameters."""
+    if isinstance(request, serving.Malformed):
+        response = pb.ModelInferResponse()
+    else:
+        if isinstance(request, serving.Oversized):
+            request = request.message
+        response = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
+                                         id=request.id)
     response.parameters["grpc_status"].string_param = exc.code_name
-    return pb.ModelStreamInferResponse(error_message=f"{exc.code_name}: {exc.message}", infer_response=response)
+    if getattr(exc, "retry_after_ms", 0):
+        response.parameters[errors.RETRY_AFTER_METADATA.replace("-", "_")].int64_param = exc.retry_after_ms
+    return pb.ModelStreamInferResponse(error_message=errors.clipped(f"{exc.code_name}: {exc.message}"),
+                                       infer_response=response)
 
 
-async def build_server(config: RouterConfig, router: Router, port: int | None = None):
-    """Returns (server, bound_port, health servicer); the server is started."""
+async def build_server(config: RouterConfig, router: Router, port: int | None = None,
+                       draining: asyncio.Event | None = None):
+    """Returns (server, bound_port, health servicer); the server is started.
+    Once `draining` is set, each stream ends as soon as nothing is in flight on it."""
     # The transport takes up to 4x the limit so that on a stream one oversized
     # request fails alone instead of taking the whole stream down with it.
     server = serving.new_server("router", min(4 * config.max_request_bytes, 2**31 - 1), config.max_concurrent_rpcs,
                                 max_request_bytes=config.max_request_bytes)
-    servicer = InferenceServicer(router, config.max_stream_inflight, config.max_request_bytes)
+    servicer = InferenceServicer(router, config.max_stream_inflight, config.max_request_bytes, draining)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
