@@ -219,7 +219,8 @@ async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_
 async def test_under_a_traffic_policy_each_tier_counts_the_slots_its_route_reaches(repo, tmp_path):
     """Two blue replicas, a green one at weight 0 and a VIP pool: standard
     batches get the blue ones' slots, less an ejected one; VIP batches get the
-    VIP pool's alone; a new weight brings green in."""
+    VIP pool's alone; a new weight brings green in and leaves the ejection as
+    it was (as in Istio); a changed outlierDetection starts afresh."""
     policy_file = tmp_path / "traffic.yaml"
     policy_file.write_text((ROOT / "mesh" / "istio" / "model-server-traffic.yaml").read_text())
     policy = traffic.PolicyFiles([policy_file], "model-server")
@@ -242,7 +243,12 @@ async def test_under_a_traffic_policy_each_tier_counts_the_slots_its_route_reach
         assert [blue.record(addresses[0], "UNAVAILABLE", now) for _ in range(3)][-1]  # ejected
         assert replicas.slots("mlp") == (1, 2, 0)
         policy_file.write_text(policy_file.read_text().replace("weight: 100", "weight: 50").replace("weight: 0", "weight: 50"))
-        await replicas.poll_once()  # reloads the policy; its outlier counts start afresh
+        await replicas.poll_once()  # reloads the policy: green comes in, the ejected blue stays out
+        assert replicas._detectors["blue"] is blue and blue.ejected() == [addresses[0]]  # noqa: SLF001
+        assert replicas.slots("mlp") == (2, 2, 0)
+        policy_file.write_text(policy_file.read_text().replace("consecutive5xxErrors: 3", "consecutive5xxErrors: 10"))
+        await replicas.poll_once()  # a new outlierDetection: Envoy's new cluster has no ejections
+        assert replicas._detectors["blue"].ejected() == []  # noqa: SLF001
         assert replicas.slots("mlp") == (3, 2, 0)
     finally:
         await replicas.close()

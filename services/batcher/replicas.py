@@ -106,8 +106,7 @@ class ReplicaSet:
         for listener in self._listeners:
             listener()
         if self._policy is not None:
-            if self._policy.reload():
-                self._detectors = {}  # a new policy starts its outlier counts afresh
+            self._policy.reload()
             self._sync_detectors()
             now = asyncio.get_running_loop().time()
             for subset in (self._policy.rule.subsets if self._policy.rule is not None else {}):
@@ -296,14 +295,22 @@ class ReplicaSet:
         return [r for r in self._replicas if all(r.labels.get(k) == v for k, v in labels.items())]
 
     def _sync_detectors(self) -> None:
+        """One detector per subset, kept across reloads of the policy: a
+        VirtualService edit (meshctl set-weights) leaves ejections, error
+        streaks and ejection multipliers as they were, as it does in Istio,
+        where it reaches Envoy's routes and not its clusters. Only a subset
+        whose outlierDetection changed starts afresh, as Envoy's cluster does
+        when Istio sends it a changed configuration."""
         rule = self._policy.rule
         if rule is None or rule.outlier is None:
             self._detectors = {}
             return
-        for subset in [*rule.subsets, ""]:
+        subsets = [*rule.subsets, ""]
+        self._detectors = {s: d for s, d in self._detectors.items() if s in subsets}
+        for subset in subsets:
             hosts = [r.address for r in self._subset_hosts(subset)]
             detector = self._detectors.get(subset)
-            if detector is None:
+            if detector is None or detector.policy != rule.outlier:
                 self._detectors[subset] = traffic.OutlierDetector(rule.outlier, hosts)
             else:
                 detector.set_hosts(hosts)
