@@ -194,6 +194,47 @@ def test_the_multiplier_decays_while_the_host_stays_in_service():
     assert second_ejection_after(1) == 30.0
 
 
+def test_a_host_comes_back_with_its_error_streaks_at_zero():
+    # Batches in flight when the host was ejected fail afterwards; Envoy forgets
+    # them when it brings the host back, so the next ejection needs a new streak.
+    od = detector(2, max_ejection_percent=50, consecutive_5xx=3, consecutive_gateway=3, base_ejection_s=30.0,
+                  interval_s=5.0, split_local_origin=True, consecutive_local_origin=3)
+    od.check(0.0)
+    for _ in range(3):
+        od.record("h0", "UNAVAILABLE", now=1.0)
+    assert od.ejected() == ["h0"]
+    for _ in range(4):
+        od.record("h0", "UNAVAILABLE", now=1.1)
+        od.record("h0", "UNAVAILABLE", now=1.1, local_origin=True)
+    assert not od.is_ejected("h0", now=35.0)
+    assert not od.record("h0", "UNAVAILABLE", now=35.1)
+    assert not od.record("h0", "UNAVAILABLE", now=35.1, local_origin=True)
+    assert not od.record("h0", "UNAVAILABLE", now=35.2)
+    assert od.record("h0", "UNAVAILABLE", now=35.3)  # three new ones in a row
+
+
+def test_the_multiplier_stops_growing_one_step_past_the_maximum_ejection_time():
+    # Envoy raises it only while base x multiplier < max + base: at most 11 for 30 s and 300 s.
+    od = detector(2, max_ejection_percent=50, consecutive_5xx=3, base_ejection_s=30.0, interval_s=5.0)
+    t = 0.0
+    od.check(t)
+    for _ in range(20):  # a host that fails again the moment it is back
+        for _ in range(3):
+            od.record("h0", "INTERNAL", now=t)
+        while od.is_ejected("h0", now=t):
+            t += 0.5
+        t += 0.1
+    assert od.ejection_s("h0") == 300.0
+    t += 11 * 5.0  # then in service for eleven checks: the multiplier is back to 0
+    od.check(t)
+    for _ in range(3):
+        od.record("h0", "INTERNAL", now=t)
+    assert od.ejected() == ["h0"] and od.ejection_s("h0") == 30.0
+    long = detector(2, max_ejection_percent=50, consecutive_5xx=1, base_ejection_s=600.0)
+    long.record("h0", "INTERNAL", now=0.0)
+    assert long.ejection_s("h0") == 600.0  # a base above 300 s is the maximum itself
+
+
 def test_gateway_errors_have_their_own_streak():
     od = detector(2, max_ejection_percent=50, consecutive_5xx=0, consecutive_gateway=3)
     od.record("h0", "UNAVAILABLE", now=0.0)

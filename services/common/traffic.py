@@ -324,10 +324,15 @@ class OutlierDetector:
       both. Reaching a threshold makes the host an outlier at once.
     - An outlier is ejected only while (ejected + 1) / hosts <= maxEjectionPercent:
       with Istio's default of 10%, a pool of fewer than ten hosts ejects nothing.
-    - Ejection lasts base x multiplier, at most 300 s, where the multiplier is
-      raised by each ejection. Checks run every `interval`: they bring back
-      hosts whose time is up, and lower by one the multiplier of hosts that
-      are in service."""
+    - Ejection lasts base x multiplier, at most 300 s (or base, if longer).
+      Each ejection raises the multiplier while base x multiplier is below
+      that maximum + base, so it stops one step past the maximum (11 for a
+      base of 30 s) and a flapping host does not pile up ejections it must
+      then work off. Checks run every `interval`: they bring back hosts whose
+      time is up, and lower by one the multiplier of hosts that are in service.
+    - A host that comes back starts with every error streak at 0: failures of
+      calls still in flight when it was ejected do not count towards the next
+      ejection."""
 
     def __init__(self, policy: OutlierPolicy, hosts: list[str]):
         self.policy = policy
@@ -386,15 +391,19 @@ class OutlierDetector:
         ejected = sum(1 for s in self._hosts.values() if s.ejected_at is not None)
         if 100.0 * (ejected + 1) / len(self._hosts) > self.policy.max_ejection_percent:
             return False
-        state.ejections += 1
+        base = self.policy.base_ejection_s
+        if state.ejections * base < self._max_ejection_s() + base:
+            state.ejections += 1
         state.ejected_at = now
         return True
+
+    def _max_ejection_s(self) -> float:
+        return max(MAX_EJECTION_TIME_S, self.policy.base_ejection_s)
 
     def ejection_s(self, host: str) -> float:
         """How long the host's current (or next) ejection lasts."""
         state = self._hosts[host]
-        return min(self.policy.base_ejection_s * max(state.ejections, 1), max(MAX_EJECTION_TIME_S,
-                                                                              self.policy.base_ejection_s))
+        return min(self.policy.base_ejection_s * max(state.ejections, 1), self._max_ejection_s())
 
     def check(self, now: float) -> None:
         """The interval timer: runs every check due by `now`."""
@@ -411,6 +420,7 @@ class OutlierDetector:
             if state.ejected_at is not None:
                 if at - state.ejected_at >= self.ejection_s(host):
                     state.ejected_at = None  # back in service; the multiplier stays until it proves healthy
+                    state.consecutive_5xx = state.consecutive_gateway = state.consecutive_local = 0
             elif state.ejections:
                 state.ejections -= 1  # in service at this check: the next ejection is shorter
 
