@@ -80,6 +80,31 @@ def test_a_zero_weight_destination_is_never_picked():
     assert {route.pick(rng).subset for _ in range(2000)} == {"blue"}
 
 
+def test_weight_layouts_istio_accepts():
+    def route(*weights):
+        destinations = [{"destination": {"host": "model-server", "subset": subset}} for subset in ("blue", "green")]
+        for destination, weight in zip(destinations, weights):
+            if weight is not None:
+                destination["weight"] = weight
+        doc = {"kind": "VirtualService", "metadata": {"name": "m"},
+               "spec": {"hosts": ["model-server"], "http": [{"route": destinations[:len(weights)]}]}}
+        return parse_virtual_service(doc, "vs.yaml").routes[0]
+
+    rng = random.Random(5)
+    omitted = route(100, None)  # an omitted weight is 0 when there are several destinations
+    assert [d.weight for d in omitted.destinations] == [100, 0]
+    assert {omitted.pick(rng).subset for _ in range(500)} == {"blue"}
+    for lone in (route(0), route(None), route(30)):  # a lone destination takes everything, whatever its weight
+        assert [(d.subset, d.weight) for d in lone.destinations] == [("blue", 100)]
+        assert lone.pick(rng).subset == "blue"
+    assert [d.weight for d in route(300, 100).destinations] == [300, 100]  # relative, no need to add up to 100
+    for refused in ((0, 0), (None, None), (0, None)):  # Istio: "total destination weight = 0"
+        with pytest.raises(PolicyError, match=r"spec.http\[0\]: the weights of its destinations add up to 0"):
+            route(*refused)
+    with pytest.raises(PolicyError, match="field 'weight' must be an integer >= 0, got -5"):
+        route(-5)
+
+
 def test_retry_on_names_which_grpc_statuses_are_retried():
     retries = vs().route({}).retries
     assert retries.attempts == 2 and retries.per_try_timeout_s == 2.0

@@ -85,7 +85,7 @@ class HeaderMatch:
 class Destination:
     host: str
     subset: str
-    weight: int
+    weight: int  # as in force, relative to the route's others; a lone destination's is 100 whatever the file says
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,16 +194,18 @@ def parse_virtual_service(doc: dict, where: str) -> VirtualService:
                 raise PolicyError(f"{at}.match[{j}]: we apply header matches only; unsupported {sorted(unknown)}")
             blocks.append(tuple(headers))
         destinations = []
-        for j, item in enumerate(_require(http, "route", list, at)):
+        items = _require(http, "route", list, at)
+        for j, item in enumerate(items):
             dest = _require(item, "destination", dict, f"{at}.route[{j}]")
-            weight = item.get("weight", 100 if len(http["route"]) == 1 else None)
+            weight = item.get("weight", 0)  # Istio's default: an omitted weight is 0
             if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
-                raise PolicyError(f"{at}.route[{j}]: field 'weight' must be an integer >= 0 (required when a route "
-                                  f"has several destinations), got {weight!r}")
+                raise PolicyError(f"{at}.route[{j}]: field 'weight' must be an integer >= 0, got {weight!r}")
+            if len(items) == 1:
+                weight = 100  # a lone destination takes all traffic, whatever its weight says
             destinations.append(Destination(_require(dest, "host", str, f"{at}.route[{j}].destination"),
                                             dest.get("subset", ""), weight))
-        if not any(d.weight for d in destinations):
-            raise PolicyError(f"{at}: every destination has weight 0")
+        if not any(d.weight for d in destinations):  # only a route of several can get here, as in Istio
+            raise PolicyError(f"{at}: the weights of its destinations add up to 0 (an omitted weight is 0)")
         routes.append(Route(http.get("name", f"http[{i}]"), tuple(blocks), tuple(destinations),
                             _retries(http.get("retries"), f"{at}.retries"),
                             parse_duration(http["timeout"], f"{at}.timeout") if "timeout" in http else None))
