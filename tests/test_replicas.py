@@ -257,6 +257,70 @@ async def test_under_a_traffic_policy_each_tier_counts_the_slots_its_route_reach
         await manager.close()
 
 
+SUBSET_POLICY = """
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: {name: model-server}
+spec:
+  hosts: [model-server]
+  http:
+  - route:
+    - destination: {host: model-server, subset: blue}
+      weight: 100
+    - destination: {host: model-server, subset: green}
+---
+apiVersion: networking.istio.io/v1
+kind: DestinationRule
+metadata: {name: model-server}
+spec:
+  host: model-server
+  trafficPolicy:
+    outlierDetection: {consecutive5xxErrors: 3, maxEjectionPercent: 50}
+  subsets:
+  - name: blue
+    labels: {version: blue}
+    trafficPolicy:
+      outlierDetection: {consecutive5xxErrors: 1, maxEjectionPercent: 100, minHealthPercent: 50}
+  - name: green
+    labels: {version: green}
+"""
+
+
+async def test_a_subsets_own_outlier_detection_and_its_panic_threshold_apply_to_that_subset_alone(repo, tmp_path):
+    """Blue's own outlierDetection ejects on the first failure and panics below
+    half its replicas healthy, when batches go to every blue replica again;
+    green keeps the rule's. A change to blue's alone starts blue afresh only."""
+    policy_file = tmp_path / "traffic.yaml"
+    policy_file.write_text(SUBSET_POLICY)
+    policy = traffic.PolicyFiles([policy_file], "model-server")
+    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    await manager.start()
+    servers = [await build_server(ModelServerConfig(model_repository=str(repo), labels=labels), manager, port=0)
+               for labels in ("version=blue", "version=blue", "version=green")]
+    addresses = tuple(f"127.0.0.1:{port}" for _, port, _ in servers)
+    replicas = ReplicaSet(addresses, 1, 60.0, 1 << 24, policy)
+    try:
+        await replicas.start()
+        blue, green = replicas._detectors["blue"], replicas._detectors["green"]  # noqa: SLF001
+        assert blue.policy.consecutive_5xx == 1 and green.policy.consecutive_5xx == 3
+        now = asyncio.get_running_loop().time()
+        assert blue.record(addresses[0], "INTERNAL", now)  # one failure is enough in blue
+        assert replicas.slots("mlp")[0] == 1  # half of blue is healthy: not below 50%, no panic
+        assert blue.record(addresses[1], "INTERNAL", now)
+        assert blue.ejected() == sorted(addresses[:2])
+        assert replicas.slots("mlp")[0] == 2  # none healthy: panic, both blue replicas take batches
+        assert (await replicas.execute("mlp", "", mlp_batch(), [], 30.0))[0] == "1"
+        policy_file.write_text(SUBSET_POLICY.replace("consecutive5xxErrors: 1,", "consecutive5xxErrors: 12,"))
+        await replicas.poll_once()
+        assert replicas._detectors["blue"] is not blue and replicas._detectors["green"] is green  # noqa: SLF001
+        assert replicas._detectors["blue"].ejected() == []  # noqa: SLF001
+    finally:
+        await replicas.close()
+        for server, _, _ in servers:
+            await server.stop(0)
+        await manager.close()
+
+
 async def until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.01)

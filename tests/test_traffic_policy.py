@@ -309,6 +309,69 @@ def test_destination_rules_give_subsets_and_outlier_policy():
                                          base_ejection_s=30.0, max_ejection_percent=50.0)
 
 
+def test_a_subsets_own_outlier_detection_replaces_the_rules_as_a_whole():
+    doc = yaml.safe_load(DESTINATION_RULE)
+    doc["spec"]["subsets"][0]["trafficPolicy"] = {"outlierDetection": {"consecutive5xxErrors": 1},
+                                                  "connectionPool": {"tcp": {"maxConnections": 8}}}
+    rule = parse_destination_rule(doc, "dr.yaml")
+    assert rule.outlier_for("blue") == OutlierPolicy(consecutive_5xx=1)  # Istio's defaults, not the rule's 50%
+    assert rule.outlier_for("green") == rule.outlier_for("") == rule.outlier
+    del doc["spec"]["trafficPolicy"]
+    rule = parse_destination_rule(doc, "dr.yaml")
+    assert rule.outlier_for("blue") == OutlierPolicy(consecutive_5xx=1) and rule.outlier_for("green") is None
+
+
+@pytest.mark.parametrize("edit, complaint", [
+    ({"consecutive5xxError": 1}, "unknown field(s) ['consecutive5xxError']; Istio's are"),
+    ({"baseEjectionTme": "5m", "interval": "1s"}, "unknown field(s) ['baseEjectionTme']"),
+    ({"failurePercentageThreshold": 50}, "not supported outside Kubernetes: 'failurePercentageThreshold'"),
+    ({"outlierDetectionHttpErrorCodes": [503]}, "not supported outside Kubernetes: 'outlierDetectionHttpErrorCodes'"),
+    ({"consecutiveErrors": 3}, "'consecutiveErrors' (deprecated by Istio; use consecutive5xxErrors"),
+    ({"minHealthPercent": 101}, "field 'minHealthPercent' must be an integer 0..100, got 101"),
+])
+def test_outlier_detection_fields_are_istios_own_and_applied_or_refused_by_name(edit, complaint):
+    for where in ("top", "subset"):
+        doc = yaml.safe_load(DESTINATION_RULE)
+        if where == "top":
+            doc["spec"]["trafficPolicy"]["outlierDetection"].update(edit)
+            at = "dr.yaml: spec.trafficPolicy.outlierDetection: "
+        else:
+            doc["spec"]["subsets"][1]["trafficPolicy"] = {"outlierDetection": edit}
+            at = "dr.yaml: spec.subsets[1].trafficPolicy.outlierDetection: "
+        with pytest.raises(PolicyError) as raised:
+            parse_destination_rule(doc, "dr.yaml")
+        assert str(raised.value).startswith(at) and complaint in str(raised.value)
+
+
+def test_outlier_detection_per_port_is_refused():
+    doc = yaml.safe_load(DESTINATION_RULE)
+    doc["spec"]["trafficPolicy"]["portLevelSettings"] = [{"port": {"number": 8001},
+                                                           "outlierDetection": {"consecutive5xxErrors": 1}}]
+    with pytest.raises(PolicyError, match=r"portLevelSettings\[0\]: outlierDetection per port is not supported"):
+        parse_destination_rule(doc, "dr.yaml")
+
+
+def test_below_min_health_percent_a_subset_panics_and_calls_go_to_every_host():
+    hosts = ["h0", "h1", "h2", "h3"]
+
+    def after_ejecting(count: int, min_health_percent: float) -> list[str]:
+        od = detector(4, max_ejection_percent=100, consecutive_5xx=1, min_health_percent=min_health_percent)
+        for host in hosts[:count]:
+            od.record(host, "INTERNAL", now=0.0)
+        assert len(od.ejected()) == count
+        return od.routable(hosts, now=0.0)
+
+    assert after_ejecting(2, 50) == ["h2", "h3"]  # 50% healthy is not below 50%
+    assert after_ejecting(3, 50) == hosts  # 25%: panic, every host, ejected or not
+    assert after_ejecting(4, 0) == []  # Istio's default 0 never panics: no healthy upstream
+    # Envoy counts a subset as fully available from 100 / 1.4 = 71.4% healthy on: no panic there.
+    assert after_ejecting(1, 80) == ["h1", "h2", "h3"]
+    assert after_ejecting(2, 80) == hosts
+    text = DESTINATION_RULE.replace("maxEjectionPercent: 50", "maxEjectionPercent: 50, minHealthPercent: 30")
+    rule = parse_destination_rule(yaml.safe_load(text), "dr.yaml")
+    assert rule.outlier.min_health_percent == 30.0
+
+
 @pytest.mark.parametrize("edit, complaint", [
     (("weight: 25", "weight: -1"), "field 'weight' must be an integer >= 0"),
     (("gateway-error", "gateway-errors"), "unknown condition(s) ['gateway-errors']"),

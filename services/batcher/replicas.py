@@ -204,10 +204,7 @@ class ReplicaSet:
         for destination in route.destinations:
             if destination.weight == 0:
                 continue
-            detector = self._detectors.get(destination.subset)
-            reachable += [r for r in self._subset_hosts(destination.subset)
-                          if r in serving and r not in reachable
-                          and not (detector is not None and detector.is_ejected(r.address, now))]
+            reachable += [r for r in self._in_service(destination.subset, now) if r in serving and r not in reachable]
         return reachable
 
     def on_change(self, listener: Callable[[], None]) -> None:
@@ -294,6 +291,16 @@ class ReplicaSet:
         labels = rule.subsets.get(subset, {}) if rule is not None else {}
         return [r for r in self._replicas if all(r.labels.get(k) == v for k, v in labels.items())]
 
+    def _in_service(self, subset: str, now: float) -> list[Replica]:
+        """The subset's ready replicas that its outlier detection lets a batch
+        reach: those not ejected, or all of them in Envoy's panic mode."""
+        hosts = [r for r in self._subset_hosts(subset) if r.ready]
+        detector = self._detectors.get(subset)
+        if detector is None:
+            return hosts
+        routable = set(detector.routable([r.address for r in hosts], now))
+        return [r for r in hosts if r.address in routable]
+
     def _sync_detectors(self) -> None:
         """One detector per subset, kept across reloads of the policy: a
         VirtualService edit (meshctl set-weights) leaves ejections, error
@@ -302,16 +309,14 @@ class ReplicaSet:
         whose outlierDetection changed starts afresh, as Envoy's cluster does
         when Istio sends it a changed configuration."""
         rule = self._policy.rule
-        if rule is None or rule.outlier is None:
-            self._detectors = {}
-            return
-        subsets = [*rule.subsets, ""]
-        self._detectors = {s: d for s, d in self._detectors.items() if s in subsets}
-        for subset in subsets:
+        policies = {} if rule is None else {s: rule.outlier_for(s) for s in [*rule.subsets, ""]}
+        policies = {subset: policy for subset, policy in policies.items() if policy is not None}
+        self._detectors = {s: d for s, d in self._detectors.items() if s in policies}
+        for subset, policy in policies.items():
             hosts = [r.address for r in self._subset_hosts(subset)]
             detector = self._detectors.get(subset)
-            if detector is None or detector.policy != rule.outlier:
-                self._detectors[subset] = traffic.OutlierDetector(rule.outlier, hosts)
+            if detector is None or detector.policy != policy:
+                self._detectors[subset] = traffic.OutlierDetector(policy, hosts)
             else:
                 detector.set_hosts(hosts)
 
@@ -331,7 +336,7 @@ class ReplicaSet:
         if route.timeout_s is not None:  # the route's timeout bounds the call and all its retries
             deadline = min(deadline, loop.time() + route.timeout_s)
         for attempt in range(route.retries.attempts + 1):
-            roomy = await self._hosts_with_room(route, destination, detector, model, version, priority, deadline)
+            roomy = await self._hosts_with_room(route, destination, model, version, priority, deadline)
             fresh = [r for r in roomy if r.address not in tried] or roomy  # Envoy's previous_hosts
             replica = min(fresh, key=lambda r: r.inflight)
             tried.add(replica.address)
@@ -366,17 +371,15 @@ class ReplicaSet:
             return response.version, tensors_from_proto(response.outputs)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _hosts_with_room(self, route, destination, detector, model: str, version: str, priority: int,
+    async def _hosts_with_room(self, route, destination, model: str, version: str, priority: int,
                                deadline: float) -> list[Replica]:
-        """The healthy hosts of the destination's subset that serve the version
-        and have room for the batch (see the class), waiting for room if need
-        be: the batcher's slots are counted over every subset the route
-        reaches, and the weighted pick chose one of them."""
+        """The hosts of the destination's subset in service (_in_service) that
+        serve the version and have room for the batch (see the class), waiting
+        for room if need be: the batcher's slots are counted over every subset
+        the route reaches, and the weighted pick chose one of them."""
         loop = asyncio.get_running_loop()
         while True:
-            hosts = [r for r in self._subset_hosts(destination.subset)
-                     if not (detector is not None and detector.is_ejected(r.address, loop.time()))]
-            candidates = _candidates(hosts, model, version)
+            candidates = _candidates(self._in_service(destination.subset, loop.time()), model, version)
             if not candidates:  # Envoy's "no healthy upstream": a 503 in the subset's figures too
                 metrics.UPSTREAM.labels(destination.subset, "UNAVAILABLE").inc()
                 raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset "

@@ -6,7 +6,9 @@ From a VirtualService: HTTP routes in order, first match wins (header exact /
 prefix / regex); a route's destinations picked by weight, weights relative,
 one pick per call; retries (attempts, perTryTimeout, retryOn) with Envoy's
 fully jittered exponential backoff. From a DestinationRule: subsets by label
-and Envoy's outlier detection.
+and Envoy's outlier detection with its panic threshold, per subset (a subset's
+own outlierDetection replacing the rule's); fields of it that are not applied
+here are refused by name.
 
 How gRPC statuses count for outlier detection (Envoy maps them to HTTP):
 UNKNOWN, INTERNAL, DATA_LOSS -> 500, UNIMPLEMENTED -> 501, UNAVAILABLE -> 503,
@@ -42,6 +44,7 @@ HTTP_RETRY_ON = {"5xx", "gateway-error", "reset", "reset-before-request", "conne
                  "retriable-4xx", "retriable-status-codes", "retriable-headers", "envoy-ratelimited",
                  "http3-post-connect-failure"}
 MAX_EJECTION_TIME_S = 300.0  # Envoy's max_ejection_time default
+OVERPROVISIONING_PERCENT = 140  # Envoy's default overprovisioning factor, which Istio leaves as it is
 BACKOFF_BASE_S = 0.025  # Envoy's default retry back-off base interval; the cap is 10x
 
 
@@ -256,6 +259,21 @@ class OutlierPolicy:
     # their own counter instead of as 503/504 from the host.
     split_local_origin: bool = False
     consecutive_local_origin: int = 5
+    # Envoy's panic threshold: below this share of healthy hosts, calls go to
+    # every host, ejected or not. Istio's default 0 never panics.
+    min_health_percent: float = 0.0
+
+
+# Istio's OutlierDetection fields the batcher does not apply: refused, so a
+# file never means one thing in the cluster and another here.
+UNSUPPORTED_OUTLIER_FIELDS = {
+    "consecutiveErrors": "deprecated by Istio; use consecutive5xxErrors or consecutiveGatewayErrors",
+    "failurePercentageThreshold": "failure-percentage ejection is not implemented outside Kubernetes",
+    "outlierDetectionHttpErrorCodes": "only Envoy's 5xx and gateway-error classes of gRPC statuses are implemented",
+}
+OUTLIER_FIELDS = ("consecutive5xxErrors", "consecutiveGatewayErrors", "splitExternalLocalOriginErrors",
+                  "consecutiveLocalOriginFailures", "interval", "baseEjectionTime", "maxEjectionPercent",
+                  "minHealthPercent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,48 +281,82 @@ class DestinationRule:
     name: str
     host: str
     subsets: dict[str, dict[str, str]]  # subset name -> labels
-    outlier: OutlierPolicy | None
+    outlier: OutlierPolicy | None  # the rule's own, for the host and every subset without one of its own
+    subset_outliers: dict[str, OutlierPolicy] = dataclasses.field(default_factory=dict)
 
     def subset_of(self, labels: dict[str, str]) -> list[str]:
         """The subsets whose labels all appear in `labels`."""
         return [name for name, want in self.subsets.items() if all(labels.get(k) == v for k, v in want.items())]
 
+    def outlier_for(self, subset: str) -> OutlierPolicy | None:
+        """A subset's trafficPolicy.outlierDetection replaces the rule's as a
+        whole (Istio merges a subset's policy field by field of trafficPolicy,
+        not within outlierDetection); "" is the host without a subset."""
+        return self.subset_outliers.get(subset, self.outlier)
+
 
 def parse_destination_rule(doc: dict, where: str) -> DestinationRule:
     name, spec = _resource(doc, "DestinationRule", where)
-    subsets = {}
+    subsets, subset_outliers = {}, {}
     for i, subset in enumerate(_sequence(spec.get("subsets", []) or [], f"{where}: spec.subsets")):
-        subsets[_require(subset, "name", str, f"{where}: spec.subsets[{i}]")] = {
-            str(k): str(v) for k, v in _require(subset, "labels", dict, f"{where}: spec.subsets[{i}]").items()}
-    outlier = None
-    detection = _mapping(spec.get("trafficPolicy") or {}, f"{where}: spec.trafficPolicy").get("outlierDetection")
-    if detection is not None:
-        at = f"{where}: spec.trafficPolicy.outlierDetection"
-        _mapping(detection, at)
-        percent = detection.get("maxEjectionPercent", 10)
-        if not isinstance(percent, (int, float)) or not 0 <= percent <= 100:
-            raise PolicyError(f"{at}: field 'maxEjectionPercent' must be 0..100, got {percent!r}")
-        counts = {}
-        for key in ("consecutive5xxErrors", "consecutiveGatewayErrors"):
-            value = detection.get(key, 5 if key == "consecutive5xxErrors" else 0)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise PolicyError(f"{at}: field '{key}' must be an integer >= 0, got {value!r}")
-            counts[key] = value
-        split = detection.get("splitExternalLocalOriginErrors", False)
-        local = detection.get("consecutiveLocalOriginFailures", 5)
-        if not isinstance(split, bool):
-            raise PolicyError(f"{at}: field 'splitExternalLocalOriginErrors' must be true or false, got {split!r}")
-        if not isinstance(local, int) or isinstance(local, bool) or local < 0:
-            raise PolicyError(f"{at}: field 'consecutiveLocalOriginFailures' must be an integer >= 0, got {local!r}")
-        if "consecutiveLocalOriginFailures" in detection and local and not split:
-            raise PolicyError(f"{at}: 'consecutiveLocalOriginFailures' needs 'splitExternalLocalOriginErrors: true' "
-                              "(Istio refuses it otherwise)")
-        outlier = OutlierPolicy(
-            consecutive_5xx=counts["consecutive5xxErrors"], consecutive_gateway=counts["consecutiveGatewayErrors"],
-            interval_s=parse_duration(detection.get("interval", "10s"), f"{at}.interval"),
-            base_ejection_s=parse_duration(detection.get("baseEjectionTime", "30s"), f"{at}.baseEjectionTime"),
-            max_ejection_percent=float(percent), split_local_origin=split, consecutive_local_origin=local)
-    return DestinationRule(name, _require(spec, "host", str, f"{where}: spec"), subsets, outlier)
+        at = f"{where}: spec.subsets[{i}]"
+        subset_name = _require(subset, "name", str, at)
+        subsets[subset_name] = {str(k): str(v) for k, v in _require(subset, "labels", dict, at).items()}
+        outlier = _traffic_policy_outlier(subset.get("trafficPolicy"), f"{at}.trafficPolicy")
+        if outlier is not None:
+            subset_outliers[subset_name] = outlier
+    outlier = _traffic_policy_outlier(spec.get("trafficPolicy"), f"{where}: spec.trafficPolicy")
+    return DestinationRule(name, _require(spec, "host", str, f"{where}: spec"), subsets, outlier, subset_outliers)
+
+
+def _traffic_policy_outlier(policy, at: str) -> OutlierPolicy | None:
+    """A trafficPolicy's outlierDetection; its other fields (connection pool,
+    load balancer, TLS) are Envoy's business only."""
+    policy = _mapping(policy or {}, at)
+    for i, port in enumerate(_sequence(policy.get("portLevelSettings", []) or [], f"{at}.portLevelSettings")):
+        if "outlierDetection" in _mapping(port, f"{at}.portLevelSettings[{i}]"):
+            raise PolicyError(f"{at}.portLevelSettings[{i}]: outlierDetection per port is not supported outside "
+                              "Kubernetes; set it in trafficPolicy.outlierDetection")
+    detection = policy.get("outlierDetection")
+    return None if detection is None else _outlier(detection, f"{at}.outlierDetection")
+
+
+def _outlier(detection, at: str) -> OutlierPolicy:
+    _mapping(detection, at)
+    unsupported = sorted(set(detection) & set(UNSUPPORTED_OUTLIER_FIELDS))
+    if unsupported:
+        raise PolicyError(f"{at}: not supported outside Kubernetes: "
+                          + "; ".join(f"'{key}' ({UNSUPPORTED_OUTLIER_FIELDS[key]})" for key in unsupported))
+    unknown = sorted(set(detection) - set(OUTLIER_FIELDS))
+    if unknown:
+        raise PolicyError(f"{at}: unknown field(s) {unknown}; Istio's are {sorted(OUTLIER_FIELDS)}")
+    percents = {}
+    for key, default in (("maxEjectionPercent", 10), ("minHealthPercent", 0)):
+        value = detection.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 100:
+            raise PolicyError(f"{at}: field '{key}' must be an integer 0..100, got {value!r}")
+        percents[key] = float(value)
+    counts = {}
+    for key in ("consecutive5xxErrors", "consecutiveGatewayErrors"):
+        value = detection.get(key, 5 if key == "consecutive5xxErrors" else 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise PolicyError(f"{at}: field '{key}' must be an integer >= 0, got {value!r}")
+        counts[key] = value
+    split = detection.get("splitExternalLocalOriginErrors", False)
+    local = detection.get("consecutiveLocalOriginFailures", 5)
+    if not isinstance(split, bool):
+        raise PolicyError(f"{at}: field 'splitExternalLocalOriginErrors' must be true or false, got {split!r}")
+    if not isinstance(local, int) or isinstance(local, bool) or local < 0:
+        raise PolicyError(f"{at}: field 'consecutiveLocalOriginFailures' must be an integer >= 0, got {local!r}")
+    if "consecutiveLocalOriginFailures" in detection and local and not split:
+        raise PolicyError(f"{at}: 'consecutiveLocalOriginFailures' needs 'splitExternalLocalOriginErrors: true' "
+                          "(Istio refuses it otherwise)")
+    return OutlierPolicy(
+        consecutive_5xx=counts["consecutive5xxErrors"], consecutive_gateway=counts["consecutiveGatewayErrors"],
+        interval_s=parse_duration(detection.get("interval", "10s"), f"{at}.interval"),
+        base_ejection_s=parse_duration(detection.get("baseEjectionTime", "30s"), f"{at}.baseEjectionTime"),
+        max_ejection_percent=percents["maxEjectionPercent"], split_local_origin=split,
+        consecutive_local_origin=local, min_health_percent=percents["minHealthPercent"])
 
 
 # ---------------------------------------------------------------- outlier detection
@@ -350,6 +402,21 @@ class OutlierDetector:
             self.check(now)
         state = self._hosts.get(host)
         return state is not None and state.ejected_at is not None
+
+    def routable(self, hosts: list[str], now: float) -> list[str]:
+        """Of `hosts` (the subset's hosts in service discovery: the ready
+        ones), those a call may go to: the ones not ejected, unless the subset
+        is in Envoy's panic mode, when it is all of them. Envoy panics when
+        the healthy share is below minHealthPercent and the subset's
+        availability (that share x Envoy's overprovisioning factor of 1.4,
+        capped at 100%) is below 100%."""
+        self.check(now)
+        healthy = [h for h in hosts if not self.is_ejected(h)]
+        if not hosts or len(healthy) == len(hosts):
+            return healthy
+        availability = min(100, OVERPROVISIONING_PERCENT * len(healthy) // len(hosts))
+        panic = availability < 100 and 100.0 * len(healthy) / len(hosts) < self.policy.min_health_percent
+        return list(hosts) if panic else healthy
 
     def ejected(self) -> list[str]:
         return sorted(h for h, s in self._hosts.items() if s.ejected_at is not None)
