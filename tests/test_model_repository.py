@@ -289,6 +289,36 @@ async def test_a_version_replaced_in_place_gets_a_new_revision(repo):
         assert (await ms.execute())[0] == "1"
 
 
+async def test_a_reload_that_changes_the_answers_changes_the_revision_and_one_that_does_not_keeps_it(
+        tmp_path, model_repository):
+    """The router keys its cache by the revision: a config-only reload that
+    changes what a version computes (the tokenizer's max_length) must change it,
+    or callers get answers cached under the old config; one that changes only how
+    it runs (instances) must not, or the cache empties for nothing."""
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "minilm-lite", repo / "minilm-lite")
+    preprocess = json.loads((repo / "minilm-lite" / "config.json").read_text())["preprocess"]
+    long_text = np.array([b"The parcel was due on Monday and never arrived. " * 8], dtype=object)
+
+    async with model_server(repo) as ms:
+        async def revision_and_answer() -> tuple[str, np.ndarray]:
+            listed = await ms.models.ListModels(model_server_pb2.ListModelsRequest())
+            request = model_server_pb2.ExecuteRequest(model="minilm-lite",
+                                                      inputs=tensors_to_proto([from_numpy("TEXT", long_text, "BYTES")]))
+            response = await ms.models.Execute(request, timeout=30)
+            return dict(listed.models[0].revisions)["1"], to_numpy(tensors_from_proto(response.outputs)[0])
+
+        revision, answer = await revision_and_answer()
+        await ms.load("minilm-lite", config={"instances": {"count": 2}})
+        assert ms.manager.instances("minilm-lite")[0] == 2  # reloaded ...
+        same_revision, same = await revision_and_answer()
+        assert same_revision == revision and np.allclose(same, answer, atol=1e-6)  # ... same answers, same key
+        await ms.load("minilm-lite", config={"preprocess": {**preprocess, "max_length": 16}})
+        truncated_revision, truncated = await revision_and_answer()
+        assert not np.allclose(truncated, answer, atol=1e-3)  # the reload changed the answer ...
+        assert truncated_revision not in ("", revision)  # ... so the cache key changes with it
+
+
 async def test_unknown_models_and_parameters_are_refused(repo):
     async with model_server(repo) as ms:
         with pytest.raises(grpc.aio.AioRpcError) as raised:

@@ -1,10 +1,12 @@
 """A hot swap through the whole mesh: callers keep sending through the router
 while the model server loads a new version; no request fails, and traffic
-moves to the new version and stays there."""
+moves to the new version and stays there; a reload that changes only the
+config is not answered from the cache of the old one."""
 
 import asyncio
 import json
 import shutil
+import time
 
 import grpc
 import numpy as np
@@ -14,7 +16,7 @@ from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.launcher.mesh import Mesh
 from tests.conftest import MODELS
-from tests.oip import output_array, tensor_request
+from tests.oip import output_array, tensor_request, text_request
 from tests.test_model_repository import ROWS, _add_version, _config, _mlp_outputs, _write_golden
 
 
@@ -66,3 +68,39 @@ async def test_a_swap_under_load_through_the_mesh_fails_no_request(tmp_path, mod
     # router's and batcher's catalogs still say.
     assert set(after) == {"2"} and len(after) > 50
     shutil.rmtree(repo)
+
+
+def test_a_config_only_reload_that_changes_the_answers_is_not_answered_from_the_cache(tmp_path, model_repository):
+    """A reload with the same files but a different tokenizer max_length computes
+    other embeddings: the router must stop answering the ones it cached before."""
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "minilm-lite", repo / "minilm-lite")
+    preprocess = json.loads((repo / "minilm-lite" / "config.json").read_text())["preprocess"]
+    # Its second half is about something else: cut at 16 tokens, the embedding changes.
+    text = "The parcel was due on Monday and never arrived. " + "Quarks are bound by gluons. " * 8
+
+    def ask(stub, bypass: bool = False) -> np.ndarray:
+        request = text_request([text], model="minilm-lite")
+        if bypass:
+            request.parameters["cache_bypass"].bool_param = True
+        return output_array(stub.ModelInfer(request, timeout=30), "EMBEDDING")[0]
+
+    with Mesh(models=repo, log_dir=tmp_path / "logs", l2_path=tmp_path / "l2",
+              batcher_args=("--replica-poll-s", "0.2"),
+              router_args=("--catalog-poll-s", "0.2", "--near-cache-ttl-s", "0", "--cache-min-hit-rate", "0")) as mesh:
+        with grpc.insecure_channel(mesh.router) as router, \
+                grpc.insecure_channel(mesh.processes["model_server"].info["grpc"]) as model_server:
+            stub = pb_grpc.GRPCInferenceServiceStub(router)
+            before = ask(stub)
+            assert np.array_equal(ask(stub), before)
+            override = json.dumps({"preprocess": {**preprocess, "max_length": 16}})
+            pb_grpc.GRPCInferenceServiceStub(model_server).RepositoryModelLoad(pb.RepositoryModelLoadRequest(
+                model_name="minilm-lite", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}),
+                timeout=60)
+            fresh = ask(stub, bypass=True)
+            assert not np.allclose(fresh, before, atol=1e-3)
+            deadline = time.monotonic() + 10  # the router's and the batcher's catalogs poll every 0.2 s
+            while not np.allclose(served := ask(stub), fresh, atol=1e-5) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert np.allclose(served, fresh, atol=1e-5), "the router still answers from the cache of the old config"
+        assert not mesh.dead()

@@ -17,6 +17,7 @@ import hashlib
 import heapq
 import io
 import itertools
+import json
 import logging
 import os
 import pathlib
@@ -567,7 +568,7 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
             executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ort-{config.name}-{version}")
             instances.append(Instance(session, executor, device_id, frozenset(i.name for i in session.get_inputs())))
         loaded = LoadedVersion(config, version, instances, tokenizer, fingerprint, 0,
-                               _revision(model_file, folder / config.preprocess.tokenizer_file
+                               _revision(config, model_file, folder / config.preprocess.tokenizer_file
                                          if config.preprocess is not None else None))
         _check_signature(loaded, model_file)
         for instance in instances:
@@ -596,11 +597,22 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
     return loaded
 
 
-def _revision(*files: pathlib.Path | None) -> str:
-    """A hash of what decides the outputs (the graph or the shard manifest, which
-    lists every shard's sha256, and the tokenizer): the same on every replica
-    holding the same files, wherever and whenever they were copied."""
+def _revision(config: ModelConfig, *files: pathlib.Path | None) -> str:
+    """A hash of what decides the outputs: the graph (or the shard manifest, which
+    lists every shard's sha256), the tokenizer, and the config fields that change
+    what they compute (the signature, the tokenizer's settings, which graph
+    output answers for which output). The same on every replica holding the
+    same files and config, wherever and whenever they were copied. The router
+    keys its cache by it, so a reload that changes only such a field (a
+    max_length, a graph output) must change it too. Instances, execution
+    settings and the version policy are left out: they change how and where a
+    batch runs, not its answer (beyond rounding, which the golden probe bounds)."""
     digest = hashlib.blake2b(digest_size=12)
+    deciding = {"inputs": [dataclasses.astuple(s) for s in config.inputs],
+                "outputs": [dataclasses.astuple(s) for s in config.outputs],
+                "preprocess": None if config.preprocess is None else dataclasses.astuple(config.preprocess),
+                "graph_outputs": config.graph_outputs}
+    digest.update(json.dumps(deciding, sort_keys=True).encode() + b"\0")
     for file in files:
         if file is not None:
             with open(file, "rb") as f:
