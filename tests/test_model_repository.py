@@ -30,7 +30,7 @@ from services.model_server.core import ControlMode, ModelManager
 from services.model_server.repository import LEND_RESERVED_AFTER_S, ConfigError, load_config
 from services.model_server.server import Readiness, build_server
 
-from tests.conftest import MODELS
+from tests.conftest import MODELS, settle
 
 ROWS = np.random.default_rng(7).standard_normal((4, 64), dtype=np.float32)
 
@@ -484,17 +484,40 @@ async def test_tritonclient_drives_the_repository_rpcs(repo):
     assert seen["ready_after_unload"] is False
 
 
-async def test_a_model_that_failed_to_load_can_be_unloaded_to_clear_readiness(repo):
-    async with model_server(repo) as ms:
-        broken = repo / "broken"
-        broken.mkdir()
-        _config(broken, name="broken", max_batch_size=0)
+@pytest.mark.parametrize("damage", ["corrupt-file", "bad-config"])
+@pytest.mark.parametrize("startup", [("*",), ("mlp",)], ids=["failed-at-startup-too", "by-request-only"])
+async def test_a_failed_load_of_a_model_that_never_served_leaves_the_server_ready(repo, damage, startup):
+    """Strict readiness counts loaded models: one that failed to load serves nobody
+    and keeps nobody waiting, and ServerReady and grpc.health('') agree throughout."""
+    serving = health_pb2.HealthCheckResponse.SERVING
+
+    async def server_ready() -> bool:
+        ready = (await ms.oip.ServerReady(oip.ServerReadyRequest())).ready
+        await settle()  # health follows readiness from a task
+        assert (await ms.health_of("") == serving) == ready, "ServerReady and grpc.health('') disagree"
+        return ready
+
+    broken = repo / "broken"
+    broken.mkdir()
+    _config(broken, name="broken", max_batch_size=0 if damage == "bad-config" else 8)
+    (broken / "1").mkdir()
+    (broken / "1" / "model.onnx").write_bytes(b"not an onnx file")
+    shutil.copy(repo / "mlp" / "golden.json", broken / "golden.json")
+    async with model_server(repo, startup_models=startup) as ms:
+        assert await server_ready() and await ms.ready()
         with pytest.raises(grpc.aio.AioRpcError):
             await ms.load(model="broken")
-        assert not (await ms.oip.ServerReady(oip.ServerReadyRequest())).ready  # strict: it should be serving
-        await ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="broken"))
-        assert (await ms.oip.ServerReady(oip.ServerReadyRequest())).ready
-        assert (await ms.execute())[0] == "1"
+        assert await server_ready() and not await ms.ready("broken")
+        assert any(e[0] == "broken" and e[2] == "UNAVAILABLE" and e[3] for e in await ms.index())  # the reason stays
+        with pytest.raises(grpc.aio.AioRpcError) as raised:  # nothing to unload
+            await ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="broken"))
+        assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+        # A model that served, was unloaded and then fails to load again is not loaded either.
+        await ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="mlp"))
+        _config(repo / "mlp", max_batch_size=0)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await ms.load()
+        assert await server_ready()
 
 
 async def test_a_batch_that_would_wait_past_its_deadline_is_refused_before_it(repo, monkeypatch):

@@ -57,7 +57,6 @@ class Model:
     standby: dict[str, tuple[LoadedVersion, float]] = dataclasses.field(default_factory=dict)  # until
     drifted: dict[str, str] = dataclasses.field(default_factory=dict)  # version -> why it is not ready
     last_error: str = ""
-    wanted: bool = False  # loaded on purpose and not unloaded since: it should be ready
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
     def ready_versions(self) -> list[str]:
@@ -155,7 +154,6 @@ class ModelManager:
             raise errors.NotFound(f"model repository {self._repository} has no model folder '{name}'")
         model = self._models.setdefault(name, Model(name))
         async with model.lock:
-            model.wanted = True
             loop = asyncio.get_running_loop()
             try:
                 config, golden = await loop.run_in_executor(None, self._read_config, folder, overrides)
@@ -250,12 +248,12 @@ class ModelManager:
     async def unload(self, name: str) -> None:
         """Takes the model out of service at once; batches already running finish, then it is freed."""
         model = self._models.get(name)
-        if model is None or not (model.serving or model.standby or model.wanted):
+        if model is None or not (model.serving or model.standby):
             raise errors.NotFound(f"model '{name}' is not loaded")
-        async with model.lock:  # (a model whose load failed is only marked as no longer wanted)
+        async with model.lock:
             leaving = list(model.loaded().values())
             model.serving, model.standby, model.drifted = {}, {}, {}
-            model.last_error, model.wanted = "unloaded", False
+            model.last_error = "unloaded"
             for loaded in leaving:
                 self._retire(loaded)
             self._publish(model)
@@ -366,7 +364,7 @@ class ModelManager:
             try:
                 if name not in names:
                     model = self._models.get(name)
-                    if model is not None and (model.serving or model.standby or model.wanted):
+                    if model is not None and (model.serving or model.standby):
                         await self.unload(name)
                 else:
                     await self.load(name)
@@ -412,8 +410,10 @@ class ModelManager:
         return version in model.ready_versions() if version else bool(model.ready_versions())
 
     def all_ready(self) -> bool:
-        """Triton's strict readiness: every model that should serve has a ready version."""
-        return all(model.ready_versions() for model in self._models.values() if model.wanted)
+        """Triton's strict readiness: every loaded model has a ready version. A model
+        whose load failed is loaded only if it served before (and still does), so a
+        model that never served makes nobody wait for it."""
+        return all(model.ready_versions() for model in self._models.values() if model.serving)
 
     def index(self, ready_only: bool = False) -> list[IndexEntry]:
         entries = []
