@@ -150,6 +150,14 @@ def _loads(outcome: str) -> float:
     ({"instances": {"lend_reserved_after_s": "10s"}}, "field 'lend_reserved_after_s' must be int or float, got '10s'"),
     ({"instances": {"lend_reserved_after_s": True}}, "field 'lend_reserved_after_s' must be int or float, got True"),
     ({"golden_probe": {"file": "golden.json", "max_abs": True}}, "field 'max_abs' must be int or float, got True"),
+    # Numbers too large for what reads them: named, never an OverflowError or a TypeError from ORT.
+    ({"instances": {"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": 10**400}},
+     "field 'lend_reserved_after_s' is an integer of 1329 bits, too large"),
+    ({"golden_probe": {"file": "golden.json", "max_abs": 10**400}}, "field 'max_abs' is an integer of 1329 bits"),
+    ({"execution": {"intra_op_threads": 2**40}},
+     "intra_op_threads must be 0..1024 and inter_op_threads 1..1024, got 1099511627776 and 1"),
+    ({"preprocess": {"kind": "text_tokenizer", "tokenizer_file": "tokenizer.json", "max_length": 2**70}},
+     "field 'max_length' must be 2..1048576, got 1180591620717411303424"),
     ({"execution": {"providers": ["tpu"]}}, "field 'providers' is ['tpu']"),
     ({"tp_degree": 0}, "field 'tp_degree' must be >= 1, got 0"),
     ({"warmup": {"batch_sizes": [512]}}, "field 'batch_sizes' is [512]"),
@@ -245,6 +253,7 @@ async def test_a_version_that_fails_verification_never_gets_traffic(repo):
     ("bad-override", grpc.StatusCode.INVALID_ARGUMENT, "parameter 'config' is not valid JSON"),
     ("no-version", grpc.StatusCode.INVALID_ARGUMENT, "selects none of the version folders"),
     ("bad-golden", grpc.StatusCode.INVALID_ARGUMENT, "golden.json: inputs[0]: the model has no input named 'X'"),
+    ("huge-golden", grpc.StatusCode.INVALID_ARGUMENT, "golden.json: inputs[0]: field 'data' does not hold [4, 64] FP32"),
 ])
 async def test_a_failed_load_is_reported_and_the_old_version_keeps_serving(repo, damage, code, complaint):
     async with model_server(repo) as ms:
@@ -263,6 +272,10 @@ async def test_a_failed_load_is_reported_and_the_old_version_keeps_serving(repo,
             golden = json.loads((model_dir / "golden.json").read_text())
             golden["inputs"][0]["name"] = "X"
             (model_dir / "golden.json").write_text(json.dumps(golden))
+        elif damage == "huge-golden":
+            golden = json.loads((model_dir / "golden.json").read_text())
+            golden["inputs"][0]["data"][0] = 10**400
+            (model_dir / "golden.json").write_text(json.dumps(golden))
         try:
             if damage == "bad-override":
                 await ms.oip.RepositoryModelLoad(oip.RepositoryModelLoadRequest(
@@ -274,6 +287,96 @@ async def test_a_failed_load_is_reported_and_the_old_version_keeps_serving(repo,
             assert exc.code() == code, exc.details()
             assert complaint in exc.details()
         assert (await ms.execute())[0] == "1" and await ms.ready()
+
+
+def _shard_set(folder: pathlib.Path) -> dict:
+    """A two-shard manifest of the right form over small files (not graphs: a
+    damaged manifest must be refused before any session is made)."""
+    import hashlib
+
+    shards = []
+    for index in range(2):
+        files = []
+        for segment in ("embed", "pool")[: 2 - index]:
+            name = f"shard{index}/{segment}.onnx"
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(name.encode())
+            files.append({"segment": segment, "file": name, "bytes": len(name),
+                          "sha256": hashlib.sha256(name.encode()).hexdigest()})
+        shards.append({"index": index, "files": files, "bytes": sum(f["bytes"] for f in files)})
+    return {"format": "infermesh-tp/1", "degree": 2, "shape": {"hidden": 64}, "segments": ["embed", "pool"],
+            "shards": shards}
+
+
+@pytest.mark.parametrize("damage, complaint", [
+    (lambda m: m.pop("shards"), "missing field 'shards'"),
+    (lambda m: m.update(shards={"0": {}, "1": {}}), "field 'shards' must be list"),
+    (lambda m: m.pop("shape"), "missing field 'shape'"),
+    (lambda m: m.update(segments=["embed"]), "field 'segments' is ['embed']; expected two or more"),
+    (lambda m: m["shards"][1].update(index=0), "shards[1] must be an object with 'index' 1"),
+    (lambda m: m["shards"][0].pop("bytes"), "shards[0]: missing field 'bytes'"),
+    (lambda m: m["shards"][0]["files"][0].pop("sha256"), "shards[0].files[0]: missing field 'sha256'"),
+    (lambda m: m["shards"][0]["files"][1].update(segment="head"), "field 'segment' is 'head', not one of 'segments'"),
+    (lambda m: m["shards"][0]["files"].pop(), "shards[0] has no file for segment(s) ['pool']"),
+])
+def test_a_damaged_shard_manifest_is_refused_by_field(tmp_path, damage, complaint):
+    from services.model_server.shards import ShardError, read_manifest
+
+    manifest = _shard_set(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    read_manifest(tmp_path, 2)  # the undamaged form passes
+    damage(manifest)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardError) as raised:
+        read_manifest(tmp_path, 2)
+    assert str(tmp_path / "manifest.json") in str(raised.value) and complaint in str(raised.value)
+
+
+async def test_a_model_whose_shard_manifest_is_damaged_is_left_unloaded_and_the_server_starts(repo):
+    """It was a KeyError: the load RPC answered with no reason and a server
+    loading the model at startup died."""
+    _config(repo / "mlp", tp_degree=2)
+    manifest = _shard_set(repo / "mlp" / "1" / "tp2")
+    del manifest["shards"]
+    (repo / "mlp" / "1" / "tp2" / "manifest.json").write_text(json.dumps(manifest))
+    async with model_server(repo) as ms:  # loads mlp at startup
+        assert not await ms.ready() and (await ms.oip.ServerReady(oip.ServerReadyRequest())).ready
+        assert any(e[0] == "mlp" and "missing field 'shards'" in e[3] for e in await ms.index())
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await ms.load()
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "failed to load model 'mlp'" in raised.value.details()
+        assert "tp2/manifest.json: missing field 'shards'" in raised.value.details()
+
+
+@pytest.mark.parametrize("stage", ["config", "version"])
+async def test_an_unforeseen_error_in_a_load_fails_that_model_alone(repo, monkeypatch, stage):
+    """Whatever a load raises, no check having foreseen it, it is that model's
+    failed load, named, with the traceback in the log: never an RPC with no
+    reason, never a server that dies at startup, and what served keeps serving."""
+    from services.model_server import core
+
+    real = {"config": core.load_config, "version": core.load_version}[stage]
+    armed = False
+
+    def faulty(*args):
+        if armed:
+            raise KeyError("a case no check foresaw")
+        return real(*args)
+
+    monkeypatch.setattr(core, {"config": "load_config", "version": "load_version"}[stage], faulty)
+    async with model_server(repo) as ms:
+        armed = True
+        errors_before = _loads("error")
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await ms.load(config={"instances": {"count": 2}})  # a reload, not a reuse
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "failed to load model 'mlp'" in raised.value.details()
+        assert "KeyError: 'a case no check foresaw'" in raised.value.details()
+        assert _loads("error") == errors_before + 1
+        assert (await ms.execute())[0] == "1" and await ms.ready()
+    async with model_server(repo) as ms:  # at startup
+        assert not await ms.ready() and (await ms.oip.ServerReady(oip.ServerReadyRequest())).ready
 
 
 async def test_a_version_replaced_in_place_gets_a_new_revision(repo):

@@ -159,6 +159,11 @@ class ModelManager:
                 config, golden = await loop.run_in_executor(None, self._read_config, folder, overrides)
             except ConfigError as exc:
                 return self._failed(model, "config", errors.InvalidArgument(f"failed to load model '{name}': {exc}"))
+            except Exception as exc:  # a case the checks missed: still this model's failure alone
+                log.exception("model %s: unexpected error reading its config", name)
+                return self._failed(model, "error", errors.FailedPrecondition(
+                    f"failed to load model '{name}': reading {folder / 'config.json'} or its golden probe failed: "
+                    f"{_unexpected(exc)}"))
             wanted = config.versions()
             if not wanted:
                 return self._failed(model, "config", errors.InvalidArgument(
@@ -177,9 +182,12 @@ class ModelManager:
                     loaded.slice_s = self._slice_s
                     loaded_now.append(loaded)
                     fresh[version] = loaded
-            except LoadFailed as exc:
+            except Exception as exc:
                 for loaded in loaded_now:
                     self._retire(loaded)
+                if not isinstance(exc, LoadFailed):  # a case the checks missed: still this model's failure alone
+                    log.exception("model %s version %s: unexpected error while loading", name, version)
+                    exc = LoadFailed("error", f"version {version} failed to load: {_unexpected(exc)}")
                 return self._failed(model, exc.reason, errors.FailedPrecondition(
                     f"failed to load model '{name}': {exc.message}; the versions serving before "
                     f"({list(model.serving) or 'none'}) keep serving"))
@@ -511,6 +519,11 @@ def _check_inputs(config: ModelConfig, inputs: list[TensorData]) -> dict[str, Te
                 f"batch of {tensor.rows} rows exceeds max_batch_size {config.max_batch_size} of model '{config.name}'"
             )
     return by_name
+
+
+def _unexpected(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:400] + " (unexpected: the log has the traceback)"
 
 
 def parse_overrides(text: str) -> dict:

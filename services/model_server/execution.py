@@ -48,7 +48,8 @@ OPTIMIZATION = {
 
 class LoadFailed(Exception):
     """A version that cannot take traffic; `reason` is one of file, session,
-    warmup, verification (the metric's label) and the message says why."""
+    warmup, verification, error (unexpected; the metric's label) and the
+    message says why."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)

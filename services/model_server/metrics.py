@@ -62,7 +62,8 @@ MEMORY = prometheus_client.Gauge(
 )
 LOADS = prometheus_client.Counter(
     "infermesh_model_loads_total",
-    "Model loads (RPC, poll or startup), by model and outcome: ok, config, file, session, warmup, verification.",
+    "Model loads (RPC, poll or startup), by model and outcome: ok, config, file, session, warmup, verification, "
+    "error (unexpected: the log has the traceback).",
     ["model", "outcome"],
 )
 SWAP_SECONDS = prometheus_client.Histogram(

@@ -21,6 +21,8 @@ KNOWN_FIELDS = {
     "version_policy", "instances", "execution", "tp_degree", "warmup", "golden_probe", "fallback",
 }
 PROVIDERS = ("cuda", "cpu")
+MAX_THREADS = 1024  # far above any machine's cores, and within ONNX Runtime's C int
+MAX_TOKENS = 1 << 20  # far above any model's context, and within the tokenizer's integers
 GRAPH_OPTIMIZATION = ("disable", "basic", "extended", "all")
 
 
@@ -154,6 +156,17 @@ def _optional(doc: dict, key: str, kind, where: str, default):
     return _typed(doc[key], key, kind, where) if key in doc else default
 
 
+def _number(value, key: str, where: str) -> float:
+    """A JSON number as a float; an integer too large for one is refused by name
+    (float() would raise OverflowError, which names nothing)."""
+    value = _typed(value, key, (int, float), where)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ConfigError(f"{where}: field '{key}' is an integer of {value.bit_length()} bits, "
+                          "too large for any sensible value") from None
+
+
 def _tensor_specs(doc: dict, key: str, where: str) -> tuple[TensorSpec, ...]:
     specs = []
     for i, item in enumerate(_field(doc, key, list, where)):
@@ -213,7 +226,7 @@ def _instances(doc: dict, where: str) -> Instances:
     if "lend_reserved_after_s" in body:
         lend_after_s = body["lend_reserved_after_s"]
         if lend_after_s is not None:
-            lend_after_s = float(_typed(lend_after_s, "lend_reserved_after_s", (int, float), at))
+            lend_after_s = _number(lend_after_s, "lend_reserved_after_s", at)
             if not math.isfinite(lend_after_s) or lend_after_s < 0:
                 raise ConfigError(f"{at}: field 'lend_reserved_after_s' must be a finite number of seconds >= 0, "
                                   f"or null (never lend), got {lend_after_s:g}")
@@ -232,8 +245,9 @@ def _execution(doc: dict, where: str) -> Execution:
         raise ConfigError(f"{at}: field 'providers' is {providers!r}; expected a preference order of {list(PROVIDERS)}")
     intra = _optional(body, "intra_op_threads", int, at, 0)
     inter = _optional(body, "inter_op_threads", int, at, 1)
-    if intra < 0 or inter < 1:
-        raise ConfigError(f"{at}: intra_op_threads must be >= 0 and inter_op_threads >= 1, got {intra} and {inter}")
+    if not 0 <= intra <= MAX_THREADS or not 1 <= inter <= MAX_THREADS:
+        raise ConfigError(f"{at}: intra_op_threads must be 0..{MAX_THREADS} and inter_op_threads 1..{MAX_THREADS}, "
+                          f"got {intra} and {inter}")
     level = _optional(body, "graph_optimization", str, at, "all")
     if level not in GRAPH_OPTIMIZATION:
         raise ConfigError(f"{at}: field 'graph_optimization' is {level!r}; expected one of {list(GRAPH_OPTIMIZATION)}")
@@ -249,15 +263,15 @@ def _golden_probe(doc: dict, where: str) -> GoldenProbe | None:
     body = _field(doc, "golden_probe", dict, where)
     at = f"{where}: golden_probe"
     file = _field(body, "file", str, at)
-    min_cosine = _optional(body, "min_cosine", (int, float), at, None)
-    max_abs = _optional(body, "max_abs", (int, float), at, None)
+    min_cosine = _number(body["min_cosine"], "min_cosine", at) if "min_cosine" in body else None
+    max_abs = _number(body["max_abs"], "max_abs", at) if "max_abs" in body else None
     if min_cosine is None and max_abs is None:
         raise ConfigError(f"{at}: give a tolerance, 'min_cosine' and/or 'max_abs'")
     if min_cosine is not None and not -1.0 <= min_cosine <= 1.0:
-        raise ConfigError(f"{at}: field 'min_cosine' must be in [-1, 1], got {min_cosine}")
+        raise ConfigError(f"{at}: field 'min_cosine' must be in [-1, 1], got {min_cosine:g}")
     if max_abs is not None and not max_abs > 0:
-        raise ConfigError(f"{at}: field 'max_abs' must be > 0, got {max_abs}")
-    return GoldenProbe(file, None if min_cosine is None else float(min_cosine), None if max_abs is None else float(max_abs))
+        raise ConfigError(f"{at}: field 'max_abs' must be > 0, got {max_abs:g}")
+    return GoldenProbe(file, min_cosine, max_abs)
 
 
 def parse_config(doc, model_dir: pathlib.Path, where: str) -> ModelConfig:
@@ -284,8 +298,8 @@ def parse_config(doc, model_dir: pathlib.Path, where: str) -> ModelConfig:
         if kind != "text_tokenizer":
             raise ConfigError(f"{at}: field 'kind' is {kind!r}; the only kind is 'text_tokenizer'")
         max_length = _field(pre, "max_length", int, at)
-        if max_length < 2:
-            raise ConfigError(f"{at}: field 'max_length' must be >= 2, got {max_length}")
+        if not 2 <= max_length <= MAX_TOKENS:
+            raise ConfigError(f"{at}: field 'max_length' must be 2..{MAX_TOKENS}, got {max_length}")
         preprocess = Preprocess(kind, _field(pre, "tokenizer_file", str, at), max_length)
     inputs = _tensor_specs(doc, "inputs", where)
     if preprocess is not None and (len(inputs) != 1 or inputs[0].datatype != "BYTES"):
@@ -397,7 +411,7 @@ def _golden_tensors(doc: dict, key: str, specs: tuple[TensorSpec, ...], where: s
             else:
                 array = np.array(data, dtype=NUMPY_DTYPES[datatype])
             array = array.reshape(shape)
-        except (AttributeError, TypeError, ValueError) as exc:
+        except (AttributeError, TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"{at}: field 'data' does not hold {shape} {datatype} values: {exc}") from None
         found[name] = array
     missing = set(by_spec) - set(found)

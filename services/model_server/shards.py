@@ -32,7 +32,7 @@ import pathlib
 
 import numpy as np
 
-from services.common.config import read_json_object
+from services.common.config import field, read_json_object
 
 MANIFEST = "manifest.json"
 OPSET = 18
@@ -313,20 +313,43 @@ def build(weights: dict[str, np.ndarray], config: dict, degree: int, out: pathli
 
 
 def read_manifest(folder: pathlib.Path, degree: int, verify_checksums: bool = True) -> dict:
+    """The shard set's manifest, checked field by field (a damaged one is a
+    ShardError naming the file and the field, never a KeyError at load time),
+    with every file it lists present and, unless told otherwise, unchanged."""
     path = folder / MANIFEST
     manifest = read_json_object(path, ShardError, f"missing; build the shard set for tp_degree {degree}")
     if manifest.get("format") != "infermesh-tp/1" or manifest.get("degree") != degree:
         raise ShardError(f"{path}: format {manifest.get('format')!r} degree {manifest.get('degree')!r}; "
                          f"expected infermesh-tp/1 at degree {degree}")
-    if len(manifest["shards"]) != degree:
-        raise ShardError(f"{path}: lists {len(manifest['shards'])} shards for degree {degree}")
-    for shard in manifest["shards"]:
-        for entry in shard["files"]:
-            file = folder / entry["file"]
+    where = str(path)
+    segments = field(manifest, "segments", list, where, ShardError)
+    if len(segments) < 2 or not all(isinstance(s, str) for s in segments) or len(set(segments)) != len(segments):
+        raise ShardError(f"{where}: field 'segments' is {str(segments)[:200]}; expected two or more segment names, "
+                         "each once")
+    field(field(manifest, "shape", dict, where, ShardError), "hidden", int, f"{where}: shape", ShardError)
+    shards = field(manifest, "shards", list, where, ShardError)
+    if len(shards) != degree:
+        raise ShardError(f"{path}: lists {len(shards)} shards for degree {degree}")
+    for i, shard in enumerate(shards):
+        at = f"{where}: shards[{i}]"
+        if not isinstance(shard, dict) or field(shard, "index", int, at, ShardError) != i:
+            raise ShardError(f"{at} must be an object with 'index' {i}")
+        field(shard, "bytes", int, at, ShardError)
+        for j, entry in enumerate(field(shard, "files", list, at, ShardError)):
+            at_file = f"{at}.files[{j}]"
+            if not isinstance(entry, dict):
+                raise ShardError(f"{at_file} must be an object")
+            if field(entry, "segment", str, at_file, ShardError) not in segments:
+                raise ShardError(f"{at_file}: field 'segment' is {entry['segment']!r}, not one of 'segments'")
+            file = folder / field(entry, "file", str, at_file, ShardError)
+            expected = field(entry, "sha256", str, at_file, ShardError)
             if not file.is_file():
                 raise ShardError(f"{file}: missing (listed in {path})")
-            if verify_checksums and hashlib.sha256(file.read_bytes()).hexdigest() != entry["sha256"]:
+            if verify_checksums and hashlib.sha256(file.read_bytes()).hexdigest() != expected:
                 raise ShardError(f"{file}: checksum differs from {path}; the shard set is damaged")
+    held = {entry["segment"] for entry in shards[0]["files"]}
+    if held != set(segments):  # shard 0 runs every segment (the others all but the last)
+        raise ShardError(f"{where}: shards[0] has no file for segment(s) {[s for s in segments if s not in held]}")
     return manifest
 
 
