@@ -137,6 +137,23 @@ def _loads(outcome: str) -> float:
 
 @pytest.mark.parametrize("fields, complaint", [
     ({"versoin_policy": {}}, "unknown field(s) ['versoin_policy']"),
+    # An unknown field is an error at every level, so a typo cannot pass silently.
+    ({"version_policy": {"latest": {"num_versions": 1, "num_version": 2}}},
+     "version_policy.latest: unknown field(s) ['num_version']; known: ['num_versions']"),
+    ({"version_policy": {"all": {"num_versions": 2}}}, "version_policy.all: unknown field(s) ['num_versions']; known: []"),
+    ({"version_policy": {"specific": {"version": [1]}}},
+     "version_policy.specific: unknown field(s) ['version']; known: ['versions']"),
+    ({"golden_probe": {"file": "golden.json", "max_abs": 1e-4, "min_cosin": 0.9999}},
+     "golden_probe: unknown field(s) ['min_cosin']; known: ['file', 'min_cosine', 'max_abs']"),
+    ({"warmup": {"batch_size": [1, 256]}}, "warmup: unknown field(s) ['batch_size']; known: ['batch_sizes']"),
+    ({"preprocess": {"kind": "text_tokenizer", "tokenizer_file": "tokenizer.json", "max_length": 256,
+                     "max_lenght": 64}},
+     "preprocess: unknown field(s) ['max_lenght']; known: ['kind', 'tokenizer_file', 'max_length']"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, 64], "dims": [64]}]},
+     "inputs[0]: unknown field(s) ['dims']; known: ['name', 'datatype', 'shape']"),
+    ({"instances": {"count": 1, "gpu": [1]}},
+     "instances: unknown field(s) ['gpu']; known: ['count', 'gpus', 'reserved_for_vip', 'lend_reserved_after_s']"),
+    ({"execution": {"intra_threads": 2}}, "execution: unknown field(s) ['intra_threads']; known: ['providers', "),
     ({"version_policy": {"newest": {}}}, "version_policy is {'newest': {}}"),
     ({"version_policy": {"latest": {"num_versions": 0}}}, "'num_versions' must be >= 1, got 0"),
     ({"version_policy": {"specific": {"versions": ["2"]}}}, "field 'versions' is ['2']"),

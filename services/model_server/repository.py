@@ -156,6 +156,13 @@ def _optional(doc: dict, key: str, kind, where: str, default):
     return _typed(doc[key], key, kind, where) if key in doc else default
 
 
+def _known(body: dict, known: tuple[str, ...], where: str) -> None:
+    """An unknown field in a config object is an error, so a typo cannot pass silently."""
+    unknown = set(body) - set(known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known: {list(known)}")
+
+
 def _number(value, key: str, where: str) -> float:
     """A JSON number as a float; an integer too large for one is refused by name
     (float() would raise OverflowError, which names nothing)."""
@@ -173,6 +180,7 @@ def _tensor_specs(doc: dict, key: str, where: str) -> tuple[TensorSpec, ...]:
         at = f"{where}: {key}[{i}]"
         if not isinstance(item, dict):
             raise ConfigError(f"{at} must be an object, got {item!r}")
+        _known(item, ("name", "datatype", "shape"), at)
         name = _field(item, "name", str, at)
         datatype = _field(item, "datatype", str, at)
         if datatype not in DATATYPES:
@@ -196,6 +204,7 @@ def _version_policy(doc: dict, where: str) -> VersionPolicy:
                           "{'all': {}}, {'specific': {'versions': [...]}}")
     (kind, body), = policy.items()
     body = _typed(body, kind, dict, at)
+    _known(body, {"latest": ("num_versions",), "all": (), "specific": ("versions",)}[kind], f"{at}.{kind}")
     if kind == "latest":
         count = _field(body, "num_versions", int, f"{at}.latest")
         if count < 1:
@@ -212,6 +221,7 @@ def _version_policy(doc: dict, where: str) -> VersionPolicy:
 def _instances(doc: dict, where: str) -> Instances:
     body = _optional(doc, "instances", dict, where, {})
     at = f"{where}: instances"
+    _known(body, ("count", "gpus", "reserved_for_vip", "lend_reserved_after_s"), at)
     count = _optional(body, "count", int, at, 1)
     if not 1 <= count <= 64:
         raise ConfigError(f"{at}: field 'count' must be 1..64, got {count}")
@@ -230,16 +240,13 @@ def _instances(doc: dict, where: str) -> Instances:
             if not math.isfinite(lend_after_s) or lend_after_s < 0:
                 raise ConfigError(f"{at}: field 'lend_reserved_after_s' must be a finite number of seconds >= 0, "
                                   f"or null (never lend), got {lend_after_s:g}")
-    known = ["count", "gpus", "reserved_for_vip", "lend_reserved_after_s"]
-    unknown = set(body) - set(known)
-    if unknown:
-        raise ConfigError(f"{at}: unknown field(s) {sorted(unknown)}; known: {known}")
     return Instances(count, tuple(gpus), reserved, lend_after_s)
 
 
 def _execution(doc: dict, where: str) -> Execution:
     body = _optional(doc, "execution", dict, where, {})
     at = f"{where}: execution"
+    _known(body, ("providers", "intra_op_threads", "inter_op_threads", "graph_optimization"), at)
     providers = _optional(body, "providers", list, at, list(PROVIDERS))
     if not providers or any(p not in PROVIDERS for p in providers) or len(set(providers)) != len(providers):
         raise ConfigError(f"{at}: field 'providers' is {providers!r}; expected a preference order of {list(PROVIDERS)}")
@@ -251,9 +258,6 @@ def _execution(doc: dict, where: str) -> Execution:
     level = _optional(body, "graph_optimization", str, at, "all")
     if level not in GRAPH_OPTIMIZATION:
         raise ConfigError(f"{at}: field 'graph_optimization' is {level!r}; expected one of {list(GRAPH_OPTIMIZATION)}")
-    unknown = set(body) - {"providers", "intra_op_threads", "inter_op_threads", "graph_optimization"}
-    if unknown:
-        raise ConfigError(f"{at}: unknown field(s) {sorted(unknown)}")
     return Execution(tuple(providers), intra, inter, level)
 
 
@@ -262,6 +266,7 @@ def _golden_probe(doc: dict, where: str) -> GoldenProbe | None:
         return None
     body = _field(doc, "golden_probe", dict, where)
     at = f"{where}: golden_probe"
+    _known(body, ("file", "min_cosine", "max_abs"), at)
     file = _field(body, "file", str, at)
     min_cosine = _number(body["min_cosine"], "min_cosine", at) if "min_cosine" in body else None
     max_abs = _number(body["max_abs"], "max_abs", at) if "max_abs" in body else None
@@ -294,6 +299,7 @@ def parse_config(doc, model_dir: pathlib.Path, where: str) -> ModelConfig:
     if "preprocess" in doc:
         pre = _field(doc, "preprocess", dict, where)
         at = f"{where}: preprocess"
+        _known(pre, ("kind", "tokenizer_file", "max_length"), at)
         kind = _field(pre, "kind", str, at)
         if kind != "text_tokenizer":
             raise ConfigError(f"{at}: field 'kind' is {kind!r}; the only kind is 'text_tokenizer'")
@@ -311,6 +317,7 @@ def parse_config(doc, model_dir: pathlib.Path, where: str) -> ModelConfig:
     if tp_degree < 1:
         raise ConfigError(f"{where}: field 'tp_degree' must be >= 1, got {tp_degree}")
     warmup = _optional(doc, "warmup", dict, where, {})
+    _known(warmup, ("batch_sizes",), f"{where}: warmup")
     sizes = _optional(warmup, "batch_sizes", list, f"{where}: warmup", [1, min(8, max_batch_size)])
     if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or not 1 <= s <= max_batch_size for s in sizes):
         raise ConfigError(f"{where}: warmup: field 'batch_sizes' is {sizes!r}; expected sizes in 1..max_batch_size ({max_batch_size})")
