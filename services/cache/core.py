@@ -8,6 +8,9 @@ Redis until it has had time to come back; L2 keeps answering meanwhile.
 
 Keys carry the model's generation: Purge bumps it, so every older entry
 becomes unreachable at once, on every replica, without scanning Redis.
+A generation never goes back: each replica keeps the highest it has seen
+(in L2 too, across restarts) and writes it back when Redis, restarted
+empty, reads lower, so an older L2 entry cannot answer again.
 """
 
 import asyncio
@@ -26,6 +29,20 @@ from services.common.tensors import TensorData
 log = logging.getLogger(__name__)
 TIERS = {0: "standard", 1: "vip"}
 MAX_QUEUED_STORES = 10_000
+# Both raise the stored generation to at least ARGV[1] (a replica's floor);
+# purge then adds one. Atomic, so two replicas never hand out the same one.
+_RAISE_GENERATION = """
+local stored = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+local floor = tonumber(ARGV[1])
+if stored < floor then redis.call('SET', KEYS[1], floor); return floor end
+return stored
+"""
+_BUMP_GENERATION = """
+local stored = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+local next = math.max(stored, tonumber(ARGV[1])) + 1
+redis.call('SET', KEYS[1], next)
+return next
+"""
 
 
 class Breaker:
@@ -106,7 +123,13 @@ class ResultCache:
         self._l2_fp16 = l2_fp16
         # One thread: LMDB allows one writer, and reads are microseconds.
         self._disk_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cache-l2")
-        self._generations: dict[str, int] = {}
+        self._raise_generation = self._redis.register_script(_RAISE_GENERATION)
+        self._bump_generation = self._redis.register_script(_BUMP_GENERATION)
+        # Per model: the highest generation seen (never lowered), the highest L2 has
+        # recorded, and which ones Redis has been asked about since this process began.
+        self._generations: dict[str, int] = disk.generations() if disk is not None else {}
+        self._recorded: dict[str, int] = dict(self._generations)
+        self._confirmed: set[str] = set()
         self._lookups = Coalescer(self._lookup_batch)
         self._stores = Coalescer(self._store_batch)
         self._queued_stores = 0
@@ -122,22 +145,45 @@ class ResultCache:
         return f"{self._namespace}:v1:generation:{model}"
 
     async def _generation(self, model: str) -> int:
-        if model not in self._generations:
+        if model not in self._confirmed:
             await self.refresh_generations([model])
         return self._generations.get(model, 0)
 
     async def refresh_generations(self, models: list[str] | None = None) -> None:
-        """Re-reads the generations of `models` (default: every model seen)."""
+        """Re-reads the generations of `models` (default: every model seen);
+        one Redis reads lower than seen here is raised back, never followed."""
         models = list(self._generations) if models is None else models
         if not models or not self._breaker.allows():
             return
         try:
             values = await self._redis.mget([self._generation_key(m) for m in models])
+            for model, value in zip(models, values):
+                stored = int(value) if value is not None and value.isdigit() else 0
+                known = self._generations.get(model, 0)
+                if stored < known:
+                    log.warning("redis holds generation %d of model %s, older than %d seen before (did Redis restart?); "
+                                "writing %d back", stored, model, known, known)
+                    stored = int(await self._raise_generation([self._generation_key(model)], [known]))
+                self._generations[model] = max(stored, known)
         except (RedisError, OSError) as exc:
             self._failed("generation", exc)
             return
-        for model, value in zip(models, values):
-            self._generations[model] = int(value) if value is not None and value.isdigit() else 0
+        self._confirmed.update(models)
+        await self._record_generations()
+
+    async def _record_generations(self) -> None:
+        """Keeps in L2 every generation higher than it has recorded."""
+        newer = {m: g for m, g in self._generations.items() if g > self._recorded.get(m, 0)}
+        if self._disk is None or not newer:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._disk_thread, self._disk.record_generations, newer)
+        except Exception:  # noqa: BLE001 - memory still holds them; the next refresh tries again
+            metrics.ERRORS.labels("l2_generation").inc()
+            log.exception("recording generations %s in L2 failed", newer)
+            return
+        self._recorded.update(newer)
 
     async def follow_generations(self, every_s: float) -> None:
         while True:
@@ -255,8 +301,10 @@ class ResultCache:
     async def purge(self, model: str) -> tuple[int, int]:
         """Bumps the model's generation in Redis and drops its L2 entries here.
         Raises RedisError when Redis is unreachable: a purge must not half-happen silently."""
-        generation = int(await self._redis.incr(self._generation_key(model)))
+        generation = int(await self._bump_generation([self._generation_key(model)], [self._generations.get(model, 0)]))
         self._generations[model] = generation
+        self._confirmed.add(model)
+        await self._record_generations()
         deleted = 0
         if self._disk is not None:
             loop = asyncio.get_running_loop()

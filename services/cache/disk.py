@@ -18,6 +18,7 @@ import lmdb
 log = logging.getLogger(__name__)
 _ORDER_KEY = struct.Struct(">dI")  # write time, then a tie-breaking counter; big-endian sorts by time
 _META_BYTES = b"stored_bytes"
+_META_GENERATION = b"generation\x00"  # + model: the highest purge generation this store has seen
 
 
 class DiskStore:
@@ -91,6 +92,27 @@ class DiskStore:
                             break
             txn.put(_META_BYTES, str(self.stored_bytes).encode(), db=self._meta)
         return deleted
+
+    def generations(self) -> dict[str, int]:
+        """The highest generation recorded per model (see `record_generations`)."""
+        found = {}
+        with self._env.begin(db=self._meta) as txn, txn.cursor() as cursor:
+            if cursor.set_range(_META_GENERATION):
+                for key, value in cursor:
+                    if not key.startswith(_META_GENERATION):
+                        break
+                    found[key[len(_META_GENERATION):].decode()] = int(value)
+        return found
+
+    def record_generations(self, generations: dict[str, int]) -> None:
+        """Keeps each model's generation, never lowering one already recorded:
+        it outlives Redis, which may restart empty and read back 0."""
+        with self._lock, self._env.begin(write=True, db=self._meta) as txn:
+            for model, generation in generations.items():
+                key = _META_GENERATION + model.encode()
+                old = txn.get(key)
+                if old is None or int(old) < generation:
+                    txn.put(key, str(generation).encode())
 
     def __len__(self) -> int:
         with self._env.begin(db=self._values) as txn:
