@@ -2,13 +2,16 @@
 real LMDB store: generations across Redis restarts, batches with a bad item,
 damaged L2 files."""
 
+import asyncio
+
 import numpy as np
 import pytest
 import redis
 
 from services.cache.core import ResultCache
 from services.cache.disk import DiskStore
-from services.common.tensors import from_numpy
+from services.common import errors
+from services.common.tensors import TensorData, from_numpy
 from services.launcher.mesh import Mesh
 
 EMBEDDING = [from_numpy("EMBEDDING", np.linspace(-1, 1, 384, dtype=np.float32).reshape(1, 384))]
@@ -74,3 +77,21 @@ async def test_generations_survive_a_replica_restart_and_purges_keep_counting_up
     assert (await a.purge("minilm"))[0] == 2, "a purge after the restart reused a generation"
     assert await a.get("minilm", digest) is None
     await a.close()
+
+
+@pytest.mark.parametrize("digest, outputs, fp16", [
+    (b"\x01" * 16, EMBEDDING * 256, False),                                    # more tensors than the format holds
+    (b"\x01" * 600, EMBEDDING, False),                                         # longer than an LMDB key
+    (b"\x01" * 16, [TensorData("EMBEDDING", "FP32", (1, 2), b"\0" * 6)], True),  # bytes contradict the shape
+    (b"\x01" * 16, [], False),                                                 # nothing to keep
+], ids=["256-tensors", "600-byte-digest", "short-fp32", "no-outputs"])
+async def test_a_result_that_cannot_be_stored_fails_alone_not_its_batch(redis_server, tmp_path, digest, outputs, fp16):
+    cache = replica(redis_server, tmp_path / "l2", l2_fp16=fp16)
+    good = [bytes([0x10 + i]) * 16 for i in range(5)]
+    futures = [cache.put("minilm", d, EMBEDDING) for d in good] + [cache.put("minilm", digest, outputs)]
+    results = await asyncio.gather(*futures, return_exceptions=True)
+    assert results[:5] == [None] * 5
+    assert isinstance(results[5], errors.InvalidArgument) and "cannot be cached" in results[5].message
+    for d in good:
+        assert await cache.get("minilm", d) is not None
+    await cache.close()

@@ -3,6 +3,7 @@
 import os
 import struct
 
+import lmdb
 import numpy as np
 import pytest
 
@@ -107,3 +108,15 @@ def test_near_cache_expires_and_stays_within_its_byte_bound():
     now[0] = 1.5
     assert near.get(b"\x01") is None and near.bytes < 3 * (1536 + 64)
     assert not NearCache(ttl_s=0, max_bytes=1 << 20).enabled
+
+
+def test_a_write_that_aborts_leaves_the_byte_count_as_it_was(tmp_path):
+    store = DiskStore(tmp_path, max_bytes=1 << 20)
+    store.put_many([(b"k", b"x" * 100)])
+    with pytest.raises(lmdb.MapFullError):  # one value larger than the whole map
+        store.put_many([(b"a", b"y" * 50), (b"huge", b"z" * (80 << 20))])
+    with pytest.raises(ValueError, match="L2 key of 600 bytes"):
+        store.put_many([(b"b", b"y" * 50), (b"k" * 600, b"z")])
+    assert store.stored_bytes == 100 and store.get_many([b"a", b"b"]) == [None, None]
+    store.close()
+    assert DiskStore(tmp_path, max_bytes=1 << 20).stored_bytes == 100

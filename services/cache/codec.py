@@ -26,11 +26,34 @@ _decompressor = zstandard.ZstdDecompressor()
 MAX_VALUE_BYTES = 64 << 20
 
 
+MAX_TENSORS = 255
+
+
 class CorruptValue(ValueError):
     """A stored value that is not ours or is damaged: treated as a miss."""
 
 
+class UnstorableValue(ValueError):
+    """Tensors this format cannot hold, or that contradict their own shape."""
+
+
+def check(tensors: list[TensorData]) -> None:
+    """Raises UnstorableValue unless `tensors` would decode back as they are."""
+    if not 1 <= len(tensors) <= MAX_TENSORS:
+        raise UnstorableValue(f"holds {len(tensors)} tensors; 1 to {MAX_TENSORS} fit")
+    for t in tensors:
+        if len(t.name.encode()) > 0xFFFF or t.datatype not in DATATYPES or len(t.shape) > 0xFF:
+            raise UnstorableValue(f"tensor '{t.name[:64]}' has datatype {t.datatype!r} and {len(t.shape)} dims")
+        if any(d < 0 for d in t.shape) or len(t.data) > 0xFFFFFFFF:
+            raise UnstorableValue(f"tensor '{t.name}' has shape {list(t.shape)} and {len(t.data)} bytes")
+        if t.datatype != "BYTES" and len(t.data) != element_count(t.shape) * NUMPY_DTYPES[t.datatype].itemsize:
+            raise UnstorableValue(f"tensor '{t.name}' holds {len(t.data)} bytes; {t.datatype} of shape "
+                                  f"{list(t.shape)} needs {element_count(t.shape) * NUMPY_DTYPES[t.datatype].itemsize}")
+
+
 def encode(tensors: list[TensorData], compress: bool = False, fp16: bool = False) -> bytes:
+    """Raises UnstorableValue (see `check`) for tensors it cannot hold."""
+    check(tensors)
     flags = 0
     parts = []
     for t in tensors:

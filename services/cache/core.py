@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 
 from services.cache import codec, metrics
 from services.cache.disk import DiskStore
+from services.common import errors
 from services.common.tensors import TensorData
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ class Breaker:
 
 class Coalescer:
     """Gathers the calls made during one event-loop iteration and hands them to
-    `run_batch` together; each caller gets its own result back."""
+    `run_batch` together; each caller gets its own result back (an exception
+    in a result's place is raised to that caller alone)."""
 
     def __init__(self, run_batch: Callable[[list], Awaitable[list]]):
         self._run_batch = run_batch
@@ -96,7 +98,11 @@ class Coalescer:
                     future.set_exception(exc)
             return
         for (_, future), result in zip(batch, results):
-            if not future.done():
+            if future.done():
+                continue
+            if isinstance(result, Exception):  # this item's own failure
+                future.set_exception(result)
+            else:
                 future.set_result(result)
 
     async def drain(self) -> None:
@@ -258,30 +264,43 @@ class ResultCache:
     def _stored(self, _future) -> None:
         self._queued_stores -= 1
 
-    async def _store_batch(self, items: list[tuple]) -> list[None]:
+    async def _store_batch(self, items: list[tuple]) -> list[None | Exception]:
+        """Encodes each item alone: one that cannot be stored fails by itself
+        (InvalidArgument), never the batch it came with."""
         for model in {item[1] for item in items if item[2] is None}:
             await self._generation(model)
-        items = [(where, m, self._generations.get(m, 0) if g is None else g, d, outputs)
-                 for where, m, g, d, outputs in items]
-        l1 = [(self._l1_key(m, g, d), codec.encode(outputs), self._model_ttl_s.get(m, self._ttl_s))
-              for _, m, g, d, outputs in items]
+        results: list[None | Exception] = [None] * len(items)
+        l1, l2, raw = [], [], 0
+        for i, (where, model, generation, digest, outputs) in enumerate(items):
+            generation = self._generations.get(model, 0) if generation is None else generation
+            to_disk = where == "both" and self._disk is not None
+            try:
+                l1_value = codec.encode(outputs)
+                l2_key = self._l2_key(model, generation, digest)
+                if to_disk and len(l2_key) > self._disk.max_key_bytes:
+                    raise codec.UnstorableValue(f"a digest of {len(digest)} bytes makes too long an L2 key")
+                l2_value = codec.encode(outputs, compress=True, fp16=self._l2_fp16) if to_disk else b""
+            except codec.UnstorableValue as exc:
+                metrics.ERRORS.labels("encode").inc()
+                results[i] = errors.InvalidArgument(f"result of model '{model}' cannot be cached: {exc}")
+                continue
+            l1.append((self._l1_key(model, generation, digest), l1_value, self._model_ttl_s.get(model, self._ttl_s)))
+            if to_disk:
+                l2.append((l2_key, l2_value))
+                raw += sum(len(t.data) for t in outputs)
         await self._l1_set(l1)
-        if self._disk is not None:
-            l2 = [(self._l2_key(m, g, d), codec.encode(outputs, compress=True, fp16=self._l2_fp16))
-                  for where, m, g, d, outputs in items if where == "both"]
-            if l2:
-                loop = asyncio.get_running_loop()
-                try:
-                    await loop.run_in_executor(self._disk_thread, self._disk.put_many, l2)
-                except Exception:
-                    metrics.ERRORS.labels("l2_put").inc()
-                    log.exception("L2 write of %d values failed", len(l2))
-                    raise
-                metrics.STORED_BYTES.labels("l2").inc(sum(len(v) for _, v in l2))
-                metrics.L2_BYTES.set(self._disk.stored_bytes)
-                raw = sum(sum(len(t.data) for t in outputs) for where, *_, outputs in items if where == "both")
-                metrics.L2_RATIO.set(sum(len(v) for _, v in l2) / max(raw, 1))
-        return [None] * len(items)
+        if l2:
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self._disk_thread, self._disk.put_many, l2)
+            except Exception as exc:  # noqa: BLE001 - the batch's writers hear of it
+                metrics.ERRORS.labels("l2_put").inc()
+                log.exception("L2 write of %d values failed", len(l2))
+                return [result or exc for result in results]
+            metrics.STORED_BYTES.labels("l2").inc(sum(len(v) for _, v in l2))
+            metrics.L2_BYTES.set(self._disk.stored_bytes)
+            metrics.L2_RATIO.set(sum(len(v) for _, v in l2) / max(raw, 1))
+        return results
 
     async def _l1_set(self, items: list[tuple[str, bytes, int]]) -> None:
         if not items or not self._breaker.allows():

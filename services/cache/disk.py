@@ -44,53 +44,67 @@ class DiskStore:
         with self._env.begin(db=self._values, buffers=False) as txn:
             return [_value(txn.get(k)) for k in keys]
 
+    @property
+    def max_key_bytes(self) -> int:
+        return self._env.max_key_size()
+
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Writes all of `items` or, when it raises, none of them."""
+        for key, _ in items:
+            if not 0 < len(key) <= self.max_key_bytes:
+                raise ValueError(f"an L2 key of {len(key)} bytes; LMDB takes 1 to {self.max_key_bytes}")
         with self._lock, self._env.begin(write=True) as txn:
+            # Counted aside and kept only once the transaction commits.
+            stored = self.stored_bytes
             now = time.time()
             for key, value in items:
                 self._counter = (self._counter + 1) & 0xFFFFFFFF
                 order_key = _ORDER_KEY.pack(now, self._counter)
                 old = txn.get(key, db=self._values)
                 if old is not None:
-                    self.stored_bytes -= len(old) - _ORDER_KEY.size
+                    stored -= len(old) - _ORDER_KEY.size
                     txn.delete(old[:_ORDER_KEY.size], db=self._order)
                 # Each value carries its order key, so replacing it can drop the old order entry.
                 txn.put(key, order_key + value, db=self._values)
                 txn.put(order_key, key, db=self._order)
-                self.stored_bytes += len(value)
-            self._evict(txn)
-            txn.put(_META_BYTES, str(self.stored_bytes).encode(), db=self._meta)
+                stored += len(value)
+            stored = self._evict(txn, stored)
+            txn.put(_META_BYTES, str(stored).encode(), db=self._meta)
+        self.stored_bytes = stored
 
-    def _evict(self, txn) -> None:
-        if self.stored_bytes <= self._max_bytes:
-            return
+    def _evict(self, txn, stored: int) -> int:
+        if stored <= self._max_bytes:
+            return stored
         evicted = 0
         with txn.cursor(db=self._order) as cursor:
             for order_key, key in cursor:
-                if self.stored_bytes <= self._max_bytes * 0.9:  # leave room, so eviction is not every write
+                if stored <= self._max_bytes * 0.9:  # leave room, so eviction is not every write
                     break
                 value = txn.get(key, db=self._values)
                 if value is not None:
-                    self.stored_bytes -= len(value) - _ORDER_KEY.size
+                    stored -= len(value) - _ORDER_KEY.size
                     txn.delete(key, db=self._values)
                 txn.delete(order_key, db=self._order)
                 evicted += 1
-        log.info("L2 evicted %d oldest entries; %d bytes stored", evicted, self.stored_bytes)
+        log.info("L2 evicted %d oldest entries; %d bytes stored", evicted, stored)
+        return stored
 
     def delete_prefix(self, prefix: bytes) -> int:
         """Deletes every key starting with `prefix`; returns how many."""
         deleted = 0
         with self._lock, self._env.begin(write=True) as txn:
+            stored = self.stored_bytes
             with txn.cursor(db=self._values) as cursor:
                 if cursor.set_range(prefix):
                     while cursor.key().startswith(prefix):
                         value = cursor.value()
                         txn.delete(value[:_ORDER_KEY.size], db=self._order)
-                        self.stored_bytes -= len(value) - _ORDER_KEY.size
+                        stored -= len(value) - _ORDER_KEY.size
                         deleted += 1
                         if not cursor.delete():
                             break
-            txn.put(_META_BYTES, str(self.stored_bytes).encode(), db=self._meta)
+            txn.put(_META_BYTES, str(stored).encode(), db=self._meta)
+        self.stored_bytes = stored
         return deleted
 
     def generations(self) -> dict[str, int]:
