@@ -10,7 +10,7 @@ import redis
 from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from services.common.protoconv import tensors_to_proto
-from services.common.tensors import from_numpy
+from services.common.tensors import TensorData, from_numpy
 from services.launcher.mesh import Mesh
 from tests.conftest import metric
 
@@ -154,3 +154,37 @@ def test_purge_needs_the_token_and_forgets_every_level(cache):
     cache.store("minilm", digest, [EMBEDDING])
     assert cache.redis.exists(l1_key("minilm", digest, generation=1))
     assert cache.lookup("minilm", digest).hit
+
+
+def store_request(model="minilm", digest=b"\x09" * 16, outputs=(EMBEDDING,)):
+    return cache_pb2.StoreRequest(model=model, digest=digest, outputs=tensors_to_proto(list(outputs)))
+
+
+@pytest.mark.parametrize("request_, message", [
+    (store_request(model=""), "StoreRequest 1 of this stream: model is empty"),
+    (store_request(model="a\x00b"), "model 'a\\x00b' is not a model name"),
+    (store_request(digest=b""), "digest of model 'minilm' is 0 bytes (empty); a request digest is 16"),
+    (store_request(digest=b"\x02" * 600), "digest of model 'minilm' is 600 bytes (0202020202020202)"),
+    (store_request(outputs=()), "outputs of model 'minilm': holds 0 tensors; 1 to 255 fit"),
+    (store_request(outputs=(EMBEDDING,) * 256), "holds 256 tensors; 1 to 255 fit"),
+    (store_request(outputs=(TensorData("EMBEDDING", "FP32", (1, 384), b"\0" * 6),)), "holds 6 bytes; FP32 of shape"),
+], ids=["empty-model", "nul-model", "empty-digest", "long-digest", "no-outputs", "256-outputs", "short-data"])
+def test_a_malformed_store_is_refused_naming_the_field_and_the_ones_before_it_are_kept(cache, request_, message):
+    before = b"\x0a" * 16
+    with pytest.raises(grpc.RpcError) as info:
+        cache.stub.Store(iter([store_request(digest=before), request_]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()
+    assert cache.lookup("minilm", before).hit
+
+
+@pytest.mark.parametrize("model, digest, message", [
+    ("", b"\x01" * 16, "LookupRequest id 7: model is empty"),
+    ("minilm", b"", "LookupRequest id 7: digest of model 'minilm' is 0 bytes"),
+    ("minilm", b"\x01" * 20, "digest of model 'minilm' is 20 bytes"),
+], ids=["empty-model", "empty-digest", "long-digest"])
+def test_a_malformed_lookup_is_refused_naming_the_field(cache, model, digest, message):
+    with pytest.raises(grpc.RpcError) as info:
+        cache.lookup(model, digest)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()

@@ -7,7 +7,7 @@ import logging
 from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from redis.exceptions import RedisError
 
-from services.cache import metrics
+from services.cache import codec, metrics
 from services.cache.config import CacheConfig
 from services.cache.core import ResultCache
 from services.common import errors, serving
@@ -17,6 +17,52 @@ from services.common.streams import answer_concurrently
 log = logging.getLogger(__name__)
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
 MAX_INFLIGHT_PER_STREAM = 8192
+# The router's request digest is BLAKE2b with digest_size=16; any other size is not one of its keys.
+DIGEST_BYTES = 16
+MAX_MODEL_BYTES = 255  # a model is a folder of the model repository
+
+
+def check_model(what: str, model: str) -> None:
+    """Raises InvalidArgument naming the field and its value."""
+    if not model:
+        raise errors.InvalidArgument(f"{what}: model is empty; name the model")
+    if len(model.encode()) > MAX_MODEL_BYTES or "\x00" in model:
+        raise errors.InvalidArgument(f"{what}: model {model[:64]!r} is not a model name "
+                                     f"(at most {MAX_MODEL_BYTES} bytes, no NUL)")
+
+
+def check_key(what: str, model: str, digest: bytes) -> None:
+    check_model(what, model)
+    if len(digest) != DIGEST_BYTES:
+        raise errors.InvalidArgument(f"{what}: digest of model '{model}' is {len(digest)} bytes "
+                                     f"({digest[:8].hex() or 'empty'}); a request digest is {DIGEST_BYTES}")
+
+
+def checked_outputs(index: int, request) -> list:
+    """The request's outputs as tensors, or InvalidArgument naming what is wrong."""
+    what = f"StoreRequest {index} of this stream"
+    check_key(what, request.model, request.digest)
+    outputs = tensors_from_proto(request.outputs)
+    try:
+        codec.check(outputs)
+    except codec.UnstorableValue as exc:
+        raise errors.InvalidArgument(f"{what}: outputs of model '{request.model}': {exc}") from None
+    return outputs
+
+
+async def aenumerate(iterator):
+    index = 0
+    async for item in iterator:
+        yield index, item
+        index += 1
+
+
+async def checked_lookups(request_iterator):
+    """Ends the stream with INVALID_ARGUMENT at the first malformed lookup,
+    after the answers already due (the router never sends one)."""
+    async for request in request_iterator:
+        check_key(f"LookupRequest id {request.id}", request.model, request.digest)
+        yield request
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
@@ -38,13 +84,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         def on_error(request, exc):  # the cache never fails a request: a miss
             return cache_pb2.LookupResponse(id=request.id, hit=False)
 
-        async for response in answer_concurrently(request_iterator, handle, on_error, MAX_INFLIGHT_PER_STREAM,
-                                                  self._draining):
+        async for response in answer_concurrently(checked_lookups(request_iterator), handle, on_error,
+                                                  MAX_INFLIGHT_PER_STREAM, self._draining):
             yield response
 
     async def Store(self, request_iterator, context):
         """Writes go out in batches while the stream keeps flowing; the summary
-        counts them once the caller closes the stream."""
+        counts them once the caller closes the stream. A malformed request ends
+        the stream with INVALID_ARGUMENT once those before it are written."""
         counts = {"stored": 0, "failed": 0}
         pending: set[asyncio.Future] = set()
 
@@ -52,13 +99,17 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             pending.discard(future)
             counts["failed" if future.cancelled() or future.exception() else "stored"] += 1
 
-        async for request in request_iterator:
-            future = self._cache.put(request.model, request.digest, tensors_from_proto(request.outputs))
-            if future is None:
-                counts["failed"] += 1
-                continue
-            pending.add(future)
-            future.add_done_callback(settle)
+        try:
+            async for index, request in aenumerate(request_iterator):
+                future = self._cache.put(request.model, request.digest, checked_outputs(index, request))
+                if future is None:
+                    counts["failed"] += 1
+                    continue
+                pending.add(future)
+                future.add_done_callback(settle)
+        except errors.InvalidArgument:
+            await asyncio.gather(*list(pending), return_exceptions=True)
+            raise
         # settle() was registered first, so it has run for each future by the time gather returns.
         await asyncio.gather(*list(pending), return_exceptions=True)
         return cache_pb2.StoreSummary(**counts)
@@ -72,8 +123,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         if not hmac.compare_digest(presented.encode(), f"Bearer {self._admin_token}".encode()):
             metrics.PURGES.labels("unauthenticated").inc()
             raise errors.Unauthenticated("Purge needs metadata 'authorization: Bearer <admin token>'")
-        if not request.model:
-            raise errors.InvalidArgument("PurgeRequest.model is empty; name the model to purge")
+        check_model("PurgeRequest", request.model)
         try:
             generation, deleted = await self._cache.purge(request.model)
         except (RedisError, OSError) as exc:
