@@ -7,7 +7,9 @@ import asyncio
 import numpy as np
 import pytest
 import redis
+from prometheus_client import REGISTRY
 
+from services.cache import codec
 from services.cache.core import ResultCache
 from services.cache.disk import DiskStore
 from services.common import errors
@@ -94,4 +96,35 @@ async def test_a_result_that_cannot_be_stored_fails_alone_not_its_batch(redis_se
     assert isinstance(results[5], errors.InvalidArgument) and "cannot be cached" in results[5].message
     for d in good:
         assert await cache.get("minilm", d) is not None
+    await cache.close()
+
+
+def damage_page_holding(path, value: bytes) -> None:
+    """Overwrites the header of the LMDB page that holds `value`, as a torn write might."""
+    data = path / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    page = raw.index(value) // 4096
+    assert page >= 2, "the value sits on a meta page"
+    raw[page * 4096:page * 4096 + 16] = b"\xff" * 16
+    data.write_bytes(bytes(raw))
+
+
+async def test_a_damaged_l2_page_is_a_counted_miss_and_costs_no_other_hit(redis_server, tmp_path):
+    def outputs(i):
+        return [from_numpy("OUT", np.full((1, 16), i, np.float32))]
+
+    digests = [i.to_bytes(2, "big") * 8 for i in range(400)]
+    cache = replica(redis_server, tmp_path / "l2")
+    await asyncio.gather(*(cache.put("m", d, outputs(i)) for i, d in enumerate(digests)))
+    await cache.close()
+    damage_page_holding(tmp_path / "l2", codec.encode(outputs(7), compress=True))
+    redis.Redis.from_url(redis_server.redis_url).flushall()  # L2 alone holds them now
+    cache = replica(redis_server, tmp_path / "l2")
+    l1_only = [bytes([0xA0 + i]) * 16 for i in range(5)]
+    await asyncio.gather(*(cache.put("m", d, EMBEDDING) for d in l1_only))
+    errors_before = REGISTRY.get_sample_value("infermesh_cache_errors_total", {"operation": "l2_get"}) or 0
+    found = await asyncio.gather(*(cache.get("m", d) for d in [*l1_only, digests[7], digests[300]]))
+    assert found[:5] == [EMBEDDING] * 5, "L1 hits were lost with the L2 read beside them"
+    assert found[5] is None and found[6] == outputs(300)
+    assert REGISTRY.get_sample_value("infermesh_cache_errors_total", {"operation": "l2_get"}) > errors_before
     await cache.close()

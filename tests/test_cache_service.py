@@ -188,3 +188,21 @@ def test_a_malformed_lookup_is_refused_naming_the_field(cache, model, digest, me
         cache.lookup(model, digest)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in info.value.details()
+
+
+def test_a_damaged_l2_file_is_moved_aside_and_the_service_starts_on_an_empty_one(cache, tmp_path):
+    digest = b"\x0b" * 16
+    cache.store("minilm", digest, [EMBEDDING])
+    cache.stop_cache()
+    data = tmp_path / "l2" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    raw[:8192] = b"\xa5" * 8192  # both meta pages: LMDB answers MDB_INVALID
+    data.write_bytes(bytes(raw))
+    cache.redis.flushall()
+    cache.start()
+    assert "cannot be opened (InvalidError" in cache.mesh.processes["cache"].log_tail(50)
+    assert len(list((tmp_path / "l2").glob("data.mdb.damaged-*"))) == 1
+    assert not cache.lookup("minilm", digest).hit
+    cache.store("minilm", digest, [EMBEDDING])
+    cache.redis.flushall()
+    assert cache.lookup("minilm", digest).hit and cache.hits("l2") == 1

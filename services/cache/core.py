@@ -215,7 +215,12 @@ class ResultCache:
         if self._disk is not None and missing:
             loop = asyncio.get_running_loop()
             l2_keys = [self._l2_key(keyed[i][0], keyed[i][1], keyed[i][2]) for i in missing]
-            values = await loop.run_in_executor(self._disk_thread, self._disk.get_many, l2_keys)
+            try:
+                values = await loop.run_in_executor(self._disk_thread, self._disk.get_many, l2_keys)
+            except Exception:  # noqa: BLE001 - L2 failing is a miss, and never costs the L1 hits beside it
+                metrics.ERRORS.labels("l2_get").inc()
+                log.exception("L2 read of %d keys failed", len(l2_keys))
+                values = [None] * len(l2_keys)
             for i, value in zip(missing, values):
                 found = self._decode(value, "l2")
                 if found is not None:

@@ -15,7 +15,12 @@ import time
 
 import lmdb
 
+from services.cache import metrics
+
 log = logging.getLogger(__name__)
+# What a damaged or foreign data file raises (a crash with sync off may leave one).
+DAMAGED = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
+           lmdb.IncompatibleError, lmdb.PanicError, ValueError)
 _ORDER_KEY = struct.Struct(">dI")  # write time, then a tie-breaking counter; big-endian sorts by time
 _META_BYTES = b"stored_bytes"
 _META_GENERATION = b"generation\x00"  # + model: the highest purge generation this store has seen
@@ -28,21 +33,57 @@ class DiskStore:
         self._path = pathlib.Path(path)
         self._path.mkdir(parents=True, exist_ok=True)
         self._max_bytes = max_bytes
-        # The map is the file's upper bound; values plus LMDB's own pages stay well inside it.
-        self._env = lmdb.open(str(self._path), map_size=max(4 * max_bytes, 64 << 20), max_dbs=3,
-                              sync=False, metasync=False, lock=True)
-        self._values = self._env.open_db(b"values")
-        self._order = self._env.open_db(b"order")
-        self._meta = self._env.open_db(b"meta")
         self._counter = 0
         self._lock = threading.Lock()
-        with self._env.begin(db=self._meta) as txn:
-            raw = txn.get(_META_BYTES)
-        self.stored_bytes = int(raw) if raw else 0
+        try:
+            self._open()
+        except DAMAGED as exc:
+            # A cache may start over; a service that will not start takes the mesh with it.
+            aside = self._move_aside()
+            log.error("L2 store in %s cannot be opened (%s: %s); moved its data file to %s and started an "
+                      "empty store", self._path, type(exc).__name__, exc, aside)
+            self._open()
+
+    def _open(self) -> None:
+        # The map is the file's upper bound; values plus LMDB's own pages stay well inside it.
+        self._env = lmdb.open(str(self._path), map_size=max(4 * self._max_bytes, 64 << 20), max_dbs=3,
+                              sync=False, metasync=False, lock=True)
+        try:
+            self._values = self._env.open_db(b"values")
+            self._order = self._env.open_db(b"order")
+            self._meta = self._env.open_db(b"meta")
+            with self._env.begin(db=self._meta) as txn:
+                raw = txn.get(_META_BYTES)
+            self.stored_bytes = int(raw) if raw else 0
+        except BaseException:
+            self._env.close()
+            raise
+
+    def _move_aside(self) -> pathlib.Path:
+        aside = self._path / f"data.mdb.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+        (self._path / "data.mdb").rename(aside)
+        (self._path / "lock.mdb").unlink(missing_ok=True)
+        return aside
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        with self._env.begin(db=self._values, buffers=False) as txn:
-            return [_value(txn.get(k)) for k in keys]
+        """The values of `keys`, None where a key is absent or its page is
+        damaged (each such failure logged and counted, never raised)."""
+        try:
+            with self._env.begin(db=self._values, buffers=False) as txn:
+                return [_value(txn.get(k)) for k in keys]
+        except DAMAGED as exc:
+            metrics.ERRORS.labels("l2_get").inc()
+            log.warning("L2 read of %d keys failed (%s: %s); reading them one by one", len(keys),
+                        type(exc).__name__, exc)
+        return [self._get_alone(k) for k in keys]
+
+    def _get_alone(self, key: bytes) -> bytes | None:
+        try:
+            with self._env.begin(db=self._values, buffers=False) as txn:
+                return _value(txn.get(key))
+        except DAMAGED:
+            metrics.ERRORS.labels("l2_get").inc()
+            return None
 
     @property
     def max_key_bytes(self) -> int:

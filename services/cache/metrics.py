@@ -12,7 +12,7 @@ INVALID = prometheus_client.Counter(
     "infermesh_cache_invalid_values_total", "Stored values that did not decode (foreign or corrupt), by level.",
     ["level"])
 ERRORS = prometheus_client.Counter(
-    "infermesh_cache_errors_total", "Failed Redis calls, by operation.", ["operation"])
+    "infermesh_cache_errors_total", "Failed Redis and L2 calls and unstorable results, by operation.", ["operation"])
 STORED_BYTES = prometheus_client.Counter(
     "infermesh_cache_stored_bytes_total", "Bytes written, by level.", ["level"])
 L2_BYTES = prometheus_client.Gauge(
