@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from services.cache import codec
-from services.cache.disk import DiskStore
+from services.cache.disk import DiskStore, footprint
 from services.common.tensors import TensorData, from_numpy, to_numpy
 from services.router.bypass import AdaptiveBypass
 from services.router.nearcache import NearCache
@@ -74,7 +74,7 @@ def test_replacing_a_value_keeps_the_byte_count_right(tmp_path):
     store = DiskStore(tmp_path, max_bytes=1 << 20)
     store.put_many([(b"k", b"x" * 100)])
     store.put_many([(b"k", b"y" * 40)])
-    assert store.stored_bytes == 40 and store.get_many([b"k"]) == [b"y" * 40]
+    assert store.stored_bytes == footprint(b"k", b"y" * 40) and store.get_many([b"k"]) == [b"y" * 40]
     store.close()
 
 
@@ -110,13 +110,35 @@ def test_near_cache_expires_and_stays_within_its_byte_bound():
     assert not NearCache(ttl_s=0, max_bytes=1 << 20).enabled
 
 
-def test_a_write_that_aborts_leaves_the_byte_count_as_it_was(tmp_path):
+def test_a_refused_write_leaves_the_byte_count_as_it_was(tmp_path):
     store = DiskStore(tmp_path, max_bytes=1 << 20)
     store.put_many([(b"k", b"x" * 100)])
-    with pytest.raises(lmdb.MapFullError):  # one value larger than the whole map
-        store.put_many([(b"a", b"y" * 50), (b"huge", b"z" * (80 << 20))])
+    with pytest.raises(ValueError, match="L2 value of 2097152 bytes"):  # more than the bound: never kept
+        store.put_many([(b"a", b"y" * 50), (b"huge", b"z" * (2 << 20))])
     with pytest.raises(ValueError, match="L2 key of 600 bytes"):
         store.put_many([(b"b", b"y" * 50), (b"k" * 600, b"z")])
-    assert store.stored_bytes == 100 and store.get_many([b"a", b"b"]) == [None, None]
+    assert store.stored_bytes == footprint(b"k", b"x" * 100) and store.get_many([b"a", b"b"]) == [None, None]
     store.close()
-    assert DiskStore(tmp_path, max_bytes=1 << 20).stored_bytes == 100
+    assert DiskStore(tmp_path, max_bytes=1 << 20).stored_bytes == footprint(b"k", b"x" * 100)
+
+
+def lmdb_bytes_in_use(path) -> int:
+    """Pages LMDB's tables hold now (free pages aside), in bytes."""
+    env = lmdb.open(str(path), max_dbs=3, readonly=True, lock=False)
+    with env.begin() as txn:
+        tables = [None, *(env.open_db(name, txn=txn, create=False) for name in (b"values", b"order", b"meta"))]
+        stats = [txn.stat(db) if db is not None else env.stat() for db in tables]
+    env.close()
+    return sum(s["psize"] * (s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]) for s in stats)
+
+
+def test_the_bound_holds_what_lmdb_really_uses_for_small_results(tmp_path):
+    value = codec.encode([from_numpy("LABEL", np.array([[3]], np.int64))], compress=True)  # 48 bytes
+    store = DiskStore(tmp_path, max_bytes=1 << 20)
+    for batch in range(40):
+        store.put_many([(b"clf\x00" + bytes(8) + i.to_bytes(4, "big") + batch.to_bytes(12, "big"), value)
+                        for i in range(500)])
+    assert store.stored_bytes <= 1 << 20
+    store.close()
+    # Counting values alone held 20,000 of them, over 4 MiB of pages; page slack allows some excess.
+    assert lmdb_bytes_in_use(tmp_path) < 1.6 * (1 << 20)

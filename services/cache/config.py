@@ -17,7 +17,7 @@ class CacheConfig:
     redis_timeout_ms: float = dataclasses.field(default=50.0, metadata={"help": "socket timeout of one Redis call"})
     breaker_open_s: float = dataclasses.field(default=2.0, metadata={"help": "how long Redis is skipped after a failure"})
     l2_path: str = dataclasses.field(default="", metadata={"help": "folder of the on-disk L2 store; empty disables L2"})
-    l2_max_bytes: int = dataclasses.field(default=1 << 30, metadata={"help": "bound on the bytes of values in L2"})
+    l2_max_bytes: int = dataclasses.field(default=1 << 30, metadata={"help": "bound on the bytes of L2's entries (keys, values, LMDB's per-entry overhead)"})
     l2_fp16: bool = dataclasses.field(default=False, metadata={"help": "store FP32 outputs as FP16 in L2 (half the bytes)"})
     generation_poll_s: float = dataclasses.field(default=1.0, metadata={"help": "how often model generations are re-read"})
     admin_token: str = dataclasses.field(default="", metadata={"help": "bearer token for Purge; empty disables Purge"})

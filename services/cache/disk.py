@@ -22,12 +22,17 @@ log = logging.getLogger(__name__)
 DAMAGED = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
            lmdb.IncompatibleError, lmdb.PanicError, ValueError)
 _ORDER_KEY = struct.Struct(">dI")  # write time, then a tie-breaking counter; big-endian sorts by time
-_META_BYTES = b"stored_bytes"
+# Entries' footprints (see `footprint`); an older store counted value bytes alone under
+# b"stored_bytes", so its total is recounted once under the new name.
+_META_BYTES = b"footprint_bytes"
+# Per entry beyond its key (twice) and value: its order key twice, and two B-tree nodes' headers
+# and slot pointers, rounded up. Measured: a small entry costs LMDB about this plus page slack.
+_ENTRY_OVERHEAD = 2 * _ORDER_KEY.size + 48
 _META_GENERATION = b"generation\x00"  # + model: the highest purge generation this store has seen
 
 
 class DiskStore:
-    """get_many / put_many / delete_prefix over LMDB, at most `max_bytes` of values."""
+    """get_many / put_many / delete_prefix over LMDB, at most `max_bytes` of entries (see `footprint`)."""
 
     def __init__(self, path: str | pathlib.Path, max_bytes: int):
         self._path = pathlib.Path(path)
@@ -54,10 +59,16 @@ class DiskStore:
             self._meta = self._env.open_db(b"meta")
             with self._env.begin(db=self._meta) as txn:
                 raw = txn.get(_META_BYTES)
-            self.stored_bytes = int(raw) if raw else 0
+            self.stored_bytes = int(raw) if raw else self._recount()
         except BaseException:
             self._env.close()
             raise
+
+    def _recount(self) -> int:
+        with self._env.begin(write=True) as txn:
+            stored = sum(footprint(k, _value(v)) for k, v in txn.cursor(db=self._values))
+            txn.put(_META_BYTES, str(stored).encode(), db=self._meta)
+        return stored
 
     def _move_aside(self) -> pathlib.Path:
         aside = self._path / f"data.mdb.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
@@ -90,10 +101,27 @@ class DiskStore:
         return self._env.max_key_size()
 
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
-        """Writes all of `items` or, when it raises, none of them."""
-        for key, _ in items:
+        """Writes all of `items` or, when it raises, none of them. Should LMDB's
+        map fill before the bound is reached (page slack beyond what `footprint`
+        counts), the oldest quarter goes and the write is tried once more."""
+        for key, value in items:
             if not 0 < len(key) <= self.max_key_bytes:
                 raise ValueError(f"an L2 key of {len(key)} bytes; LMDB takes 1 to {self.max_key_bytes}")
+            if footprint(key, value) > self._max_bytes:
+                raise ValueError(f"an L2 value of {len(value)} bytes; the bound is {self._max_bytes}")
+        try:
+            self._put_many(items)
+        except lmdb.MapFullError:
+            target = min(self.stored_bytes, self._max_bytes) * 3 // 4
+            log.warning("L2's map filled with %d bytes counted (bound %d); evicting down to %d",
+                        self.stored_bytes, self._max_bytes, target)
+            with self._lock, self._env.begin(write=True) as txn:
+                stored = self._evict(txn, self.stored_bytes, target)
+                txn.put(_META_BYTES, str(stored).encode(), db=self._meta)
+            self.stored_bytes = stored
+            self._put_many(items)
+
+    def _put_many(self, items: list[tuple[bytes, bytes]]) -> None:
         with self._lock, self._env.begin(write=True) as txn:
             # Counted aside and kept only once the transaction commits.
             stored = self.stored_bytes
@@ -103,27 +131,27 @@ class DiskStore:
                 order_key = _ORDER_KEY.pack(now, self._counter)
                 old = txn.get(key, db=self._values)
                 if old is not None:
-                    stored -= len(old) - _ORDER_KEY.size
+                    stored -= footprint(key, _value(old))
                     txn.delete(old[:_ORDER_KEY.size], db=self._order)
                 # Each value carries its order key, so replacing it can drop the old order entry.
                 txn.put(key, order_key + value, db=self._values)
                 txn.put(order_key, key, db=self._order)
-                stored += len(value)
-            stored = self._evict(txn, stored)
+                stored += footprint(key, value)
+            if stored > self._max_bytes:
+                stored = self._evict(txn, stored, int(self._max_bytes * 0.9))  # room, so not every write evicts
             txn.put(_META_BYTES, str(stored).encode(), db=self._meta)
         self.stored_bytes = stored
 
-    def _evict(self, txn, stored: int) -> int:
-        if stored <= self._max_bytes:
-            return stored
+    def _evict(self, txn, stored: int, target: int) -> int:
+        """Deletes the oldest entries until `target` bytes are counted; returns the count."""
         evicted = 0
         with txn.cursor(db=self._order) as cursor:
             for order_key, key in cursor:
-                if stored <= self._max_bytes * 0.9:  # leave room, so eviction is not every write
+                if stored <= target:
                     break
                 value = txn.get(key, db=self._values)
                 if value is not None:
-                    stored -= len(value) - _ORDER_KEY.size
+                    stored -= footprint(key, _value(value))
                     txn.delete(key, db=self._values)
                 txn.delete(order_key, db=self._order)
                 evicted += 1
@@ -140,7 +168,7 @@ class DiskStore:
                     while cursor.key().startswith(prefix):
                         value = cursor.value()
                         txn.delete(value[:_ORDER_KEY.size], db=self._order)
-                        stored -= len(value) - _ORDER_KEY.size
+                        stored -= footprint(cursor.key(), _value(value))
                         deleted += 1
                         if not cursor.delete():
                             break
@@ -176,6 +204,12 @@ class DiskStore:
     def close(self) -> None:
         self._env.sync(True)
         self._env.close()
+
+
+def footprint(key: bytes, value: bytes) -> int:
+    """What one entry costs LMDB near enough, the measure of the bound: the key
+    in both tables, the value, and the fixed overhead of two B-tree entries."""
+    return 2 * len(key) + len(value) + _ENTRY_OVERHEAD
 
 
 def _value(stored: bytes | None) -> bytes | None:

@@ -16,7 +16,7 @@ ERRORS = prometheus_client.Counter(
 STORED_BYTES = prometheus_client.Counter(
     "infermesh_cache_stored_bytes_total", "Bytes written, by level.", ["level"])
 L2_BYTES = prometheus_client.Gauge(
-    "infermesh_cache_l2_bytes", "Bytes of values held in L2 now.")
+    "infermesh_cache_l2_bytes", "Bytes L2's entries take now (keys, values, LMDB's per-entry overhead).")
 L2_RATIO = prometheus_client.Gauge(
     "infermesh_cache_l2_compression_ratio", "Stored bytes / raw tensor bytes of the last L2 write batch.")
 BREAKER_OPEN = prometheus_client.Gauge(
