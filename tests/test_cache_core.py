@@ -3,6 +3,7 @@ real LMDB store: generations across Redis restarts, batches with a bad item,
 damaged L2 files."""
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -127,4 +128,18 @@ async def test_a_damaged_l2_page_is_a_counted_miss_and_costs_no_other_hit(redis_
     assert found[:5] == [EMBEDDING] * 5, "L1 hits were lost with the L2 read beside them"
     assert found[5] is None and found[6] == outputs(300)
     assert REGISTRY.get_sample_value("infermesh_cache_errors_total", {"operation": "l2_get"}) > errors_before
+    await cache.close()
+
+
+async def test_l2_lookups_do_not_wait_for_an_l2_write(redis_server, tmp_path):
+    cache = replica(redis_server, tmp_path / "l2")
+    await cache.put("m", b"\x50" * 16, EMBEDDING)
+    redis.Redis.from_url(redis_server.redis_url).flushall()  # so the lookup needs L2
+    gate = threading.Event()  # the L2 writer busy, as with a long eviction
+    busy = asyncio.get_running_loop().run_in_executor(cache._disk_thread, gate.wait, 30)
+    try:
+        found = await asyncio.wait_for(cache.get("m", b"\x50" * 16), 10)
+    finally:
+        gate.set()
+    assert found == EMBEDDING and await busy
     await cache.close()

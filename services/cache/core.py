@@ -127,8 +127,10 @@ class ResultCache:
         self._breaker = Breaker(breaker_open_s)
         self._disk = disk
         self._l2_fp16 = l2_fp16
-        # One thread: LMDB allows one writer, and reads are microseconds.
+        # One writer thread (LMDB allows one writer) and one reader: LMDB's readers never wait
+        # for its writer, so a write that evicts does not hold up lookups.
         self._disk_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cache-l2")
+        self._disk_reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cache-l2-read")
         self._raise_generation = self._redis.register_script(_RAISE_GENERATION)
         self._bump_generation = self._redis.register_script(_BUMP_GENERATION)
         # Per model: the highest generation seen (never lowered), the highest L2 has
@@ -216,7 +218,7 @@ class ResultCache:
             loop = asyncio.get_running_loop()
             l2_keys = [self._l2_key(keyed[i][0], keyed[i][1], keyed[i][2]) for i in missing]
             try:
-                values = await loop.run_in_executor(self._disk_thread, self._disk.get_many, l2_keys)
+                values = await loop.run_in_executor(self._disk_reader, self._disk.get_many, l2_keys)
             except Exception:  # noqa: BLE001 - L2 failing is a miss, and never costs the L1 hits beside it
                 metrics.ERRORS.labels("l2_get").inc()
                 log.exception("L2 read of %d keys failed", len(l2_keys))
@@ -347,6 +349,7 @@ class ResultCache:
         await self._stores.drain()
         await self._redis.aclose()
         self._disk_thread.shutdown(wait=True)
+        self._disk_reader.shutdown(wait=True)
         if self._disk is not None:
             self._disk.close()
 

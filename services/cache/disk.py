@@ -4,7 +4,8 @@ LMDB was chosen by measurement (bench/cache_store.py): the fastest reads of
 the stores tried and no background compaction competing for the cores.
 Values are kept in write order in a second table, so that when the stored
 bytes pass the bound the oldest entries go first. Every call blocks, so the
-cache service runs them in one worker thread, never on the event loop.
+cache service runs them off the event loop: writes in one thread, reads in another
+(LMDB readers never wait for its writer).
 """
 
 import logging
