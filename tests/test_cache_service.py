@@ -102,6 +102,7 @@ def test_l2_survives_a_cache_service_restart(cache):
     response = cache.lookup("minilm", digest)
     assert response.hit and response.outputs[0].data == EMBEDDING.data
     assert cache.hits("l2") == 1
+    assert metric(cache.mesh.metrics_url("cache"), "infermesh_cache_l2_bytes") > len(EMBEDDING.data)
 
 
 def test_foreign_and_corrupt_values_in_redis_are_misses(cache):

@@ -137,6 +137,8 @@ class ResultCache:
         # recorded, and which ones Redis has been asked about since this process began.
         self._generations: dict[str, int] = disk.generations() if disk is not None else {}
         self._recorded: dict[str, int] = dict(self._generations)
+        if disk is not None:
+            metrics.L2_BYTES.set(disk.stored_bytes)  # what a restart found, before any write
         self._confirmed: set[str] = set()
         self._lookups = Coalescer(self._lookup_batch)
         self._stores = Coalescer(self._store_batch)
