@@ -32,6 +32,18 @@ def test_codec_compresses_only_when_it_pays():
     assert codec.encode([noise], compress=True)[4] & codec.ZSTD == 0  # incompressible: kept raw
 
 
+def test_codec_fp16_keeps_fp32_where_a_value_would_overflow():
+    """FP16 has nothing finite beyond ±65504: such a tensor is stored as it is,
+    its neighbour in the same value still narrowed."""
+    big = from_numpy("LOGITS", np.array([[7e4, -1e5, 1.5]], np.float32))
+    small = from_numpy("EMBEDDING", np.array([[0.25, -0.5, 1.0]], np.float32))
+    packed = codec.encode([big, small], fp16=True)
+    decoded = {t.name: to_numpy(t) for t in codec.decode(packed)}
+    assert decoded["LOGITS"].tolist() == [[7e4, -1e5, 1.5]]
+    assert decoded["EMBEDDING"].tolist() == [[0.25, -0.5, 1.0]]
+    assert len(packed) < len(codec.encode([big, small]))  # the embedding still went to FP16
+
+
 def test_codec_fp16_halves_embeddings_within_cosine_budget():
     tensor = embedding_tensor(16)
     packed = codec.encode([tensor], fp16=True)

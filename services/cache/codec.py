@@ -7,7 +7,8 @@ a foreign or corrupt value can fail, never execute anything.
 
 flags bit 0: the body after the header is zstd-compressed (kept only when it
 saves ≥ 5%; embeddings barely compress). bit 1: FP32 tensors were stored as
-FP16 and are widened back on read (an L2 option; see bench/cache_store.py).
+FP16 and are widened back on read (an L2 option; see bench/cache_store.py);
+a tensor with a finite value beyond FP16's range stays FP32.
 """
 
 import struct
@@ -59,9 +60,13 @@ def encode(tensors: list[TensorData], compress: bool = False, fp16: bool = False
     for t in tensors:
         datatype, data = t.datatype, t.data
         if fp16 and datatype == "FP32":
-            data = np.frombuffer(data, "<f4").astype("<f2").tobytes()
-            datatype = "FP16>FP32"
-            flags |= FP16
+            wide = np.frombuffer(data, "<f4")
+            with np.errstate(over="ignore"):  # an overflow is checked for just below
+                narrow = wide.astype("<f2")
+            # Only a tensor whose finite values stay finite: beyond ±65504 FP16 has only inf.
+            if not np.any(np.isinf(narrow) & np.isfinite(wide)):
+                data, datatype = narrow.tobytes(), "FP16>FP32"
+                flags |= FP16
         name = t.name.encode()
         dtype = datatype.encode()
         parts.append(struct.pack(f"<H{len(name)}sB{len(dtype)}sB{len(t.shape)}qI", len(name), name, len(dtype), dtype,
