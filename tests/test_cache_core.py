@@ -143,3 +143,16 @@ async def test_l2_lookups_do_not_wait_for_an_l2_write(redis_server, tmp_path):
         gate.set()
     assert found == EMBEDDING and await busy
     await cache.close()
+
+
+async def test_a_store_counts_as_stored_only_where_some_level_kept_it(redis_server, tmp_path):
+    """With Redis gone a result is kept by L2 alone; with no L2 either, by
+    nothing, and the store says so instead of reporting success."""
+    with_l2, without = replica(redis_server, tmp_path / "l2"), replica(redis_server, None)
+    redis_server.stop_redis()
+    await with_l2.put("minilm", b"\x44" * 16, EMBEDDING)
+    assert await with_l2.get("minilm", b"\x44" * 16) == EMBEDDING  # from L2
+    with pytest.raises(errors.Unavailable, match="kept by no level: Redis is unreachable and there is no L2"):
+        await without.put("minilm", b"\x45" * 16, EMBEDDING)
+    await with_l2.close()
+    await without.close()

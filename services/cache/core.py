@@ -275,11 +275,15 @@ class ResultCache:
 
     async def _store_batch(self, items: list[tuple]) -> list[None | Exception]:
         """Encodes each item alone: one that cannot be stored fails by itself
-        (InvalidArgument), never the batch it came with."""
+        (InvalidArgument), never the batch it came with. A result that neither
+        level kept (Redis unreachable, and no L2 or its write failed) fails
+        too, so that Store's summary counts only what was kept. A promotion to
+        L1 never fails: nobody waits for it, and L2 still holds the value."""
         for model in {item[1] for item in items if item[2] is None}:
             await self._generation(model)
         results: list[None | Exception] = [None] * len(items)
         l1, l2, raw = [], [], 0
+        on_disk: set[int] = set()
         for i, (where, model, generation, digest, outputs) in enumerate(items):
             generation = self._generations.get(model, 0) if generation is None else generation
             to_disk = where == "both" and self._disk is not None
@@ -296,24 +300,34 @@ class ResultCache:
             l1.append((self._l1_key(model, generation, digest), l1_value, self._model_ttl_s.get(model, self._ttl_s)))
             if to_disk:
                 l2.append((l2_key, l2_value))
+                on_disk.add(i)
                 raw += sum(len(t.data) for t in outputs)
-        await self._l1_set(l1)
+        kept_l1 = await self._l1_set(l1)
+        kept_l2 = True
         if l2:
             loop = asyncio.get_running_loop()
             try:
                 await loop.run_in_executor(self._disk_thread, self._disk.put_many, l2)
-            except Exception as exc:  # noqa: BLE001 - the batch's writers hear of it
+            except Exception:  # noqa: BLE001 - the results it held may still be in L1
                 metrics.ERRORS.labels("l2_put").inc()
                 log.exception("L2 write of %d values failed", len(l2))
-                return [result or exc for result in results]
-            metrics.STORED_BYTES.labels("l2").inc(sum(len(v) for _, v in l2))
-            metrics.L2_BYTES.set(self._disk.stored_bytes)
-            metrics.L2_RATIO.set(sum(len(v) for _, v in l2) / max(raw, 1))
+                kept_l2 = False
+            else:
+                metrics.STORED_BYTES.labels("l2").inc(sum(len(v) for _, v in l2))
+                metrics.L2_BYTES.set(self._disk.stored_bytes)
+                metrics.L2_RATIO.set(sum(len(v) for _, v in l2) / max(raw, 1))
+        for i, (where, model, *_) in enumerate(items):
+            if where == "both" and results[i] is None and not kept_l1 and not (kept_l2 and i in on_disk):
+                results[i] = errors.Unavailable(f"result of model '{model}' was kept by no level: Redis is "
+                                                f"unreachable and {'L2 failed' if i in on_disk else 'there is no L2'}")
         return results
 
-    async def _l1_set(self, items: list[tuple[str, bytes, int]]) -> None:
-        if not items or not self._breaker.allows():
-            return
+    async def _l1_set(self, items: list[tuple[str, bytes, int]]) -> bool:
+        """Whether Redis took `items` (none to write counts as taken)."""
+        if not items:
+            return True
+        if not self._breaker.allows():
+            return False
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for key, value, ttl in items:
@@ -321,9 +335,10 @@ class ResultCache:
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             self._failed("set", exc)
-            return
+            return False
         self._breaker.succeeded()
         metrics.STORED_BYTES.labels("l1").inc(sum(len(v) for _, v, _ in items))
+        return True
 
     # -- purge ------------------------------------------------------------------------
     async def purge(self, model: str) -> tuple[int, int]:
