@@ -156,3 +156,20 @@ async def test_a_store_counts_as_stored_only_where_some_level_kept_it(redis_serv
         await without.put("minilm", b"\x45" * 16, EMBEDDING)
     await with_l2.close()
     await without.close()
+
+
+async def test_a_result_computed_before_a_purge_is_not_kept_after_it(redis_server, tmp_path):
+    """The router stores a miss's result with the generation its lookup read:
+    a purge in between (here, or seen on another replica) leaves it out."""
+    a, b = replica(redis_server, tmp_path / "a"), replica(redis_server, tmp_path / "b")
+    digest = b"\x46" * 16
+    missed, generation = await a.lookup("minilm", digest)
+    assert missed is None and generation == 0
+    await b.purge("minilm")  # while the model computes
+    await a.refresh_generations()
+    assert await a.put("minilm", digest, EMBEDDING, generation) == "stale"
+    assert await a.get("minilm", digest) is None
+    assert await a.put("minilm", digest, EMBEDDING, 1) is None  # computed after the purge: kept
+    assert await a.get("minilm", digest) == EMBEDDING
+    await a.close()
+    await b.close()

@@ -207,3 +207,17 @@ def test_a_damaged_l2_file_is_moved_aside_and_the_service_starts_on_an_empty_one
     cache.store("minilm", digest, [EMBEDDING])
     cache.redis.flushall()
     assert cache.lookup("minilm", digest).hit and cache.hits("l2") == 1
+
+
+def test_a_store_with_the_generation_of_a_lookup_before_a_purge_is_stale(cache):
+    digest = b"\x47" * 16
+    assert cache.lookup("minilm", digest).generation == 0
+    purged = cache.stub.Purge(cache_pb2.PurgeRequest(model="minilm"), metadata=[("authorization", f"Bearer {TOKEN}")],
+                              timeout=10)
+    assert purged.generation == 1
+    stale = cache_pb2.StoreRequest(model="minilm", digest=digest, outputs=tensors_to_proto([EMBEDDING]), generation=0)
+    fresh = cache_pb2.StoreRequest(model="minilm", digest=b"\x48" * 16, outputs=tensors_to_proto([EMBEDDING]))
+    summary = cache.stub.Store(iter([stale, fresh]), timeout=10)
+    assert (summary.stored, summary.failed, summary.stale) == (1, 0, 1)
+    assert not cache.lookup("minilm", digest).hit
+    assert cache.lookup("minilm", b"\x48" * 16).generation == 1

@@ -30,6 +30,7 @@ from services.common.tensors import TensorData
 log = logging.getLogger(__name__)
 TIERS = {0: "standard", 1: "vip"}
 MAX_QUEUED_STORES = 10_000
+STALE = "stale"  # a store's result when a purge came between its lookup and it
 # Both raise the stored generation to at least ARGV[1] (a replica's floor);
 # purge then adds one. Atomic, so two replicas never hand out the same one.
 _RAISE_GENERATION = """
@@ -202,9 +203,14 @@ class ResultCache:
 
     # -- lookups ----------------------------------------------------------------------
     async def get(self, model: str, digest: bytes, tier: int = 0) -> list[TensorData] | None:
+        return (await self.lookup(model, digest, tier))[0]
+
+    async def lookup(self, model: str, digest: bytes, tier: int = 0) -> tuple[list[TensorData] | None, int]:
+        """The cached result, or None; and the model's generation the lookup
+        read, to store the result of a miss with (put)."""
         return await self._lookups.submit((model, digest, tier))
 
-    async def _lookup_batch(self, items: list[tuple[str, bytes, int]]) -> list[list[TensorData] | None]:
+    async def _lookup_batch(self, items: list[tuple[str, bytes, int]]) -> list[tuple[list[TensorData] | None, int]]:
         for model in {m for m, _, _ in items}:
             await self._generation(model)
         keyed = [(model, self._generations.get(model, 0), digest, tier) for model, digest, tier in items]
@@ -233,7 +239,7 @@ class ResultCache:
                     self._stores.submit(("l1", model, generation, digest, found))  # promote
         for (_, _, _, tier), result, level in zip(keyed, results, levels):
             metrics.LOOKUPS.labels(level, TIERS.get(tier, "standard"), "hit" if result is not None else "miss").inc()
-        return results
+        return [(result, generation) for result, (_, generation, _, _) in zip(results, keyed)]
 
     async def _l1_get(self, keys: list[str]) -> list[bytes | None]:
         if not self._breaker.allows():
@@ -259,14 +265,19 @@ class ResultCache:
             return None
 
     # -- stores -----------------------------------------------------------------------
-    def put(self, model: str, digest: bytes, outputs: list[TensorData]) -> asyncio.Future | None:
+    def put(self, model: str, digest: bytes, outputs: list[TensorData],
+            generation: int | None = None) -> asyncio.Future | None:
         """Queues a result for the next write batch without waiting for it;
-        returns None (a dropped write, counted) when too many are queued."""
+        returns None (a dropped write, counted) when too many are queued. With
+        the `generation` its lookup read (else the current one): kept under
+        it, so that a purge since leaves it unreachable, and not written at
+        all (the future's result is STALE) when this replica already knows of
+        that purge."""
         if self._queued_stores >= MAX_QUEUED_STORES:
             metrics.DROPPED_STORES.inc()
             return None
         self._queued_stores += 1
-        future = self._stores.submit(("both", model, None, digest, outputs))
+        future = self._stores.submit(("both", model, generation, digest, outputs))
         future.add_done_callback(self._stored)
         return future
 
@@ -285,7 +296,12 @@ class ResultCache:
         l1, l2, raw = [], [], 0
         on_disk: set[int] = set()
         for i, (where, model, generation, digest, outputs) in enumerate(items):
-            generation = self._generations.get(model, 0) if generation is None else generation
+            current = self._generations.get(model, 0)
+            if where == "both" and generation is not None and generation < current:
+                metrics.STALE_STORES.inc()
+                results[i] = STALE  # computed before a purge: no longer this model's answer
+                continue
+            generation = current if generation is None else generation
             to_disk = where == "both" and self._disk is not None
             try:
                 l1_value = codec.encode(outputs)

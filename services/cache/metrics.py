@@ -25,3 +25,6 @@ PURGES = prometheus_client.Counter(
     "infermesh_cache_purges_total", "Purge calls, by result.", ["result"])
 DROPPED_STORES = prometheus_client.Counter(
     "infermesh_cache_dropped_stores_total", "Results not written because too many writes were queued.")
+STALE_STORES = prometheus_client.Counter(
+    "infermesh_cache_stale_stores_total",
+    "Results not written because the model was purged between their lookup and their store.")

@@ -9,7 +9,7 @@ from redis.exceptions import RedisError
 
 from services.cache import codec, metrics
 from services.cache.config import CacheConfig
-from services.cache.core import ResultCache
+from services.cache.core import STALE, ResultCache
 from services.common import errors, serving
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.streams import answer_concurrently
@@ -75,8 +75,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         """One answer per lookup, in completion order; anything unreadable is a miss."""
 
         async def handle(request):
-            outputs = await self._cache.get(request.model, request.digest, request.tier)
-            response = cache_pb2.LookupResponse(id=request.id, hit=outputs is not None)
+            outputs, generation = await self._cache.lookup(request.model, request.digest, request.tier)
+            response = cache_pb2.LookupResponse(id=request.id, hit=outputs is not None, generation=generation)
             if outputs is not None:
                 response.outputs.extend(tensors_to_proto(outputs))
             return response
@@ -92,16 +92,20 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         """Writes go out in batches while the stream keeps flowing; the summary
         counts them once the caller closes the stream. A malformed request ends
         the stream with INVALID_ARGUMENT once those before it are written."""
-        counts = {"stored": 0, "failed": 0}
+        counts = {"stored": 0, "failed": 0, "stale": 0}
         pending: set[asyncio.Future] = set()
 
         def settle(future: asyncio.Future) -> None:
             pending.discard(future)
-            counts["failed" if future.cancelled() or future.exception() else "stored"] += 1
+            if future.cancelled() or future.exception():
+                counts["failed"] += 1
+            else:
+                counts["stale" if future.result() == STALE else "stored"] += 1
 
         try:
             async for index, request in aenumerate(request_iterator):
-                future = self._cache.put(request.model, request.digest, checked_outputs(index, request))
+                generation = request.generation if request.HasField("generation") else None
+                future = self._cache.put(request.model, request.digest, checked_outputs(index, request), generation)
                 if future is None:
                     counts["failed"] += 1
                     continue

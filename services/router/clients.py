@@ -104,7 +104,8 @@ class CacheClient:
         self._stores: asyncio.Queue = asyncio.Queue(max_pending_stores)
         self._writer: asyncio.Task | None = None
 
-    async def lookup(self, model: str, digest: bytes, tier: int) -> list[TensorData] | None:
+    async def lookup(self, model: str, digest: bytes, tier: int) -> tuple[list[TensorData] | None, int | None]:
+        """(outputs or None, the generation the lookup read); a failed lookup is a miss of no known generation."""
         try:
             response = await self._lookups.request(
                 lambda i: cache_pb2.LookupRequest(id=i, model=model, digest=digest, tier=tier), self._timeout_s)
@@ -112,15 +113,18 @@ class CacheClient:
             metrics.CACHE.labels("error").inc()
             metrics.CACHE_ERRORS.labels("lookup").inc()
             log.debug("cache lookup failed: %s", exc)
-            return None
+            return None, None
         metrics.CACHE.labels("hit" if response.hit else "miss").inc()
-        return tensors_from_proto(response.outputs) if response.hit else None
+        return (tensors_from_proto(response.outputs) if response.hit else None), response.generation
 
-    def store(self, model: str, digest: bytes, outputs: list[TensorData]) -> None:
+    def store(self, model: str, digest: bytes, outputs: list[TensorData], generation: int | None = None) -> None:
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_forever())
+        request = cache_pb2.StoreRequest(model=model, digest=digest, outputs=tensors_to_proto(outputs))
+        if generation is not None:
+            request.generation = generation
         try:
-            self._stores.put_nowait(cache_pb2.StoreRequest(model=model, digest=digest, outputs=tensors_to_proto(outputs)))
+            self._stores.put_nowait(request)
         except asyncio.QueueFull:
             metrics.CACHE_ERRORS.labels("store_dropped").inc()
 

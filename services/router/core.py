@@ -80,9 +80,11 @@ class Batcher(Protocol):
 
 
 class Cache(Protocol):
-    async def lookup(self, model: str, digest: bytes, tier: int) -> list[TensorData] | None: ...
+    async def lookup(self, model: str, digest: bytes, tier: int) -> tuple[list[TensorData] | None, int | None]:
+        """The cached outputs or None, and the model's cache generation the lookup read (None: unknown)."""
 
-    def store(self, model: str, digest: bytes, outputs: list[TensorData]) -> None: ...
+    def store(self, model: str, digest: bytes, outputs: list[TensorData], generation: int | None = None) -> None:
+        """Keeps a result computed after a miss, under the generation that lookup read."""
 
 
 class Catalog:
@@ -209,7 +211,7 @@ class Router:
         if self._cache is not None and not request.cache_bypass:
             inputs = validate(sig, request)
             digest = request_digest(sig.name, version, inputs, request.outputs, sig.revision(version))
-            cached = self._near.get(digest) or await self._cache.lookup(sig.name, digest, request.tier)
+            cached = self._near.get(digest) or (await self._cache.lookup(sig.name, digest, request.tier))[0]
             if cached is not None:
                 metrics.DEGRADED.labels(sig.name, "cache").inc()
                 return InferResult(sig.name, version, request.id, cached, cached=True, degraded="cache")
@@ -308,7 +310,7 @@ class Router:
                 metrics.CACHE.labels("near_hit").inc()
                 self._bypass.record(flight.model, hit=True)
                 return flight.version, near, True
-            cached = await self._cache.lookup(flight.model, flight.digest, flight.tier)
+            cached, generation = await self._cache.lookup(flight.model, flight.digest, flight.tier)
             self._bypass.record(flight.model, hit=cached is not None)
             if cached is not None:
                 self._near.put(flight.digest, cached)
@@ -318,7 +320,8 @@ class Router:
         used, outputs = await self._submit(flight.model, flight.requested, flight.inputs, flight.outputs, flight.tier,
                                            flight.deadline)
         if use_cache and used == flight.version:  # an answer from another version is not this key's
-            self._cache.store(flight.model, flight.digest, outputs)
+            # Under the generation the lookup read: a purge since makes it unreachable, as it should.
+            self._cache.store(flight.model, flight.digest, outputs, generation)
             self._near.put(flight.digest, outputs)
         return used, outputs, False
 
