@@ -7,6 +7,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
@@ -39,6 +40,12 @@ def test_model_server_gone_means_unavailable_and_not_ready(uncached_mesh):
         assert not stub.ServerReady(pb.ServerReadyRequest()).ready
         assert not stub.ModelReady(pb.ModelReadyRequest(name="minilm")).ready
         assert stub.ServerLive(pb.ServerLiveRequest()).live
+        # Kubernetes' probes: readiness ("") follows the models; liveness (the service's
+        # own name) stays SERVING, so kubelet does not restart a router that waits for them.
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        alive = health.Check(health_pb2.HealthCheckRequest(service="inference.GRPCInferenceService"))
+        assert alive.status == health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(grpc.RpcError) as again:
             stub.ModelInfer(text_request(["still down"]), timeout=10)
         assert again.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -30,12 +30,17 @@ async def serve(config: RouterConfig) -> None:
     draining = asyncio.Event()
     server, port, health = await build_server(config, router, draining=draining)
 
+    # Liveness asks the service's own name: SERVING while the process runs, so that a
+    # router waiting for the models to load (or come back) is not restarted for it.
+    await serving.set_serving(health, [SERVICE_NAME], True)
+    await serving.set_serving(health, [], False)
+
     async def follow_readiness() -> None:
         announced = False
         while True:
             await catalog.updated.wait()
             catalog.updated.clear()
-            await serving.set_serving(health, [SERVICE_NAME], catalog.is_ready())
+            await serving.set_serving(health, [], catalog.is_ready())  # readiness: "" follows the models
             if catalog.is_ready() and not announced:
                 announced = True
                 serving.announce("router", grpc=f"{config.host}:{port}", metrics=f"{config.host}:{metrics_port}",
