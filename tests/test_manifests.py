@@ -6,6 +6,8 @@ Each check is also shown to catch the mistake it exists for."""
 import copy
 import json
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -171,3 +173,45 @@ def test_a_namespace_given_by_an_overlay_must_carry_its_principals_along(istio, 
     found = manifests.problems(manifests.render(overlay), istio)
     assert any("principal 'cluster.local/ns/infermesh/sa/infermesh-batcher' is no service account of namespace "
                "'serving'" in p for p in found), found
+
+
+def test_a_release_goes_to_green_alone_then_to_blue_and_the_vip_pool(tmp_path):
+    """Each pool has an image name of its own, so the README's blue-green steps
+    move one pool at a time; the other services keep theirs."""
+    shutil.copytree(manifests.ROOT / "mesh", tmp_path / "mesh")  # edited in place, as the README does
+    overlay = tmp_path / "mesh" / "kubernetes" / "overlays" / "production"
+
+    def images():
+        docs = manifests.render(overlay)
+        return {d["metadata"]["name"]: _container(docs, d["metadata"]["name"])["image"]
+                for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] != "redis"}
+
+    def set_image(*pairs):
+        subprocess.run([str(manifests.KUSTOMIZE), "edit", "set", "image", *pairs], cwd=overlay, check=True)
+
+    set_image(*(f"{name}=registry.example/infermesh:1.0" for name in
+                ("infermesh", "infermesh-model-server-blue", "infermesh-model-server-green",
+                 "infermesh-model-server-vip")))
+    assert set(images().values()) == {"registry.example/infermesh:1.0"}
+    set_image("infermesh-model-server-green=registry.example/infermesh:1.1")  # the canary
+    assert images() == {"router": "registry.example/infermesh:1.0", "batcher": "registry.example/infermesh:1.0",
+                        "cache": "registry.example/infermesh:1.0",
+                        "model-server-blue": "registry.example/infermesh:1.0",
+                        "model-server-green": "registry.example/infermesh:1.1",
+                        "model-server-vip": "registry.example/infermesh:1.0"}
+    set_image("infermesh-model-server-blue=registry.example/infermesh:1.1",
+              "infermesh-model-server-vip=registry.example/infermesh:1.1")  # promoted
+    assert {name: image for name, image in images().items() if name.startswith("model-server")} == {
+        f"model-server-{pool}": "registry.example/infermesh:1.1" for pool in ("blue", "green", "vip")}
+
+
+def test_each_sidecar_carries_connections_until_its_service_has_drained(production):
+    """Istio's sidecar stops 5 s after SIGTERM unless told otherwise; our services
+    drain for up to their drain grace (10 s, the cache 5 s), within the pod's grace."""
+    drain_grace_s = {"router": 10, "batcher": 10, "cache": 5}
+    for deployment in (d for d in production if d["kind"] == "Deployment" and d["metadata"]["name"] != "redis"):
+        name = deployment["metadata"]["name"]
+        pod = deployment["spec"]["template"]
+        config = json.loads(pod["metadata"]["annotations"]["proxy.istio.io/config"])
+        sidecar_s = traffic.parse_duration(config["terminationDrainDuration"], name)
+        assert drain_grace_s.get(name, 10) < sidecar_s < pod["spec"]["terminationGracePeriodSeconds"], name

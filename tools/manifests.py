@@ -252,9 +252,9 @@ def istio_code_problems(doc: dict) -> list[str]:
                     found.append(f"{at}.route[{j}]: invalid destination host {destination.get('host')!r}")
                 if "subset" in destination and not DNS_LABEL.match(str(destination["subset"])):
                     found.append(f"{at}.route[{j}]: subset name {destination['subset']!r} is not a DNS-1123 label")
-                weight = item.get("weight", 0)
-                if not isinstance(weight, int) or not 0 <= weight <= 100:
-                    found.append(f"{at}.route[{j}]: weight {weight!r} must be 0..100")
+                weight = item.get("weight", 0)  # relative to the route's others: any integer >= 0
+                if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
+                    found.append(f"{at}.route[{j}]: weight {weight!r} must be an integer >= 0")
             if len(destinations) > 1 and sum(int(d.get("weight", 0)) for d in destinations) == 0:
                 found.append(f"{at}: total destination weight = 0")
             if "timeout" in http:
