@@ -199,15 +199,22 @@ def new_server(service: str, max_message_bytes: int, max_concurrent_rpcs: int | 
     )
 
 
+MAX_RECONNECT_BACKOFF_MS = 2_000
+
+
 def client_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, int]]:
     """Channel options of every internal hop. Keepalive pings let long-lived
-    streams notice a peer that stopped answering (frozen, or gone without a FIN)."""
+    streams notice a peer that stopped answering (frozen, or gone without a FIN).
+    Reconnecting backs off to 2 s at most, not gRPC's default of 120 s: after a
+    restart (a model server loading its models for a minute, a batcher rolled)
+    the hop serves again within a poll or two, not minutes later."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 15_000),
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
 
 
