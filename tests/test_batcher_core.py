@@ -979,3 +979,16 @@ async def test_queued_row_counts_follow_every_way_out_of_the_queue():
     results = await asyncio.gather(*running, *waiting, return_exceptions=True)
     assert isinstance(results[3], asyncio.CancelledError) and isinstance(results[5], errors.DeadlineExceeded)
     assert queue._queued_rows == {VIP: 0, STANDARD: 0} and len(queue) == 0
+
+
+async def test_close_stops_a_running_batch_and_answers_its_requests():
+    """close() comes once the server's drain grace is over: nobody will read a
+    running batch's answer, so it is cancelled (and its model-server call with
+    it) rather than holding the process until the batch ends."""
+    backend = GatedBackend()
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    running = asyncio.create_task(batcher.submit("m", "", row(1.0), []))
+    await backend.started.wait()  # the gate stays shut: the batch would run forever
+    await batcher.close()
+    with pytest.raises(errors.Unavailable, match="batcher is shutting down; model 'm' batch not finished"):
+        await running

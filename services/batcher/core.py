@@ -613,6 +613,9 @@ class ModelQueue:
         except Exception as exc:  # noqa: BLE001 - resolved below, never lost
             log.exception("batch of model %s failed unexpectedly", self.model)
             _fail_all(batch, errors.Internal(f"batch of model '{self.model}' failed: {type(exc).__name__}"))
+        except asyncio.CancelledError:  # close(): the batcher is shutting down
+            _fail_all(batch, errors.Unavailable(f"batcher is shutting down; model '{self.model}' batch not finished"))
+            raise
         finally:
             self._slots.release(slot)
             _fail_all(batch, errors.Internal("request was not answered"))
@@ -704,6 +707,11 @@ class ModelQueue:
         for queue in self._levels.values():
             _fail_all(list(queue), shutting_down)  # each leaves its place as it is answered
             queue.clear()
+        # By now the server has stopped (its drain grace is over): nobody reads what a running
+        # batch would answer, so it is cancelled, and its call to the model server with it,
+        # instead of holding the process up to its execute timeout.
+        for task in self._batches:
+            task.cancel()
         if self._batches:
             await asyncio.gather(*self._batches, return_exceptions=True)
 
