@@ -992,3 +992,28 @@ async def test_close_stops_a_running_batch_and_answers_its_requests():
     await batcher.close()
     with pytest.raises(errors.Unavailable, match="batcher is shutting down; model 'm' batch not finished"):
         await running
+
+
+async def test_a_running_batch_whose_callers_all_left_is_cancelled_and_frees_its_slot():
+    class CountingBackend(GatedBackend):
+        cancelled = 0
+
+        async def execute(self, *args, **kwargs):
+            try:
+                return await super().execute(*args, **kwargs)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+
+    backend = CountingBackend(capacity=1, reserved=0)
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    gone = asyncio.create_task(batcher.submit("m", "", row(1.0), []))
+    await backend.started.wait()
+    waiting = asyncio.create_task(batcher.submit("m", "", row(2.0), []))  # behind it, for the one slot
+    await settle()
+    gone.cancel()
+    await settle()
+    assert backend.cancelled == 1 and backend.batches == [[1.0], [2.0]]  # the slot went to the next batch
+    backend.gate.set()
+    assert (await waiting)[0] == "1"
+    await batcher.close()

@@ -408,6 +408,9 @@ class ModelQueue:
             self._running[task] = (asyncio.get_running_loop().time(), sum(item.rows for item in batch),
                                    max(item.priority for item in batch))
             task.add_done_callback(self._batch_done)
+            abandoned = functools.partial(_stop_if_abandoned, task, [item.future for item in batch])
+            for item in batch:
+                item.future.add_done_callback(abandoned)
 
     def _batch_done(self, task: asyncio.Task) -> None:
         self._batches.discard(task)
@@ -722,6 +725,16 @@ def _no_time_or_room(exc: errors.InfermeshError) -> bool:
     splitting the batch is what isolates the request that caused it)."""
     return isinstance(exc, errors.DeadlineExceeded) or (
         isinstance(exc, errors.ResourceExhausted) and exc.retry_after_ms > 0)
+
+
+def _stop_if_abandoned(task: asyncio.Task, futures: list[asyncio.Future], _done: asyncio.Future) -> None:
+    """Once every caller of a running batch has gone, the batch is cancelled, and
+    its call to the model server with it: the instance it holds is free for
+    work someone waits for (a batch still queued there is dropped, a sliced
+    one stops at its next slice)."""
+    if not task.done() and all(future.cancelled() for future in futures):
+        metrics.ABANDONED.inc()
+        task.cancel()
 
 
 def _fail_all(items: list[Pending], error: errors.InfermeshError) -> None:

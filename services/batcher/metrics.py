@@ -14,6 +14,9 @@ BATCH_ROWS = prometheus_client.Histogram(
 REJECTIONS = prometheus_client.Counter(
     "infermesh_batcher_rejections_total", "Requests answered without running, by model, level and reason "
     "(queue_full, would_miss_deadline, no_time_left, deadline, cancelled).", ["model", "level", "reason"])
+ABANDONED = prometheus_client.Counter(
+    "infermesh_batcher_abandoned_batches_total",
+    "Running batches cancelled because every request in them had been cancelled by its caller.")
 BATCH_TIMEOUTS = prometheus_client.Counter(
     "infermesh_batcher_batch_timeouts_total",
     "Batches sent to a model server that ran out of time there (their requests answered DEADLINE_EXCEEDED): "
