@@ -118,3 +118,15 @@ def test_internal_hops_try_to_reconnect_at_least_every_two_seconds():
     run in review). Every hop's channel caps it; with the cap, 2.2 s after 30 s down."""
     from services.common.serving import client_options
     assert dict(client_options())["grpc.max_reconnect_backoff_ms"] <= 2000
+
+
+def test_servers_take_the_keepalive_pings_our_clients_send():
+    """The server option had a name gRPC does not know, so its default (one ping
+    a 5 minutes without data) held, and an idle router's streams to the cache
+    were cut with GOAWAY too_many_pings every few minutes (seen under make run;
+    a scratch pair of servers: cut after 90 s with the wrong name, open after
+    240 s with this one)."""
+    from services.common.serving import client_options, server_options
+    server = dict(server_options(1 << 20))
+    assert server["grpc.http2.min_ping_interval_without_data_ms"] < dict(client_options())["grpc.keepalive_time_ms"]
+    assert server["grpc.keepalive_permit_without_calls"] == 1

@@ -188,15 +188,26 @@ def new_server(service: str, max_message_bytes: int, max_concurrent_rpcs: int | 
     return grpc.aio.server(
         interceptors=[ErrorInterceptor(service, max_request_bytes)],
         maximum_concurrent_rpcs=max_concurrent_rpcs,
-        options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.so_reuseport", 0),
-            # Our clients ping long-lived streams to notice a frozen peer.
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-        ],
+        options=server_options(max_message_bytes),
     )
+
+
+KEEPALIVE_MS = 15_000  # how often our clients ping a quiet connection
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Our clients ping long-lived streams every KEEPALIVE_MS to notice a frozen
+    peer: the server must take pings that often on a connection with no data,
+    or, at its default of one per 5 minutes, it answers the third with GOAWAY
+    too_many_pings and every idle stream (the router's to the cache and to the
+    batcher) breaks every few minutes."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS * 2 // 3),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
 
 
 MAX_RECONNECT_BACKOFF_MS = 2_000
@@ -211,7 +222,7 @@ def client_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str,
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 15_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
