@@ -1,8 +1,10 @@
 """meshctl edits the traffic policy keeping everything but the weights as it
 was, refuses edits that would not pass the policy checks, and rolls back."""
 
+import http.server
 import pathlib
 import shutil
+import threading
 
 import pytest
 
@@ -101,3 +103,31 @@ def test_a_live_weight_patch_reaches_every_split_route_by_position_even_equal_on
     assert [(op["path"], op["value"]) for op in ops if op["path"].endswith("/weight")] == [
         ("/spec/http/1/route/0/weight", 90), ("/spec/http/1/route/1/weight", 10),
         ("/spec/http/2/route/0/weight", 90), ("/spec/http/2/route/1/weight", 10)]
+
+
+def test_a_weight_given_to_a_subset_with_no_ready_replica_is_warned_of(policy, capsys):
+    """make run has no green replica: shifting traffic there fails its share of batches."""
+    text = ('infermesh_batcher_subset_ready_replicas{subset="blue"} 1.0\n'
+            'infermesh_batcher_subset_ready_replicas{subset="green"} 0.0\n')
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(text.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        assert meshctl.main(["--file", str(policy), "set-weights", "model-server", "blue=90", "green=10",
+                             "--metrics", url]) == 0
+        assert "subset 'green' now takes 10 of the weight but the running batcher has no ready replica" in \
+            capsys.readouterr().err
+        assert meshctl.main(["--file", str(policy), "rollback", "model-server", "--metrics", url]) == 0
+        assert "warning" not in capsys.readouterr().err  # all on blue again
+    finally:
+        server.shutdown()

@@ -44,6 +44,21 @@ def _scrape(url: str) -> dict:
         raise core.MeshctlError(f"cannot read the batcher's metrics at {url}: {exc}") from None
 
 
+def _warn_of_unready_subsets(args, weights: dict[str, int]) -> None:
+    """Where a local mesh runs (its batcher's metrics can be read), says which
+    subsets now take traffic with no ready replica: their share of the batches
+    fails UNAVAILABLE (no healthy upstream) until one starts."""
+    try:
+        samples = _scrape(args.metrics or core.batcher_metrics_url(args.run_file))
+    except core.MeshctlError:
+        return  # no mesh running here: the file is all there is to change
+    for subset, weight in weights.items():
+        if weight > 0 and core.subset_health(samples, subset)["ready_replicas"] == 0:
+            print(f"warning: subset {subset!r} now takes {weight} of the weight but the running batcher has no "
+                  f"ready replica in it: its share of batches fails UNAVAILABLE until one starts",
+                  file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshctl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     promote.add_argument("subset")
     rollback = commands.add_parser("rollback", help="back to the weights before the last change")
     rollback.add_argument("host")
+    for edit in (weights, promote, rollback):  # a running mesh, to warn of a subset with no ready replica
+        edit.add_argument("--run-file", type=pathlib.Path, default=DEFAULT_RUN_FILE)
+        edit.add_argument("--metrics", help="the batcher's metrics URL (instead of --run-file)")
     rollout = commands.add_parser("rollout", help="progressive delivery: raise the canary step by step while its "
                                                   "checks pass; promote at the end, roll back on failure")
     rollout.add_argument("host")
@@ -123,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             target = core.previous_weights(args.file, args.host)
             old = core.set_weights(args.file, args.host, target, live)
             print(f"{args.host}: rolled back {old} -> {target}")
+        if args.command in ("set-weights", "promote", "rollback") and live is None:
+            _warn_of_unready_subsets(args, core.weights(args.file, args.host))
     except core.MeshctlError as exc:
         print(f"meshctl: {exc}", file=sys.stderr)
         return 2
