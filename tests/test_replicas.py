@@ -532,3 +532,22 @@ def test_behind_a_mesh_the_batcher_applies_no_traffic_policy_of_its_own():
     with pytest.raises(ValueError, match="model_servers_behind_mesh and traffic_policy exclude each other"):
         BatcherConfig(model_servers=("model-server:8011",), model_servers_behind_mesh=True,
                       traffic_policy="mesh/istio/model-server-traffic.yaml")
+
+
+async def test_behind_a_mesh_vip_batches_have_room_of_their_own(repo):
+    """Behind one Service address the mesh may send VIP batches to a pool of
+    their own: a standard surge filling its bound must not leave VIP work one
+    batch in flight (it had every + 1 - standard: one)."""
+    async with mlp_server(repo) as port:
+        replicas = ReplicaSet((f"127.0.0.1:{port}",), 2, 60.0, 1 << 24, behind_mesh=True)
+        await replicas.start()
+        await replicas.poll_once()
+        (replica,) = replicas._replicas  # noqa: SLF001
+        replica.running[("mlp", STANDARD)] = 2  # the standard bound is full
+        assert replicas.slots("mlp") == (2, 2, 0)  # standard's two; VIP's own two, none shared
+        assert not replicas._has_room(replica, "mlp", STANDARD)  # noqa: SLF001
+        assert replicas._has_room(replica, "mlp", VIP)  # noqa: SLF001
+        replica.running[("mlp", VIP)] = 2
+        assert not replicas._has_room(replica, "mlp", VIP)  # noqa: SLF001
+        replica.running.clear()
+        await replicas.close()

@@ -185,6 +185,12 @@ class ReplicaSet:
         batch sent for room only the other pool has would wait for its own
         (_hosts_with_room)."""
         standard, vip = self._reachable(model, STANDARD), self._reachable(model, VIP)
+        if self._behind_mesh:
+            # One Service address, behind which the mesh may route VIP batches to a pool
+            # of their own (mesh/istio's x-user-tier route): each tier has its own bound
+            # there, so a standard surge cannot take the VIP batches' room.
+            return (sum(self._bound(r, model, STANDARD) for r in standard),
+                    sum(self._bound(r, model, VIP) for r in vip), 0)
         general = sum(self._bound(r, model, STANDARD) for r in standard)
         shared = sum(self._bound(r, model, STANDARD) for r in vip if r in standard)  # VIP may use those too
         return general, sum(self._bound(r, model, VIP) for r in vip) - shared, shared
@@ -214,9 +220,12 @@ class ReplicaSet:
     def _bound(self, replica: Replica, model: str, priority: int) -> int:
         """How many batches of `model` the replica may have in flight when the
         next is led by `priority` (see the class): a standard batch counts the
-        standard ones, a VIP batch all of them."""
+        standard ones, a VIP batch all of them; behind a mesh each tier counts
+        its own (_has_room)."""
         info = replica.models.get(model)
-        if info is None or info.instances < 1 or self._behind_mesh:
+        if self._behind_mesh:
+            return self._max_inflight
+        if info is None or info.instances < 1:
             standard = every = self._max_inflight
         else:
             # Lent out as of the last poll, unless a VIP batch went there since it was
@@ -227,6 +236,8 @@ class ReplicaSet:
         return every + 1 if priority >= VIP else standard
 
     def _has_room(self, replica: Replica, model: str, priority: int) -> bool:
+        if self._behind_mesh:
+            return replica.running[(model, VIP if priority >= VIP else STANDARD)] < self._bound(replica, model, priority)
         running = replica.running[(model, STANDARD)]
         if priority >= VIP:
             running += replica.running[(model, VIP)]
