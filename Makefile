@@ -88,7 +88,8 @@ gen/.stamp: $(PROTOS) $(VENV)/.installed tools/gen_stubs.py
 models: $(VENV)/.installed
 	$(PY) -m services.model_server.build_repository --out $(MODEL_REPO)
 
-run: setup
+# Only what the mesh itself needs (the test and manifest tools are setup's).
+run: venv system-deps stubs models
 	$(PY) -m services.launcher --models $(MODEL_REPO)
 
 test: stubs
