@@ -2,7 +2,11 @@
 
 One long-lived stream carries every request; responses resolve the waiting
 caller's future by id. When the stream breaks, every waiting caller gets
-UNAVAILABLE at once and the next request opens a new stream.
+UNAVAILABLE at once and the next request opens a new stream. A stream older
+than `max_age_s` takes no new requests: the next one opens a new stream, and
+the old one is half-closed, so the server ends it once it has answered what it
+carries. Behind a mesh each stream goes to one pod, chosen when it opens: so
+replicas added later (an autoscaler's) get their share within that age.
 """
 
 import asyncio
@@ -18,10 +22,12 @@ log = logging.getLogger(__name__)
 
 
 class _Stream:
-    def __init__(self):
+    def __init__(self, opened_at: float):
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.pending: dict[int, asyncio.Future] = {}
         self.closed = False
+        self.retired = False  # half-closed: takes nothing more, its answers still come
+        self.opened_at = opened_at
         self.reader: asyncio.Task | None = None
 
     async def messages(self) -> AsyncIterator:
@@ -32,20 +38,33 @@ class _Stream:
 class StreamMux:
     """`open_call(request_iterator)` starts the bidi call; responses carry `id`."""
 
-    def __init__(self, name: str, open_call: Callable, cancel_message: Callable[[int], object] | None = None):
+    def __init__(self, name: str, open_call: Callable, cancel_message: Callable[[int], object] | None = None,
+                 max_age_s: float | None = None):
         self._name = name
         self._open_call = open_call
         self._cancel_message = cancel_message
+        self._max_age_s = max_age_s
         self._ids = itertools.count(1)
         self._stream: _Stream | None = None
+        self._retired: set[_Stream] = set()
+        self.opened = 0  # streams opened so far
 
     def _current(self) -> _Stream:
-        if self._stream is None or self._stream.closed:
-            stream = _Stream()
+        now = asyncio.get_running_loop().time()
+        stream = self._stream
+        if stream is not None and not stream.closed and self._max_age_s and now - stream.opened_at >= self._max_age_s:
+            stream.retired = True
+            stream.outbox.put_nowait(None)  # half-close: the server answers what it holds, then ends the stream
+            self._retired.add(stream)
+            stream.reader.add_done_callback(lambda _, stream=stream: self._retired.discard(stream))
+            stream = None
+        if stream is None or stream.closed:
+            stream = _Stream(now)
             call = self._open_call(stream.messages())
             stream.reader = asyncio.create_task(self._read(stream, call), name=f"mux-{self._name}")
             self._stream = stream
-        return self._stream
+            self.opened += 1
+        return stream
 
     async def _read(self, stream: _Stream, call) -> None:
         error: errors.InfermeshError = errors.Unavailable(f"{self._name} closed the stream")
@@ -82,14 +101,17 @@ class StreamMux:
                 return await future
             return await asyncio.wait_for(future, timeout_s)
         finally:
-            if stream.pending.pop(request_id, None) is not None and not stream.closed and self._cancel_message:
+            if (stream.pending.pop(request_id, None) is not None and not stream.closed and not stream.retired
+                    and self._cancel_message):
                 stream.outbox.put_nowait(self._cancel_message(request_id))
 
     async def close(self) -> None:
-        if self._stream is not None and self._stream.reader is not None:
-            self._stream.outbox.put_nowait(None)
-            self._stream.reader.cancel()
-            await asyncio.gather(self._stream.reader, return_exceptions=True)
+        streams = [*self._retired, *([self._stream] if self._stream is not None else [])]
+        for stream in streams:
+            if stream.reader is not None:
+                stream.outbox.put_nowait(None)
+                stream.reader.cancel()
+        await asyncio.gather(*(s.reader for s in streams if s.reader is not None), return_exceptions=True)
 
 
 async def answer_concurrently(

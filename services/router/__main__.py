@@ -19,8 +19,10 @@ log = logging.getLogger("services.router")
 
 async def serve(config: RouterConfig) -> None:
     catalog = Catalog()
-    batcher = BatcherClient(config.batcher, config.batcher_streams, catalog, config.catalog_poll_s)
-    cache = CacheClient(config.cache, config.cache_lookup_timeout_ms / 1000) if config.cache else None
+    batcher = BatcherClient(config.batcher, config.batcher_streams, catalog, config.catalog_poll_s,
+                            config.stream_max_age_s)
+    cache = (CacheClient(config.cache, config.cache_lookup_timeout_ms / 1000, stream_max_age_s=config.stream_max_age_s)
+             if config.cache else None)
     bypass = AdaptiveBypass(config.cache_bypass_window, config.cache_min_hit_rate, config.cache_probe_every)
     near = NearCache(config.near_cache_ttl_s, config.near_cache_max_bytes)
     samples = FailureSamples(config.failure_samples_path) if config.failure_samples_path else None

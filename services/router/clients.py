@@ -25,12 +25,12 @@ FAILED_POLLS = 3  # catalog polls in a row that fail before the router stops off
 class BatcherClient:
     """Submits requests over a few multiplexed bidi streams and keeps the catalog fresh."""
 
-    def __init__(self, address: str, streams: int, catalog: Catalog, poll_s: float):
+    def __init__(self, address: str, streams: int, catalog: Catalog, poll_s: float, stream_max_age_s: float = 0.0):
         self._channel = grpc.aio.insecure_channel(address, options=client_options())
         self._stub = batcher_pb2_grpc.BatcherStub(self._channel)
         self._muxes = [
             StreamMux(f"batcher {address}", self._stub.Submit,
-                      lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True))
+                      lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True), stream_max_age_s or None)
             for _ in range(streams)
         ]
         self._next = itertools.cycle(self._muxes)
@@ -96,10 +96,12 @@ class CacheClient:
     """Lookups on a multiplexed stream with a short timeout; stores on a
     client stream that nobody waits for. Failures are misses, never errors."""
 
-    def __init__(self, address: str, lookup_timeout_s: float, max_pending_stores: int = 10000):
+    def __init__(self, address: str, lookup_timeout_s: float, max_pending_stores: int = 10000,
+                 stream_max_age_s: float = 0.0):
         self._channel = grpc.aio.insecure_channel(address, options=client_options())
         self._stub = cache_pb2_grpc.CacheStub(self._channel)
-        self._lookups = StreamMux(f"cache {address}", self._stub.Lookup)
+        self._lookups = StreamMux(f"cache {address}", self._stub.Lookup, max_age_s=stream_max_age_s or None)
+        self._max_age_s = stream_max_age_s
         self._timeout_s = lookup_timeout_s
         self._stores: asyncio.Queue = asyncio.Queue(max_pending_stores)
         self._writer: asyncio.Task | None = None
@@ -129,8 +131,10 @@ class CacheClient:
             metrics.CACHE_ERRORS.labels("store_dropped").inc()
 
     async def _write_forever(self) -> None:
-        async def messages():
-            while True:
+        async def messages():  # one Store stream, ended after stream_max_age_s like the lookups' (StreamMux)
+            loop = asyncio.get_running_loop()
+            opened = loop.time()
+            while not self._max_age_s or loop.time() - opened < self._max_age_s:
                 yield await self._stores.get()
 
         while True:

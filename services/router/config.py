@@ -16,6 +16,9 @@ class RouterConfig:
     max_concurrent_rpcs: int = dataclasses.field(default=4096)
     max_stream_inflight: int = dataclasses.field(default=1024, metadata={"help": "requests in flight per ModelStreamInfer stream"})
     batcher_streams: int = dataclasses.field(default=4, metadata={"help": "bidi streams multiplexing requests to the batcher"})
+    stream_max_age_s: float = dataclasses.field(default=60.0, metadata={
+        "help": "a stream to the batcher or cache takes new requests this long, then is replaced (its requests "
+                "still answered), so that behind a mesh new replicas get their share; 0 keeps streams for good"})
     default_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "deadline of a request that brings none"})
     cache_lookup_timeout_ms: float = dataclasses.field(default=25.0, metadata={"help": "a slower lookup counts as a miss"})
     cache_bypass_window: int = dataclasses.field(default=500, metadata={"help": "lookups per model that judge its hit rate"})
@@ -37,6 +40,7 @@ class RouterConfig:
         require(self.max_request_bytes >= 1024, f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         require(self.default_timeout_s > 0, f"default_timeout_s must be > 0, got {self.default_timeout_s}")
         require(self.batcher_streams >= 1, f"batcher_streams must be >= 1, got {self.batcher_streams}")
+        require(self.stream_max_age_s >= 0, f"stream_max_age_s must be >= 0, got {self.stream_max_age_s}")
         require(self.max_stream_inflight >= 1, f"max_stream_inflight must be >= 1, got {self.max_stream_inflight}")
         require(self.cache_lookup_timeout_ms > 0, f"cache_lookup_timeout_ms must be > 0, got {self.cache_lookup_timeout_ms}")
         require(self.cache_bypass_window >= 1, f"cache_bypass_window must be >= 1, got {self.cache_bypass_window}")
