@@ -164,3 +164,15 @@ def test_a_rollout_in_a_cluster_is_refused_before_it_changes_anything(kube, live
     assert done.returncode == 2 and "rollout --apply is not supported" in done.stderr
     assert [r.get("weight") for r in live_service(api, namespace)["spec"]["http"][1]["route"]] == [100, 0]
     assert core.weights(policy, "model-server") == {"blue": 100, "green": 0}
+
+
+def test_a_rollback_in_the_cluster_goes_back_to_the_live_objects_previous_weights(kube, live):
+    """Another operator changed the live weights from another copy of the file:
+    rollback --apply undoes that change, not this file's older one."""
+    api, namespace, policy = live
+    assert meshctl(kube, namespace, policy, "set-weights", "model-server", "blue=90", "green=10").returncode == 0
+    Cluster(namespace, kubeconfig=str(kube.kubeconfig)).set_weights("model-server", {"blue": 50, "green": 50})
+    done = meshctl(kube, namespace, policy, "rollback", "model-server")
+    assert done.returncode == 0, done.stderr
+    assert [r.get("weight") for r in live_service(api, namespace)["spec"]["http"][1]["route"]] == [90, 10]
+    assert core.weights(policy, "model-server") == {"blue": 90, "green": 10}

@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                                     lambda line: print(line, flush=True), args.threshold)
             return 0 if promoted else 1
         elif args.command == "rollback":
-            target = core.previous_weights(args.file, args.host)
+            # In a cluster, the live object's record: another operator may have changed it from elsewhere.
+            target = live.previous_weights(args.host) if live is not None else core.previous_weights(args.file, args.host)
             old = core.set_weights(args.file, args.host, target, live)
             print(f"{args.host}: rolled back {old} -> {target}")
         if args.command in ("set-weights", "promote", "rollback") and live is None:

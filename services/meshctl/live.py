@@ -92,6 +92,17 @@ class Cluster:
         routes = weighted_routes(self.virtual_service(host))
         return route_weights(routes[0]) if routes else {}
 
+    def previous_weights(self, host: str) -> dict[str, int]:
+        """The weights before the live VirtualService's last change by meshctl
+        (its annotation): what a rollback in the cluster goes back to, whoever
+        made that change and from whichever copy of the file."""
+        live = self.virtual_service(host)
+        recorded = (live["metadata"].get("annotations") or {}).get(PREVIOUS)
+        if recorded is None:
+            raise MeshctlError(f"the live VirtualService {live['metadata']['name']!r} records no earlier weights "
+                               f"to roll back to")
+        return {k: int(v) for k, v in json.loads(recorded).items()}
+
     def set_weights(self, host: str, wanted: dict[str, int]) -> dict[str, int]:
         live = self.virtual_service(host)
         ops, old = weight_patch(live, wanted)
