@@ -31,8 +31,16 @@ class _Stream:
         self.reader: asyncio.Task | None = None
 
     async def messages(self) -> AsyncIterator:
-        while (message := await self.outbox.get()) is not None:
-            yield message
+        """What goes on the wire, each request built only when gRPC takes it
+        (after any wait for flow control), and not at all once its caller has
+        left: the time left it states is then the time left."""
+        while (item := await self.outbox.get()) is not None:
+            if isinstance(item, tuple):
+                request_id, build = item
+                if request_id not in self.pending:
+                    continue
+                item = build(request_id)
+            yield item
 
 
 class StreamMux:
@@ -90,12 +98,13 @@ class StreamMux:
 
     async def request(self, build: Callable[[int], object], timeout_s: float | None = None):
         """Sends build(id) and waits for the response with that id. On timeout
-        or cancellation the server is told to drop the request."""
+        or cancellation the server is told to drop the request (or, not yet
+        sent, it never is)."""
         stream = self._current()
         request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         stream.pending[request_id] = future
-        stream.outbox.put_nowait(build(request_id))
+        stream.outbox.put_nowait((request_id, build))  # built as it is sent (_Stream.messages)
         try:
             if timeout_s is None:
                 return await future

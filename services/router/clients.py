@@ -60,9 +60,11 @@ class BatcherClient:
     async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
                      tier: int, timeout_s: float) -> tuple[str, list[TensorData]]:
         proto_inputs = tensors_to_proto(inputs)
-        timeout_ms = min(max(1, int(timeout_s * 1000)), 2**32 - 1)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
 
-        def build(request_id: int):
+        def build(request_id: int):  # when it is sent: the batcher counts timeout_ms from when it reads it
+            timeout_ms = min(max(1, int((deadline - loop.time()) * 1000)), 2**32 - 1)
             return batcher_pb2.SubmitRequest(id=request_id, model=model, version=version, inputs=proto_inputs,
                                              outputs=outputs, priority=tier, timeout_ms=timeout_ms)
 
