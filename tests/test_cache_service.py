@@ -184,11 +184,14 @@ def test_a_malformed_store_is_refused_naming_the_field_and_the_ones_before_it_ar
     ("minilm", b"", "LookupRequest id 7: digest of model 'minilm' is 0 bytes"),
     ("minilm", b"\x01" * 20, "digest of model 'minilm' is 20 bytes"),
 ], ids=["empty-model", "empty-digest", "long-digest"])
-def test_a_malformed_lookup_is_refused_naming_the_field(cache, model, digest, message):
-    with pytest.raises(grpc.RpcError) as info:
-        cache.lookup(model, digest)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert message in info.value.details()
+def test_a_malformed_lookup_is_a_miss_naming_the_field_and_the_stream_goes_on(cache, model, digest, message):
+    good = b"\x0c" * 16
+    cache.store("minilm", good, [EMBEDDING])
+    lookups = [cache_pb2.LookupRequest(id=7, model=model, digest=digest),
+               cache_pb2.LookupRequest(id=8, model="minilm", digest=good)]
+    answers = {r.id: r for r in cache.stub.Lookup(iter(lookups), timeout=10)}
+    assert not answers[7].hit and message in answers[7].error
+    assert answers[8].hit and not answers[8].error
 
 
 def test_a_damaged_l2_file_is_moved_aside_and_the_service_starts_on_an_empty_one(cache, tmp_path):

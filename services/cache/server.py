@@ -57,14 +57,6 @@ async def aenumerate(iterator):
         index += 1
 
 
-async def checked_lookups(request_iterator):
-    """Ends the stream with INVALID_ARGUMENT at the first malformed lookup,
-    after the answers already due (the router never sends one)."""
-    async for request in request_iterator:
-        check_key(f"LookupRequest id {request.id}", request.model, request.digest)
-        yield request
-
-
 class CacheServicer(cache_pb2_grpc.CacheServicer):
     def __init__(self, cache: ResultCache, admin_token: str, draining: asyncio.Event):
         self._cache = cache
@@ -75,6 +67,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         """One answer per lookup, in completion order; anything unreadable is a miss."""
 
         async def handle(request):
+            try:
+                check_key(f"LookupRequest id {request.id}", request.model, request.digest)
+            except errors.InvalidArgument as exc:  # this lookup alone: a miss that says why
+                return cache_pb2.LookupResponse(id=request.id, hit=False, error=exc.message)
             outputs, generation = await self._cache.lookup(request.model, request.digest, request.tier)
             response = cache_pb2.LookupResponse(id=request.id, hit=outputs is not None, generation=generation)
             if outputs is not None:
@@ -84,7 +80,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         def on_error(request, exc):  # the cache never fails a request: a miss
             return cache_pb2.LookupResponse(id=request.id, hit=False)
 
-        async for response in answer_concurrently(checked_lookups(request_iterator), handle, on_error,
+        async for response in answer_concurrently(request_iterator, handle, on_error,
                                                   MAX_INFLIGHT_PER_STREAM, self._draining):
             yield response
 

@@ -118,6 +118,11 @@ class CacheClient:
             metrics.CACHE_ERRORS.labels("lookup").inc()
             log.debug("cache lookup failed: %s", exc)
             return None, None
+        if response.error:  # the cache found the lookup malformed: a miss, and a fault of ours worth a log line
+            metrics.CACHE.labels("error").inc()
+            metrics.CACHE_ERRORS.labels("lookup").inc()
+            log.warning("cache refused a lookup: %s", response.error)
+            return None, None
         metrics.CACHE.labels("hit" if response.hit else "miss").inc()
         return (tensors_from_proto(response.outputs) if response.hit else None), response.generation
 
