@@ -154,3 +154,18 @@ def test_the_bound_holds_what_lmdb_really_uses_for_small_results(tmp_path):
     store.close()
     # Counting values alone held 20,000 of them, over 4 MiB of pages; page slack allows some excess.
     assert lmdb_bytes_in_use(tmp_path) < 1.6 * (1 << 20)
+
+
+def test_only_the_newest_damaged_l2_file_is_kept(tmp_path):
+    """A store damaged again and again (a node that keeps crashing) must not
+    fill the disk with the files it moved aside."""
+    for round_ in range(3):
+        store = DiskStore(tmp_path, max_bytes=1 << 20)
+        store.put_many([(b"k", b"x" * 100)])
+        store.close()
+        data = tmp_path / "data.mdb"
+        data.write_bytes(b"\xa5" * 8192 + data.read_bytes()[8192:])  # both meta pages: MDB_INVALID
+        for older in tmp_path.glob("data.mdb.damaged-*"):  # distinct names, as a second apart they would be
+            older.rename(tmp_path / f"data.mdb.damaged-round{round_}-{older.name[-6:]}")
+        DiskStore(tmp_path, max_bytes=1 << 20).close()
+    assert len(list(tmp_path.glob("data.mdb.damaged-*"))) == 1

@@ -72,6 +72,10 @@ class DiskStore:
         return stored
 
     def _move_aside(self) -> pathlib.Path:
+        """Keeps the damaged file for a look, as the one newest such file: older
+        ones go, so that a store damaged again and again cannot fill the disk."""
+        for older in self._path.glob("data.mdb.damaged-*"):
+            older.unlink(missing_ok=True)
         aside = self._path / f"data.mdb.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
         (self._path / "data.mdb").rename(aside)
         (self._path / "lock.mdb").unlink(missing_ok=True)
