@@ -176,3 +176,31 @@ def test_a_rollback_in_the_cluster_goes_back_to_the_live_objects_previous_weight
     assert done.returncode == 0, done.stderr
     assert [r.get("weight") for r in live_service(api, namespace)["spec"]["http"][1]["route"]] == [90, 10]
     assert core.weights(policy, "model-server") == {"blue": 90, "green": 10}
+
+
+def test_meshctl_in_a_pod_with_its_service_account_may_patch_weights_and_nothing_else(kube, live, tmp_path):
+    """mesh/kubernetes/base/meshctl-rbac.yaml, under the API server's RBAC: a token
+    of the infermesh-meshctl service account can shift the weights, and cannot
+    read the namespace's Secrets."""
+    from kubernetes import client, config
+
+    api, namespace, policy = live
+    for doc in yaml.safe_load_all((manifests.ROOT / "mesh" / "kubernetes" / "base" / "meshctl-rbac.yaml").read_text()):
+        for subject in doc.get("subjects", []):
+            subject["namespace"] = namespace
+        _resource(api, doc).create(body=doc, namespace=namespace)
+    admin = config.new_client_from_config(config_file=str(kube.kubeconfig))
+    token = client.CoreV1Api(admin).create_namespaced_service_account_token(
+        "infermesh-meshctl", namespace, {"spec": {"expirationSeconds": 600}}).status.token
+    as_meshctl = yaml.safe_load(kube.kubeconfig.read_text())
+    as_meshctl["users"] = [{"name": "admin", "user": {"token": token}}]
+    kubeconfig = tmp_path / "meshctl-kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(as_meshctl))
+    done = subprocess.run([sys.executable, "-m", "services.meshctl", "--file", str(policy), "--apply", "--kubeconfig",
+                           str(kubeconfig), "--namespace", namespace, "set-weights", "model-server", "blue=80",
+                           "green=20"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert [r.get("weight") for r in live_service(api, namespace)["spec"]["http"][1]["route"]] == [80, 20]
+    with pytest.raises(client.exceptions.ApiException) as refused:
+        client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig))).list_namespaced_secret(namespace)
+    assert refused.value.status == 403
