@@ -24,8 +24,8 @@ from collections.abc import Callable
 from services.common import errors
 from services.common.tensors import TensorData
 from services.model_server import metrics
-from services.model_server.execution import (LoadedVersion, LoadFailed, compare, cuda_usable, golden_feeds,
-                                             load_version)
+from services.model_server.execution import (LoadedVersion, LoadFailed, compare, cuda_usable, first_line,
+                                             golden_feeds, load_version)
 from services.model_server.repository import (ConfigError, Golden, ModelConfig, load_config, load_golden, model_dirs,
                                               version_fingerprint)
 
@@ -522,8 +522,7 @@ def _check_inputs(config: ModelConfig, inputs: list[TensorData]) -> dict[str, Te
 
 
 def _unexpected(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:400] + " (unexpected: the log has the traceback)"
+    return first_line(exc) + " (unexpected: the log has the traceback)"
 
 
 def parse_overrides(text: str) -> dict:

@@ -580,7 +580,7 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
                     loaded.run_s = time.perf_counter() - started  # a first guess at a batch's time
                 except Exception as exc:
                     raise LoadFailed("warmup", f"{config.name} version {version} failed warm-up at batch {size}: "
-                                               f"{_first_line(exc)}") from None
+                                               f"{first_line(exc)}") from None
         if golden is not None:
             passed, detail = compare(loaded.run(instances[0], golden_feeds(config, golden), []), golden, config)
             if not passed:
@@ -636,7 +636,7 @@ def _session(path: pathlib.Path, config: ModelConfig, device_id: int | None, thr
     try:
         return ort.InferenceSession(str(path), options, providers=providers)
     except Exception as exc:  # ORT raises its own exception types for bad files
-        raise LoadFailed("session", f"{path}: ONNX Runtime cannot load it: {_first_line(exc)}") from None
+        raise LoadFailed("session", f"{path}: ONNX Runtime cannot load it: {first_line(exc)}") from None
 
 
 def _sharded_session(config: ModelConfig, folder: pathlib.Path, first_device: int | None, threads: int) -> ShardedSession:
@@ -661,7 +661,7 @@ def _tokenizer(path: pathlib.Path, max_length: int):
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:
-        raise LoadFailed("file", f"{path}: not a tokenizers file: {_first_line(exc)}") from None
+        raise LoadFailed("file", f"{path}: not a tokenizers file: {first_line(exc)}") from None
     tokenizer.enable_truncation(max_length=max_length)
     tokenizer.enable_padding()  # to the longest text of the batch
     return tokenizer
@@ -685,7 +685,8 @@ def _check_signature(loaded: LoadedVersion, model_file: pathlib.Path) -> None:
         raise LoadFailed("file", f"{model_file}: the graph has no output(s) {missing}; it has {sorted(graph_outputs)}")
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
 
