@@ -16,6 +16,7 @@ import struct
 import numpy as np
 import zstandard
 
+from services.common import errors
 from services.common.tensors import NUMPY_DTYPES, DATATYPES, TensorData, element_count
 
 MAGIC = b"IMC1"
@@ -43,12 +44,13 @@ def check(tensors: list[TensorData]) -> None:
     if not 1 <= len(tensors) <= MAX_TENSORS:
         raise UnstorableValue(f"holds {len(tensors)} tensors; 1 to {MAX_TENSORS} fit")
     for t in tensors:
+        name = errors.shown(t.name)
         if len(t.name.encode()) > 0xFFFF or t.datatype not in DATATYPES or len(t.shape) > 0xFF:
-            raise UnstorableValue(f"tensor '{t.name[:64]}' has datatype {t.datatype!r} and {len(t.shape)} dims")
+            raise UnstorableValue(f"tensor {name} has datatype {errors.shown(t.datatype)} and {len(t.shape)} dims")
         if any(d < 0 for d in t.shape) or len(t.data) > 0xFFFFFFFF:
-            raise UnstorableValue(f"tensor '{t.name}' has shape {list(t.shape)} and {len(t.data)} bytes")
+            raise UnstorableValue(f"tensor {name} has shape {list(t.shape)} and {len(t.data)} bytes")
         if t.datatype != "BYTES" and len(t.data) != element_count(t.shape) * NUMPY_DTYPES[t.datatype].itemsize:
-            raise UnstorableValue(f"tensor '{t.name}' holds {len(t.data)} bytes; {t.datatype} of shape "
+            raise UnstorableValue(f"tensor {name} holds {len(t.data)} bytes; {t.datatype} of shape "
                                   f"{list(t.shape)} needs {element_count(t.shape) * NUMPY_DTYPES[t.datatype].itemsize}")
 
 

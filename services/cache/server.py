@@ -27,7 +27,7 @@ def check_model(what: str, model: str) -> None:
     if not model:
         raise errors.InvalidArgument(f"{what}: model is empty; name the model")
     if len(model.encode()) > MAX_MODEL_BYTES or "\x00" in model:
-        raise errors.InvalidArgument(f"{what}: model {model[:64]!r} is not a model name "
+        raise errors.InvalidArgument(f"{what}: model {errors.shown(model)} is not a model name "
                                      f"(at most {MAX_MODEL_BYTES} bytes, no NUL)")
 
 
@@ -48,13 +48,6 @@ def checked_outputs(index: int, request) -> list:
     except codec.UnstorableValue as exc:
         raise errors.InvalidArgument(f"{what}: outputs of model '{request.model}': {exc}") from None
     return outputs
-
-
-async def aenumerate(iterator):
-    index = 0
-    async for item in iterator:
-        yield index, item
-        index += 1
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
@@ -98,10 +91,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             else:
                 counts["stale" if future.result() == STALE else "stored"] += 1
 
+        index = 0
         try:
-            async for index, request in aenumerate(request_iterator):
+            async for request in request_iterator:
                 generation = request.generation if request.HasField("generation") else None
                 future = self._cache.put(request.model, request.digest, checked_outputs(index, request), generation)
+                index += 1
                 if future is None:
                     counts["failed"] += 1
                     continue
