@@ -230,8 +230,9 @@ def client_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str,
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
-    """Serves grpc.health.v1 (overall and per service, NOT_SERVING until told
-    otherwise) and server reflection for `service_names`."""
+    """Serves grpc.health.v1 (overall and per service; grpc_health starts the
+    overall status "" as SERVING, so a service not ready at once sets it
+    first) and server reflection for `service_names`."""
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

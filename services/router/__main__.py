@@ -4,6 +4,8 @@ import asyncio
 import logging
 import sys
 
+from grpc_health.v1 import health_pb2
+
 from services.common import serving
 from services.common.metrics import start_metrics_server
 from services.router.breaker import FailureSamples
@@ -34,8 +36,9 @@ async def serve(config: RouterConfig) -> None:
 
     # Liveness asks the service's own name: SERVING while the process runs, so that a
     # router waiting for the models to load (or come back) is not restarted for it.
-    await serving.set_serving(health, [SERVICE_NAME], True)
+    # Readiness ("", which grpc_health starts SERVING) is NOT_SERVING until the catalog has a ready model.
     await serving.set_serving(health, [], False)
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
     async def follow_readiness() -> None:
         announced = False

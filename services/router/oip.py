@@ -70,11 +70,9 @@ PRIORITY_LEVELS = {1: VIP, 2: STANDARD}
 # Parameters of the protocol (and of Triton's extensions, which tritonclient
 # sends) whose feature this server does not have: a request that asks for one
 # is refused, rather than answered as if it had not asked.
-UNSUPPORTED_TENSOR_PARAMETERS = {
-    "shared_memory_region": "shared-memory tensors are not supported; send the data in the request",
-    "shared_memory_byte_size": "shared-memory tensors are not supported; send the data in the request",
-    "shared_memory_offset": "shared-memory tensors are not supported; send the data in the request",
-}
+UNSUPPORTED_TENSOR_PARAMETERS = dict.fromkeys(
+    ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"),
+    "shared-memory tensors are not supported; send the data in the request")
 UNSUPPORTED_OUTPUT_PARAMETERS = {
     **UNSUPPORTED_TENSOR_PARAMETERS,
     "classification": "classification outputs (class_count) are not supported; ask for the raw output",
