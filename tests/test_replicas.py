@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import prometheus_client
 import pytest
+import yaml
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from infermesh.common.v1 import tensor_pb2
 from infermesh.model_server.v1 import model_server_pb2
@@ -257,33 +258,15 @@ async def test_under_a_traffic_policy_each_tier_counts_the_slots_its_route_reach
         await manager.close()
 
 
-SUBSET_POLICY = """
-apiVersion: networking.istio.io/v1
-kind: VirtualService
-metadata: {name: model-server}
-spec:
-  hosts: [model-server]
-  http:
-  - route:
-    - destination: {host: model-server, subset: blue}
-      weight: 100
-    - destination: {host: model-server, subset: green}
----
-apiVersion: networking.istio.io/v1
-kind: DestinationRule
-metadata: {name: model-server}
-spec:
-  host: model-server
-  trafficPolicy:
-    outlierDetection: {consecutive5xxErrors: 3, maxEjectionPercent: 50}
-  subsets:
-  - name: blue
-    labels: {version: blue}
-    trafficPolicy:
-      outlierDetection: {consecutive5xxErrors: 1, maxEjectionPercent: 100, minHealthPercent: 50}
-  - name: green
-    labels: {version: green}
-"""
+def subset_policy(blue_5xx_errors: int) -> str:
+    """mesh/istio's policy with an outlierDetection of blue's own, which
+    ejects after `blue_5xx_errors` and panics below half of blue healthy."""
+    docs = list(yaml.safe_load_all((ROOT / "mesh" / "istio" / "model-server-traffic.yaml").read_text()))
+    rule = next(d for d in docs if d["kind"] == "DestinationRule")
+    blue = next(s for s in rule["spec"]["subsets"] if s["name"] == "blue")
+    blue["trafficPolicy"] = {"outlierDetection": {"consecutive5xxErrors": blue_5xx_errors, "maxEjectionPercent": 100,
+                                                  "minHealthPercent": 50}}
+    return yaml.safe_dump_all(docs)
 
 
 async def test_a_subsets_own_outlier_detection_and_its_panic_threshold_apply_to_that_subset_alone(repo, tmp_path):
@@ -291,7 +274,7 @@ async def test_a_subsets_own_outlier_detection_and_its_panic_threshold_apply_to_
     half its replicas healthy, when batches go to every blue replica again;
     green keeps the rule's. A change to blue's alone starts blue afresh only."""
     policy_file = tmp_path / "traffic.yaml"
-    policy_file.write_text(SUBSET_POLICY)
+    policy_file.write_text(subset_policy(1))
     policy = traffic.PolicyFiles([policy_file], "model-server")
     manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
     await manager.start()
@@ -310,7 +293,7 @@ async def test_a_subsets_own_outlier_detection_and_its_panic_threshold_apply_to_
         assert blue.ejected() == sorted(addresses[:2])
         assert replicas.slots("mlp")[0] == 2  # none healthy: panic, both blue replicas take batches
         assert (await replicas.execute("mlp", "", mlp_batch(), [], 30.0))[0] == "1"
-        policy_file.write_text(SUBSET_POLICY.replace("consecutive5xxErrors: 1,", "consecutive5xxErrors: 12,"))
+        policy_file.write_text(subset_policy(12))
         await replicas.poll_once()
         assert replicas._detectors["blue"] is not blue and replicas._detectors["green"] is green  # noqa: SLF001
         assert replicas._detectors["blue"].ejected() == []  # noqa: SLF001

@@ -180,7 +180,6 @@ def test_oip_priority_and_timeout_parameters():
         convert(message)
 
 
-
 def _classification(message):
     message.outputs.add(name="OUTPUT0").parameters["classification"].int64_param = 2
 
