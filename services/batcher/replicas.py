@@ -222,9 +222,9 @@ class ReplicaSet:
         next is led by `priority` (see the class): a standard batch counts the
         standard ones, a VIP batch all of them; behind a mesh each tier counts
         its own (_has_room)."""
-        info = replica.models.get(model)
         if self._behind_mesh:
             return self._max_inflight
+        info = replica.models.get(model)
         if info is None or info.instances < 1:
             standard = every = self._max_inflight
         else:
