@@ -15,6 +15,25 @@ RPC_LATENCY = prometheus_client.Histogram(
 )
 
 
+class Children(dict):
+    """A labelled metric's children by their label values, as a dict that
+    fills itself: `CHILDREN[a, b].inc()`. For the per-request paths, where
+    prometheus_client's labels() (a lock and checks on every call) costs
+    several times the increment; values must be few, as for labels()."""
+
+    def __init__(self, metric):
+        super().__init__()
+        self.metric = metric
+
+    def __missing__(self, values):
+        child = self[values] = self.metric.labels(*(values if isinstance(values, tuple) else (values,)))
+        return child
+
+
+RPC_REQUESTS_BY = Children(RPC_REQUESTS)
+RPC_LATENCY_BY = Children(RPC_LATENCY)
+
+
 def start_metrics_server(host: str, port: int) -> int:
     """Serves /metrics on host:port (0 picks a free port); returns the bound port."""
     server, _thread = prometheus_client.start_http_server(port, addr=host)

@@ -1,4 +1,4 @@
-"""Serving helpers shared by every service: the error interceptor, health,
+"""Serving helpers shared by every service: error handling for every method, health,
 reflection, readiness announcement and graceful shutdown."""
 
 import argparse
@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common import collector, errors
 from services.common.config import add_dataclass_arguments, from_arguments
-from services.common.metrics import RPC_LATENCY, RPC_REQUESTS
+from services.common.metrics import RPC_LATENCY_BY, RPC_REQUESTS_BY
 
 log = logging.getLogger(__name__)
 
@@ -54,25 +54,27 @@ class Malformed:
         self.error = error
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps domain errors to their gRPC status, anything unexpected to INTERNAL
-    (traceback in the log, a generic message to the caller), and records the
-    per-RPC metrics. It also parses requests itself, so that a message that is
-    not valid protobuf is INVALID_ARGUMENT rather than grpc's UNKNOWN, and a
-    unary request over `max_request_bytes` is RESOURCE_EXHAUSTED naming both
-    sizes (stream messages over it arrive wrapped in Oversized, and with it set
-    unreadable ones in Malformed). A method the servicer leaves unimplemented
-    is UNIMPLEMENTED."""
+class ErrorHandling:
+    """Wraps every method handler of a server once, as it is registered
+    (ErrorHandledServer), rather than an interceptor running per call. The
+    wrapper maps domain errors to their gRPC status, anything unexpected to
+    INTERNAL (traceback in the log, a generic message to the caller), and
+    records the per-RPC metrics. It also parses requests itself, so that a
+    message that is not valid protobuf is INVALID_ARGUMENT rather than grpc's
+    UNKNOWN, and a unary request over `max_request_bytes` is
+    RESOURCE_EXHAUSTED naming both sizes (stream messages over it arrive
+    wrapped in Oversized, and with it set unreadable ones in Malformed). A
+    method the servicer leaves unimplemented is UNIMPLEMENTED."""
 
     def __init__(self, service: str, max_request_bytes: int | None = None):
         self._service = service
         self._max_request_bytes = max_request_bytes
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
+    def wrap(self, full_method: str, handler):
+        """The handler of `full_method` ("/package.Service/Method"), wrapped."""
         if handler is None:
             return None
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+        method = full_method.rsplit("/", 1)[-1]
         parse = handler.request_deserializer
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
@@ -109,8 +111,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             yield Oversized(message, len(raw)) if self._too_large(raw) else message
 
     def _record(self, method: str, code: str, started: float) -> None:
-        RPC_REQUESTS.labels(self._service, method, code).inc()
-        RPC_LATENCY.labels(self._service, method).observe(time.perf_counter() - started)
+        RPC_REQUESTS_BY[self._service, method, code].inc()
+        RPC_LATENCY_BY[self._service, method].observe(time.perf_counter() - started)
 
     def _wrap_unary(self, behavior, method, parse):
         async def wrapper(raw, context):
@@ -180,31 +182,76 @@ def _code_name(context) -> str:
     return code.name if isinstance(code, grpc.StatusCode) else str(code)
 
 
+class ErrorHandledServer:
+    """A grpc.aio server whose method handlers are wrapped by ErrorHandling
+    as they are registered: the generated add_*Servicer_to_server functions,
+    health and reflection register through it unchanged. Everything else is
+    the server's own."""
+
+    def __init__(self, server: grpc.aio.Server, handling: ErrorHandling):
+        self._server = server
+        self._handling = handling
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_WrappedGenericHandler(h, self._handling) for h in handlers))
+
+    def add_registered_method_handlers(self, service: str, method_handlers: dict) -> None:
+        self._server.add_registered_method_handlers(service, {
+            name: self._handling.wrap(f"/{service}/{name}", handler) for name, handler in method_handlers.items()})
+
+    def __getattr__(self, name):
+        return getattr(self._server, name)
+
+
+# What registers servicers (reflection, among others) tells an aio server from a sync one by isinstance.
+grpc.aio.Server.register(ErrorHandledServer)
+
+
+class _WrappedGenericHandler(grpc.GenericRpcHandler):
+    """A generic handler whose answers are wrapped, once per method."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler, handling: ErrorHandling):
+        self._inner = inner
+        self._handling = handling
+        self._by_method: dict[str, object] = {}
+
+    def service(self, handler_call_details):
+        method = handler_call_details.method
+        handler = self._by_method.get(method)
+        if handler is None:
+            handler = self._handling.wrap(method, self._inner.service(handler_call_details))
+            if handler is not None:  # only methods served: callers cannot grow the dict
+                self._by_method[method] = handler
+        return handler
+
+
 def new_server(service: str, max_message_bytes: int, max_concurrent_rpcs: int | None = None,
-               max_request_bytes: int | None = None) -> grpc.aio.Server:
-    """A grpc.aio server with our interceptor. `max_message_bytes` is the
-    transport's hard limit; `max_request_bytes`, when set and lower, is checked
-    per request so that one oversized message fails alone."""
-    return grpc.aio.server(
-        interceptors=[ErrorInterceptor(service, max_request_bytes)],
-        maximum_concurrent_rpcs=max_concurrent_rpcs,
-        options=server_options(max_message_bytes),
-    )
+               max_request_bytes: int | None = None, reuse_port: bool = False) -> ErrorHandledServer:
+    """A grpc.aio server whose handlers are error-handled (ErrorHandling).
+    `max_message_bytes` is the transport's hard limit; `max_request_bytes`,
+    when set and lower, is checked per request so that one oversized message
+    fails alone. With `reuse_port`, other processes may bind the same port
+    (SO_REUSEPORT) and the kernel spreads connections among them."""
+    server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs,
+                             options=server_options(max_message_bytes, reuse_port))
+    return ErrorHandledServer(server, ErrorHandling(service, max_request_bytes))
 
 
 KEEPALIVE_MS = 15_000  # how often our clients ping a quiet connection
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def server_options(max_message_bytes: int, reuse_port: bool = False) -> list[tuple[str, int]]:
     """Our clients ping long-lived streams every KEEPALIVE_MS to notice a frozen
     peer: the server must take pings that often on a connection with no data,
     or, at its default of one per 5 minutes, it answers the third with GOAWAY
     too_many_pings and every idle stream (the router's to the cache and to the
-    batcher) breaks every few minutes."""
+    batcher) breaks every few minutes. The port is the process's own (a second
+    server on it fails to bind, rather than silently sharing its callers)
+    unless `reuse_port` asks for SO_REUSEPORT."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(reuse_port)),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS * 2 // 3),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
