@@ -354,3 +354,32 @@ async def test_requests_up_to_the_model_limit_and_far_deadlines_are_served(stub)
     texts = [unique(f"one of many {i}") for i in range(64)]  # minilm's limit, above the batcher's 32
     response = await stub.ModelInfer(text_request(texts), timeout=60 * 24 * 3600)  # 60 days
     assert output_array(response, "EMBEDDING").shape == (64, 384)
+
+
+async def test_the_batcher_answers_one_request_a_message_and_several_alike(mesh):
+    """SubmitMany (the router's hop, several requests to a message) and Submit
+    (one a message, which routers of the previous release still use) answer
+    the same requests with the same outputs, each by its own id."""
+    from infermesh.batcher.v1 import batcher_pb2, batcher_pb2_grpc
+    from infermesh.common.v1.tensor_pb2 import Tensor
+
+    rows = np.arange(3 * 64, dtype="<f4").reshape(3, 64) / 100
+
+    def request(i):
+        return batcher_pb2.SubmitRequest(id=i, model="mlp", timeout_ms=10_000, inputs=[
+            Tensor(name="INPUT0", datatype="FP32", shape=[1, 64], data=rows[i - 1].tobytes())])
+
+    async with grpc.aio.insecure_channel(mesh.address("batcher")) as channel:
+        batcher = batcher_pb2_grpc.BatcherStub(channel)
+        singles = {r.id: r for r in [r async for r in batcher.Submit(iter([request(i) for i in (1, 2, 3)]))]}
+        frames = [f async for f in batcher.SubmitMany(iter([
+            batcher_pb2.SubmitManyRequest(requests=[request(1), request(2)]),
+            batcher_pb2.SubmitManyRequest(requests=[request(3), batcher_pb2.SubmitRequest(id=4, model="no-such")]),
+        ]))]
+    many = {r.id: r for frame in frames for r in frame.responses}
+    assert sorted(singles) == [1, 2, 3] and sorted(many) == [1, 2, 3, 4]
+    for i in (1, 2, 3):
+        assert not singles[i].HasField("error") and not many[i].HasField("error")
+        assert singles[i].outputs[0].data == many[i].outputs[0].data
+        assert np.frombuffer(many[i].outputs[0].data, "<f4").shape == (64,)
+    assert many[4].error.code == grpc.StatusCode.UNAVAILABLE.value[0]  # one bad request fails alone

@@ -2,13 +2,16 @@
 gRPC server whose streams are answered by the servers' own answer_concurrently."""
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
 from infermesh.batcher.v1 import batcher_pb2, batcher_pb2_grpc
 from infermesh.common.v1.tensor_pb2 import Tensor
 
-from services.common.streams import StreamMux, answer_concurrently
+from services.batcher.server import FRAMING
+from services.common.streams import Framing, StreamMux, answer_concurrently, framed
+from services.router.clients import submit_framing
 
 
 class Echo(batcher_pb2_grpc.BatcherServicer):
@@ -117,3 +120,105 @@ async def test_a_request_waiting_to_be_sent_is_built_then_and_dropped_if_its_cal
         assert requests[1][1] < 29_000  # stated when sent, a second or more after it was asked for
         await mux.close()
     await server.stop(0)
+
+
+class Frames(batcher_pb2_grpc.BatcherServicer):
+    """SubmitMany as the batcher answers it (answer_concurrently with its
+    framing); counts the frames and requests it read. Requests for model
+    "slow" wait for `gate`."""
+
+    def __init__(self):
+        self.gate = asyncio.Event()
+        self.frames = 0
+        self.requests = 0
+
+    async def SubmitMany(self, request_iterator, context):
+        async def counted():
+            async for frame in request_iterator:
+                self.frames += 1
+                self.requests += len(frame.requests)
+                yield frame
+
+        async def handle(request):
+            if request.cancel:
+                return None
+            if request.model == "slow":
+                await self.gate.wait()
+            return batcher_pb2.SubmitResponse(id=request.id, version=request.model)
+
+        async for response in answer_concurrently(counted(), handle, lambda r, e: None, 1024, framing=FRAMING):
+            yield response
+
+
+@contextlib.asynccontextmanager
+async def frames_server():
+    """(servicer, port); on the way out, held requests are let go, so that a
+    failed assertion cannot leave the channel waiting on them."""
+    servicer = Frames()
+    server = grpc.aio.server()
+    batcher_pb2_grpc.add_BatcherServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield servicer, port
+    finally:
+        servicer.gate.set()
+        await server.stop(0)
+
+
+async def test_requests_queued_together_share_a_frame_and_each_gets_its_own_answer():
+    """While requests are in flight, those that come within the linger go out
+    as one message; answers ready together come back as one."""
+    async with frames_server() as (servicer, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        mux = StreamMux("frames", batcher_pb2_grpc.BatcherStub(channel).SubmitMany,
+                        lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True), framing=submit_framing(0.5))
+
+        def submit(model, urgent=False):
+            return mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model=model), 10, urgent=urgent)
+
+        held = asyncio.create_task(submit("slow"))  # in flight: the next ones may linger
+        await asyncio.sleep(0.1)
+        submits = []
+        for k in range(20):  # a few milliseconds apart: each alone would be a message of its own
+            submits.append(asyncio.create_task(submit(f"m{k}")))
+            await asyncio.sleep(0.005)
+        answers = await asyncio.gather(*submits)
+        assert [a.version for a in answers] == [f"m{k}" for k in range(20)]
+        assert servicer.requests == 21 and servicer.frames <= 3, (servicer.frames, servicer.requests)
+        servicer.gate.set()
+        assert (await held).version == "slow"
+        await mux.close()
+
+
+async def test_an_urgent_request_does_not_wait_out_the_linger():
+    async with frames_server() as (servicer, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        mux = StreamMux("frames", batcher_pb2_grpc.BatcherStub(channel).SubmitMany,
+                        lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True), framing=submit_framing(30.0))
+        held = asyncio.create_task(mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model="slow"), 60))
+        await asyncio.sleep(0.1)
+        # A standard one lingers (30 s here) for company; an urgent one sends the frame at once.
+        lingering = asyncio.create_task(mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model="std"), 60))
+        await asyncio.sleep(0.2)
+        assert not lingering.done()
+        urgent = await asyncio.wait_for(
+            mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model="vip"), 60, urgent=True), 5)
+        assert urgent.version == "vip" and (await asyncio.wait_for(lingering, 5)).version == "std"
+        servicer.gate.set()
+        await held
+        await mux.close()
+
+
+async def test_a_frame_stops_growing_at_its_byte_bound_and_keeps_the_order():
+    """What does not fit starts the next frame; nothing is lost or reordered,
+    and the end marker still ends the stream after the last frame."""
+    queue: asyncio.Queue = asyncio.Queue()
+    sizes = [300, 300, 300, 5000, 10, 10]
+    for k, size in enumerate(sizes):
+        queue.put_nowait(batcher_pb2.SubmitRequest(id=k, model="x" * size))
+    queue.put_nowait(None)
+    framing = Framing(pack=lambda requests: batcher_pb2.SubmitManyRequest(requests=requests),
+                      unpack=lambda frame: frame.requests, max_bytes=1000)
+    sent = []
+    frames = [[r.id for r in frame.requests] async for frame in framed(queue, framing, lambda m: m, sent.append)]
+    assert frames == [[0, 1, 2], [3], [4, 5]]
+    assert sent == [3, 1, 2]

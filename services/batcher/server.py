@@ -10,11 +10,14 @@ from services.batcher.core import Batcher
 from services.batcher.replicas import ReplicaSet
 from services.common import errors, serving
 from services.common.protoconv import error_to_proto, tensors_from_proto, tensors_to_proto
-from services.common.streams import answer_concurrently
+from services.common.streams import Framing, answer_concurrently
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = batcher_pb2.DESCRIPTOR.services_by_name["Batcher"].full_name
 MAX_INFLIGHT_PER_STREAM = 8192
+# The frames of SubmitMany, both ways (the router packs its own the same way).
+FRAMING = Framing(pack=lambda requests: batcher_pb2.SubmitManyResponse(responses=requests),
+                  unpack=lambda frame: frame.requests)
 
 
 class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
@@ -28,6 +31,15 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
         order. A cancel message drops its request before it runs; when the
         caller goes away, all of its requests are dropped. While draining, new
         requests are refused with UNAVAILABLE and the stream ends once idle."""
+        async for response in self._answer(request_iterator):
+            yield response
+
+    async def SubmitMany(self, request_iterator, context):
+        """Submit with several requests to a message each way."""
+        async for response in self._answer(request_iterator, FRAMING):
+            yield response
+
+    def _answer(self, request_iterator, framing: Framing | None = None):
         running: dict[int, asyncio.Task] = {}
 
         def error(request, exc: errors.InfermeshError):
@@ -57,9 +69,8 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
         def on_error(request, exc):
             return error(request, errors.Internal("internal error in the batcher; see its log"))
 
-        async for response in answer_concurrently(request_iterator, handle, on_error, MAX_INFLIGHT_PER_STREAM,
-                                                  self._draining):
-            yield response
+        return answer_concurrently(request_iterator, handle, on_error, MAX_INFLIGHT_PER_STREAM, self._draining,
+                                   framing)
 
     async def ListModels(self, request, context):
         return batcher_pb2.ListModelsResponse(models=self._replicas.models())

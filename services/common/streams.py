@@ -7,12 +7,21 @@ than `max_age_s` takes no new requests: the next one opens a new stream, and
 the old one is half-closed, so the server ends it once it has answered what it
 carries. Behind a mesh each stream goes to one pod, chosen when it opens: so
 replicas added later (an autoscaler's) get their share within that age.
+
+With a Framing, several messages travel as one frame each way: whatever is
+queued when gRPC takes the next message goes in it. On loopback a stream
+message costs each side tens of microseconds of gRPC's own work whatever it
+carries, so under load the requests of a hop share that cost; at one request
+in flight a frame holds one, and nothing waits to fill it.
 """
 
 import asyncio
+import contextlib
+import dataclasses
+import heapq
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
 
@@ -21,34 +30,133 @@ from services.common import errors
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class Framing:
+    """How a stream carries several messages in one: `pack` makes a frame of a
+    list of messages, `unpack` gives a frame's messages back. A frame holds at
+    most `max_messages`, and stops growing at `max_bytes` (by each message's
+    ByteSize), so that it stays well inside the transport's message limit."""
+
+    pack: Callable[[list], object]
+    unpack: Callable[[object], Iterable]
+    max_messages: int = 256
+    max_bytes: int = 4 * 1024 * 1024
+    # How long a client's frame may wait for company while the stream has
+    # requests in flight (see StreamMux): the server is busy with those, so
+    # a request sent a moment later seldom starts later. 0: never waits.
+    linger_s: float = 0.0
+
+
+async def framed(outbox: asyncio.Queue, framing: Framing | None, prepare: Callable[[object], object | None],
+                 sent: Callable[[int], None] | None = None,
+                 gather: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator:
+    """The messages of `outbox` as they go on the wire, until a None: each
+    item through prepare (None: nothing to send), in frames of what is queued
+    when the next one is taken (one message each without a framing), after
+    `gather()` where one item alone is queued. A message that would take a
+    frame past max_bytes starts the next one. `sent(n)` is told each time
+    gRPC has taken n more messages."""
+    if framing is None:
+        while (item := await outbox.get()) is not None:
+            if (message := prepare(item)) is not None:
+                yield message
+                if sent is not None:
+                    sent(1)
+        return
+    carried = None  # a prepared message that did not fit in the last frame
+    ended = False
+    while not ended:
+        if carried is None:
+            item = await outbox.get()
+            if item is None:
+                return
+            if gather is not None and outbox.empty():
+                await gather()
+            message = prepare(item)
+        else:
+            message, carried = carried, None
+        frame, size = [], 0
+        while True:
+            if message is not None:
+                message_size = message.ByteSize()
+                if frame and size + message_size > framing.max_bytes:
+                    carried = message
+                    break
+                frame.append(message)
+                size += message_size
+            if len(frame) >= framing.max_messages or outbox.empty():
+                break
+            item = outbox.get_nowait()
+            if item is None:
+                ended = True
+                break
+            message = prepare(item)
+        if frame:
+            yield framing.pack(frame)
+            if sent is not None:
+                sent(len(frame))
+
+
+def _unchanged(message):
+    return message
+
+
 class _Stream:
-    def __init__(self, opened_at: float):
+    def __init__(self, opened_at: float, framing: Framing | None):
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.pending: dict[int, asyncio.Future] = {}
         self.closed = False
         self.retired = False  # half-closed: takes nothing more, its answers still come
         self.opened_at = opened_at
         self.reader: asyncio.Task | None = None
+        self.framing = framing
+        self._waking: asyncio.Future | None = None  # set while a frame lingers
 
-    async def messages(self) -> AsyncIterator:
+    def messages(self) -> AsyncIterator:
         """What goes on the wire, each request built only when gRPC takes it
         (after any wait for flow control), and not at all once its caller has
         left: the time left it states is then the time left."""
-        while (item := await self.outbox.get()) is not None:
-            if isinstance(item, tuple):
-                request_id, build = item
-                if request_id not in self.pending:
-                    continue
-                item = build(request_id)
-            yield item
+        lingers = self.framing is not None and self.framing.linger_s > 0
+        return framed(self.outbox, self.framing, self._prepare, gather=self._linger if lingers else None)
+
+    async def _linger(self) -> None:
+        """Waits up to the framing's linger_s for more requests to share the
+        frame, while requests sent before are in flight (an idle stream sends
+        at once); cut short by an urgent request or a full frame (put)."""
+        if len(self.pending) <= self.outbox.qsize() + 1:
+            return
+        loop = asyncio.get_running_loop()
+        self._waking = loop.create_future()
+        timer = loop.call_later(self.framing.linger_s, self.wake)
+        try:
+            await self._waking
+        finally:
+            timer.cancel()
+            self._waking = None
+
+    def put(self, item, urgent: bool = False) -> None:
+        self.outbox.put_nowait(item)
+        if self._waking is not None and (urgent or self.outbox.qsize() + 1 >= self.framing.max_messages):
+            self.wake()
+
+    def wake(self) -> None:
+        if self._waking is not None and not self._waking.done():
+            self._waking.set_result(None)
+
+    def _prepare(self, item):
+        if isinstance(item, tuple):
+            request_id, build = item
+            return build(request_id) if request_id in self.pending else None
+        return item
 
 
 class StreamMux:
     """`open_call(request_iterator)` starts the bidi call; responses carry `id`."""
 
     def __init__(self, name: str, open_call: Callable, cancel_message: Callable[[int], object] | None = None,
-                 max_age_s: float | None = None):
+                 max_age_s: float | None = None, framing: Framing | None = None):
         self._name = name
+        self._framing = framing
         self._open_call = open_call
         self._cancel_message = cancel_message
         self._max_age_s = max_age_s
@@ -56,18 +164,24 @@ class StreamMux:
         self._stream: _Stream | None = None
         self._retired: set[_Stream] = set()
         self.opened = 0  # streams opened so far
+        # Requests' timeouts: (deadline, id, future) in a heap and one timer for
+        # its head, rather than a timer per request (asyncio's timers compare
+        # in Python, and under load they cost more than the rest of a request).
+        self._deadlines: list[tuple[float, int, asyncio.Future]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timed = 0  # requests with a timeout still waiting: the rest of the heap is answered
 
     def _current(self) -> _Stream:
         now = asyncio.get_running_loop().time()
         stream = self._stream
         if stream is not None and not stream.closed and self._max_age_s and now - stream.opened_at >= self._max_age_s:
             stream.retired = True
-            stream.outbox.put_nowait(None)  # half-close: the server answers what it holds, then ends the stream
+            stream.put(None, urgent=True)  # half-close: the server answers what it holds, then ends the stream
             self._retired.add(stream)
             stream.reader.add_done_callback(lambda _, stream=stream: self._retired.discard(stream))
             stream = None
         if stream is None or stream.closed:
-            stream = _Stream(now)
+            stream = _Stream(now, self._framing)
             call = self._open_call(stream.messages())
             stream.reader = asyncio.create_task(self._read(stream, call), name=f"mux-{self._name}")
             self._stream = stream
@@ -76,11 +190,13 @@ class StreamMux:
 
     async def _read(self, stream: _Stream, call) -> None:
         error: errors.InfermeshError = errors.Unavailable(f"{self._name} closed the stream")
+        unpack = self._framing.unpack if self._framing is not None else None
         try:
-            async for response in call:
-                future = stream.pending.pop(response.id, None)
-                if future is not None and not future.done():
-                    future.set_result(response)
+            async for message in call:
+                for response in unpack(message) if unpack is not None else (message,):
+                    future = stream.pending.pop(response.id, None)
+                    if future is not None and not future.done():
+                        future.set_result(response)
         except grpc.aio.AioRpcError as exc:
             error = errors.Unavailable(f"{self._name} is unreachable ({exc.code().name}: {exc.details()})")
             log.warning("stream to %s failed: %s", self._name, exc.code().name)
@@ -90,35 +206,66 @@ class StreamMux:
             raise
         finally:
             stream.closed = True
-            stream.outbox.put_nowait(None)
+            stream.put(None, urgent=True)
             for future in stream.pending.values():
                 if not future.done():
                     future.set_exception(error)
             stream.pending.clear()
 
-    async def request(self, build: Callable[[int], object], timeout_s: float | None = None):
+    async def request(self, build: Callable[[int], object], timeout_s: float | None = None, urgent: bool = False):
         """Sends build(id) and waits for the response with that id. On timeout
         or cancellation the server is told to drop the request (or, not yet
-        sent, it never is)."""
+        sent, it never is). An `urgent` request's frame goes at once, without
+        waiting for company (Framing.linger_s)."""
         stream = self._current()
         request_id = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         stream.pending[request_id] = future
-        stream.outbox.put_nowait((request_id, build))  # built as it is sent (_Stream.messages)
+        stream.put((request_id, build), urgent)  # built as it is sent (_Stream.messages)
+        if timeout_s is not None:
+            self._expire_at(loop, loop.time() + timeout_s, request_id, future)
         try:
-            if timeout_s is None:
-                return await future
-            return await asyncio.wait_for(future, timeout_s)
+            return await future
         finally:
+            if timeout_s is not None:
+                self._timed -= 1
             if (stream.pending.pop(request_id, None) is not None and not stream.closed and not stream.retired
                     and self._cancel_message):
-                stream.outbox.put_nowait(self._cancel_message(request_id))
+                stream.put(self._cancel_message(request_id))
+
+    def _expire_at(self, loop, deadline: float, request_id: int, future: asyncio.Future) -> None:
+        heap = self._deadlines
+        if len(heap) >= 4096 and len(heap) >= 4 * self._timed:
+            # Answered entries stay until their deadline; once they are three in four, they go.
+            heap[:] = [entry for entry in heap if not entry[2].done()]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (deadline, request_id, future))
+        self._timed += 1
+        if heap[0][1] == request_id:  # the earliest now: the timer moves up
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        """Fails the requests whose timeout has passed with TimeoutError, as
+        asyncio.wait_for would; re-arms for the next deadline."""
+        loop = asyncio.get_running_loop()
+        now, heap = loop.time(), self._deadlines
+        while heap and heap[0][0] <= now:
+            _, _, future = heapq.heappop(heap)
+            if not future.done():
+                future.set_exception(TimeoutError())
+        self._timer = loop.call_at(heap[0][0], self._expire) if heap else None
 
     async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         streams = [*self._retired, *([self._stream] if self._stream is not None else [])]
         for stream in streams:
             if stream.reader is not None:
-                stream.outbox.put_nowait(None)
+                stream.put(None, urgent=True)
                 stream.reader.cancel()
         await asyncio.gather(*(s.reader for s in streams if s.reader is not None), return_exceptions=True)
 
@@ -129,6 +276,7 @@ async def answer_concurrently(
     on_error: Callable[[object, Exception], object],
     max_unsent: int,
     draining: asyncio.Event | None = None,
+    framing: Framing | None = None,
 ) -> AsyncIterator:
     """The server side of a multiplexed stream, as an async generator.
 
@@ -173,12 +321,14 @@ async def answer_concurrently(
         maybe_finish()
 
     async def read() -> None:
+        unpack = framing.unpack if framing is not None else None
         try:
-            async for request in request_iterator:
-                await slots.acquire()
-                task = asyncio.create_task(run(request))
-                tasks.add(task)
-                task.add_done_callback(done)
+            async for message in request_iterator:
+                for request in unpack(message) if unpack is not None else (message,):
+                    await slots.acquire()
+                    task = asyncio.create_task(run(request))
+                    tasks.add(task)
+                    task.add_done_callback(done)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported once the answers due are sent
@@ -190,12 +340,16 @@ async def answer_concurrently(
         await draining.wait()
         maybe_finish()
 
+    def release(count: int) -> None:
+        for _ in range(count):
+            slots.release()
+
     reader = asyncio.create_task(read())
     watcher = asyncio.create_task(watch_drain()) if draining is not None else None
     try:
-        while (answer := await outbox.get()) is not None:
-            yield answer
-            slots.release()
+        async with contextlib.aclosing(framed(outbox, framing, _unchanged, release)) as messages:
+            async for message in messages:
+                yield message
         if broken:
             exc = broken[0]
             raise exc if isinstance(exc, errors.InfermeshError) else errors.InvalidArgument(

@@ -22,7 +22,7 @@ log = logging.getLogger("services.router")
 async def serve(config: RouterConfig) -> None:
     catalog = Catalog()
     batcher = BatcherClient(config.batcher, config.batcher_streams, catalog, config.catalog_poll_s,
-                            config.stream_max_age_s)
+                            config.stream_max_age_s, config.batcher_linger_ms / 1000)
     cache = (CacheClient(config.cache, config.cache_lookup_timeout_ms / 1000, stream_max_age_s=config.stream_max_age_s)
              if config.cache else None)
     bypass = AdaptiveBypass(config.cache_bypass_window, config.cache_min_hit_rate, config.cache_probe_every)

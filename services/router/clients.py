@@ -11,10 +11,10 @@ from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from services.common import errors
 from services.common.serving import client_options
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
-from services.common.streams import StreamMux
+from services.common.streams import Framing, StreamMux
 from services.common.tensors import TensorData
 from services.router import metrics
-from services.router.core import Catalog, ModelSignature, Spec
+from services.router.core import VIP, Catalog, ModelSignature, Spec
 
 log = logging.getLogger(__name__)
 
@@ -22,15 +22,25 @@ log = logging.getLogger(__name__)
 FAILED_POLLS = 3  # catalog polls in a row that fail before the router stops offering the batcher's models
 
 
+def submit_framing(linger_s: float) -> Framing:
+    """Submits go several to a message (SubmitMany): whatever is queued when
+    gRPC takes the next one, after up to `linger_s` for company while others
+    are in flight."""
+    return Framing(pack=lambda requests: batcher_pb2.SubmitManyRequest(requests=requests),
+                   unpack=lambda frame: frame.responses, linger_s=linger_s)
+
+
 class BatcherClient:
     """Submits requests over a few multiplexed bidi streams and keeps the catalog fresh."""
 
-    def __init__(self, address: str, streams: int, catalog: Catalog, poll_s: float, stream_max_age_s: float = 0.0):
+    def __init__(self, address: str, streams: int, catalog: Catalog, poll_s: float, stream_max_age_s: float = 0.0,
+                 linger_s: float = 0.0):
         self._channel = grpc.aio.insecure_channel(address, options=client_options())
         self._stub = batcher_pb2_grpc.BatcherStub(self._channel)
+        framing = submit_framing(linger_s)
         self._muxes = [
-            StreamMux(f"batcher {address}", self._stub.Submit,
-                      lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True), stream_max_age_s or None)
+            StreamMux(f"batcher {address}", self._stub.SubmitMany,
+                      lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True), stream_max_age_s or None, framing)
             for _ in range(streams)
         ]
         self._next = itertools.cycle(self._muxes)
@@ -71,7 +81,7 @@ class BatcherClient:
         # The batcher answers DEADLINE_EXCEEDED by then; past it (plus a margin
         # for the answer's trip), the batcher is not answering at all.
         try:
-            response = await next(self._next).request(build, timeout_s + 1.0)
+            response = await next(self._next).request(build, timeout_s + 1.0, urgent=tier == VIP)
         except TimeoutError:
             raise errors.Unavailable(f"the batcher did not answer within {timeout_s + 1.0:.1f}s") from None
         if response.HasField("error"):

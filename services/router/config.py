@@ -16,6 +16,9 @@ class RouterConfig:
     max_concurrent_rpcs: int = dataclasses.field(default=4096)
     max_stream_inflight: int = dataclasses.field(default=1024, metadata={"help": "requests in flight per ModelStreamInfer stream"})
     batcher_streams: int = dataclasses.field(default=4, metadata={"help": "bidi streams multiplexing requests to the batcher"})
+    batcher_linger_ms: float = dataclasses.field(default=1.0, metadata={
+        "help": "while requests are in flight to the batcher, how long a new one may wait to share a stream "
+                "message with others (VIP requests never wait); 0 sends each at once"})
     stream_max_age_s: float = dataclasses.field(default=60.0, metadata={
         "help": "a stream to the batcher or cache takes new requests this long, then is replaced (its requests "
                 "still answered), so that behind a mesh new replicas get their share; 0 keeps streams for good"})
@@ -40,6 +43,7 @@ class RouterConfig:
         require(self.max_request_bytes >= 1024, f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         require(self.default_timeout_s > 0, f"default_timeout_s must be > 0, got {self.default_timeout_s}")
         require(self.batcher_streams >= 1, f"batcher_streams must be >= 1, got {self.batcher_streams}")
+        require(0 <= self.batcher_linger_ms <= 100, f"batcher_linger_ms must be in [0, 100], got {self.batcher_linger_ms}")
         require(self.stream_max_age_s >= 0, f"stream_max_age_s must be >= 0, got {self.stream_max_age_s}")
         require(self.max_stream_inflight >= 1, f"max_stream_inflight must be >= 1, got {self.max_stream_inflight}")
         require(self.cache_lookup_timeout_ms > 0, f"cache_lookup_timeout_ms must be > 0, got {self.cache_lookup_timeout_ms}")
