@@ -6,6 +6,7 @@ InferResult values or domain errors back.
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
@@ -49,7 +50,19 @@ class ModelSignature:
     fallback: str = ""  # the model that answers while this one's breaker is open
 
     def revision(self, version: str) -> str:
-        return dict(self.revisions).get(version, "")
+        return self._revisions.get(version, "")
+
+    @functools.cached_property
+    def _revisions(self) -> dict[str, str]:
+        return dict(self.revisions)
+
+    @functools.cached_property
+    def input_names(self) -> frozenset[str]:
+        return frozenset(spec.name for spec in self.inputs)
+
+    @functools.cached_property
+    def output_names(self) -> frozenset[str]:
+        return frozenset(spec.name for spec in self.outputs)
 
 
 @dataclasses.dataclass
@@ -165,10 +178,9 @@ class Router:
             raise
         finally:
             # Only known model names become label values: callers cannot grow the series.
-            model = request.model if self.catalog.get(request.model) else "unknown"
-            tier = TIER_NAMES[request.tier]
-            metrics.REQUESTS.labels(model, tier, code).inc()
-            metrics.LATENCY.labels(model, tier, code).observe(time.perf_counter() - started)
+            labels = (request.model if self.catalog.get(request.model) else "unknown", TIER_NAMES[request.tier], code)
+            metrics.REQUESTS_BY[labels].inc()
+            metrics.LATENCY_BY[labels].observe(time.perf_counter() - started)
 
     async def _infer(self, request: InferRequest) -> InferResult:
         """Through the model's circuit breaker when it has a fallback: while the
@@ -200,7 +212,7 @@ class Router:
         return result
 
     def _publish_breaker(self, model: str, breaker: Breaker, changed: State | None = None) -> None:
-        metrics.BREAKER_STATE.labels(model).set(breaker.state.value)
+        metrics.BREAKER_STATE_BY[model].set(breaker.state.value)
         if changed is not None:
             metrics.BREAKER_TRANSITIONS.labels(model, changed.name.lower()).inc()
             log.warning("circuit breaker of model %s is now %s", model, changed.name.lower())
@@ -235,7 +247,7 @@ class Router:
         timeout = request.timeout_s if request.timeout_s is not None else self._default_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout - max(0.005, 0.1 * timeout)
         if request.cache_bypass:
-            metrics.CACHE.labels("bypassed").inc()
+            metrics.CACHE_BY["bypassed"].inc()
             used, outputs = await self._submit(sig.name, request.version, inputs, request.outputs, request.tier,
                                                deadline)
             return InferResult(sig.name, used, request.id, outputs, cached=False)
@@ -260,7 +272,7 @@ class Router:
             task, runs_until = self._running.get(key, (None, 0.0))
             joined = task is not None
             if joined:
-                metrics.CACHE.labels("shared").inc()
+                metrics.CACHE_BY["shared"].inc()
             else:
                 if self._cache is None or self._bypass.is_bypassed(flight.model):
                     # Nothing to look up first: a shed level is refused right here, in the
@@ -268,7 +280,7 @@ class Router:
                     self._refuse_if_shed(flight.model, flight.tier, flight.deadline, flight.inputs[0].rows)
                 task, runs_until = asyncio.create_task(self._resolve(flight)), flight.deadline
                 self._running[key] = (task, runs_until)
-                task.add_done_callback(lambda done, key=key: self._finished(key, done))
+                task.add_done_callback(lambda done, key=key, model=flight.model: self._finished(key, model, done))
             self._waiting[key] = self._waiting.get(key, 0) + 1
             try:
                 if not joined or flight.deadline >= runs_until:
@@ -292,8 +304,10 @@ class Router:
                     if not task.done():
                         task.cancel()
 
-    def _finished(self, key, task: asyncio.Task) -> None:
-        if task.cancelled() or task.exception() is not None:
+    def _finished(self, key, model: str, task: asyncio.Task) -> None:
+        # Only a result the cache now holds lingers: without a store to cover there is
+        # nothing to gain, and a timer per request is not free.
+        if task.cancelled() or task.exception() is not None or self._cache is None or self._bypass.is_bypassed(model):
             self._forget(key, task)
         else:
             asyncio.get_running_loop().call_later(SINGLE_FLIGHT_LINGER_S, self._forget, key, task)
@@ -307,7 +321,7 @@ class Router:
         if use_cache:
             near = self._near.get(flight.digest)
             if near is not None:
-                metrics.CACHE.labels("near_hit").inc()
+                metrics.CACHE_BY["near_hit"].inc()
                 self._bypass.record(flight.model, hit=True)
                 return flight.version, near, True
             cached, generation = await self._cache.lookup(flight.model, flight.digest, flight.tier)
@@ -316,7 +330,7 @@ class Router:
                 self._near.put(flight.digest, cached)
                 return flight.version, cached, True
         elif self._cache is not None:
-            metrics.CACHE.labels("bypassed").inc()
+            metrics.CACHE_BY["bypassed"].inc()
         used, outputs = await self._submit(flight.model, flight.requested, flight.inputs, flight.outputs, flight.tier,
                                            flight.deadline)
         if use_cache and used == flight.version:  # an answer from another version is not this key's
@@ -397,72 +411,111 @@ def validate(sig: ModelSignature, request: InferRequest) -> list[TensorData]:
     """Checks a request against the model's signature; returns its inputs in the
     model's order. Every error names the field, the value and the model."""
     model = sig.name
-    by_name: dict[str, TensorData] = {}
-    for tensor in request.inputs:
-        if tensor.name in by_name:
+    by_name: dict[str, TensorData] = {tensor.name: tensor for tensor in request.inputs}
+    if len(by_name) != len(request.inputs) or by_name.keys() != sig.input_names:
+        _check_input_names(sig, request.inputs, by_name)
+    rows = None
+    ordered = []
+    for spec in sig.inputs:
+        tensor = by_name[spec.name]
+        if tensor.datatype != spec.datatype:
+            raise errors.InvalidArgument(f"{_where(spec, model)} has datatype {errors.shown(tensor.datatype)}; "
+                                         f"expected {spec.datatype}")
+        shape = tensor.shape
+        if len(shape) != len(spec.shape) or any(d < 0 for d in shape) or any(
+                want != -1 and got != want for got, want in zip(shape[1:], spec.shape[1:])):
+            _shape_error(spec, model, list(shape))
+        batch = shape[0]
+        if batch == 0:
+            raise errors.InvalidArgument(f"{_where(spec, model)} has shape {list(shape)}: the batch dimension is 0")
+        if batch > sig.max_batch_size:
+            raise errors.InvalidArgument(f"{_where(spec, model)} has shape {list(shape)}: batch of {batch} exceeds "
+                                         f"max_batch_size {sig.max_batch_size}")
+        if rows is not None and batch != rows:
+            raise errors.InvalidArgument(f"{_where(spec, model)} has batch dimension {batch} but another input has {rows}")
+        rows = batch
+        count = element_count(shape)
+        if spec.datatype == "BYTES":
+            found = count_bytes_elements(tensor.data, _where(spec, model))
+            if found != count:
+                raise errors.InvalidArgument(f"{_where(spec, model)} holds {found} BYTES element(s) but shape "
+                                             f"{list(shape)} needs {count}")
+        else:
+            need = count * NUMPY_DTYPES[spec.datatype].itemsize
+            if len(tensor.data) != need:
+                raise errors.InvalidArgument(f"{_where(spec, model)} has {len(tensor.data)} bytes of data but shape "
+                                             f"{list(shape)} of {spec.datatype} needs {need}")
+        ordered.append(tensor)
+    if request.outputs:
+        known = sig.output_names
+        unknown = [name for name in request.outputs if name not in known]
+        if unknown:
+            raise errors.InvalidArgument(f"requested output(s) {errors.shown_list(unknown)} do not exist in model "
+                                         f"'{model}'; outputs: {sorted(known)}")
+        if len(set(request.outputs)) != len(request.outputs):
+            raise errors.InvalidArgument(f"requested outputs {errors.shown_list(request.outputs)} name an output twice")
+    return ordered
+
+
+def _where(spec: Spec, model: str) -> str:
+    return f"input '{spec.name}' of model '{model}'"
+
+
+def _check_input_names(sig: ModelSignature, inputs: list[TensorData], by_name: dict[str, TensorData]) -> None:
+    """Raises for an input given twice, one the model does not take, or one missing."""
+    model = sig.name
+    seen = set()
+    for tensor in inputs:
+        if tensor.name in seen:
             raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} appears twice in the request for model '{model}'")
-        by_name[tensor.name] = tensor
-    expected = {spec.name for spec in sig.inputs}
+        seen.add(tensor.name)
+    expected = sig.input_names
     unexpected = sorted(set(by_name) - expected)
     if unexpected:
         raise errors.InvalidArgument(
             f"unexpected input(s) {errors.shown_list(unexpected)} for model '{model}'; it takes {sorted(expected)}")
     missing = sorted(expected - set(by_name))
-    if missing:
-        raise errors.InvalidArgument(f"missing input(s) {missing} for model '{model}'; it takes {sorted(expected)}")
-    rows = None
-    ordered = []
-    for spec in sig.inputs:
-        tensor = by_name[spec.name]
-        where = f"input '{spec.name}' of model '{model}'"
-        if tensor.datatype != spec.datatype:
-            raise errors.InvalidArgument(f"{where} has datatype {errors.shown(tensor.datatype)}; expected {spec.datatype}")
-        shape = list(tensor.shape)
-        if any(d < 0 for d in shape):
-            raise errors.InvalidArgument(f"{where} has shape {shape} with a negative dimension")
-        if len(shape) != len(spec.shape):
-            raise errors.InvalidArgument(f"{where} has shape {shape}; expected {len(spec.shape)} dimension(s) like {list(spec.shape)}")
-        for axis, (got, want) in enumerate(zip(shape[1:], spec.shape[1:]), start=1):
-            if want != -1 and got != want:
-                raise errors.InvalidArgument(f"{where} has shape {shape}; dimension {axis} must be {want}, expected {list(spec.shape)}")
-        if shape[0] == 0:
-            raise errors.InvalidArgument(f"{where} has shape {shape}: the batch dimension is 0")
-        if shape[0] > sig.max_batch_size:
-            raise errors.InvalidArgument(
-                f"{where} has shape {shape}: batch of {shape[0]} exceeds max_batch_size {sig.max_batch_size}")
-        if rows is not None and shape[0] != rows:
-            raise errors.InvalidArgument(f"{where} has batch dimension {shape[0]} but another input has {rows}")
-        rows = shape[0]
-        count = element_count(shape)
-        if spec.datatype == "BYTES":
-            found = count_bytes_elements(tensor.data, where)
-            if found != count:
-                raise errors.InvalidArgument(f"{where} holds {found} BYTES element(s) but shape {shape} needs {count}")
-        else:
-            need = count * NUMPY_DTYPES[spec.datatype].itemsize
-            if len(tensor.data) != need:
-                raise errors.InvalidArgument(
-                    f"{where} has {len(tensor.data)} bytes of data but shape {shape} of {spec.datatype} needs {need}")
-        ordered.append(tensor)
-    known = {spec.name for spec in sig.outputs}
-    unknown = [name for name in request.outputs if name not in known]
-    if unknown:
-        raise errors.InvalidArgument(f"requested output(s) {errors.shown_list(unknown)} do not exist in model '{model}'; "
-                                     f"outputs: {sorted(known)}")
-    if len(set(request.outputs)) != len(request.outputs):
-        raise errors.InvalidArgument(f"requested outputs {errors.shown_list(request.outputs)} name an output twice")
-    return ordered
+    raise errors.InvalidArgument(f"missing input(s) {missing} for model '{model}'; it takes {sorted(expected)}")
+
+
+def _shape_error(spec: Spec, model: str, shape: list[int]) -> None:
+    where = _where(spec, model)
+    if any(d < 0 for d in shape):
+        raise errors.InvalidArgument(f"{where} has shape {shape} with a negative dimension")
+    if len(shape) != len(spec.shape):
+        raise errors.InvalidArgument(f"{where} has shape {shape}; expected {len(spec.shape)} dimension(s) like {list(spec.shape)}")
+    for axis, (got, want) in enumerate(zip(shape[1:], spec.shape[1:]), start=1):
+        if want != -1 and got != want:
+            raise errors.InvalidArgument(f"{where} has shape {shape}; dimension {axis} must be {want}, expected {list(spec.shape)}")
+
+
+_DIGEST_PREFIXES: dict[tuple, "hashlib._Hash"] = {}  # (model, version, outputs, revision) -> hashed so far
+_DIGEST_HEADS: dict[tuple, bytes] = {}  # (name, datatype, shape) -> its framed header
+_DIGEST_MEMO_ENTRIES = 4096  # both are cleared when full: their keys come from validated requests, so are few
 
 
 def request_digest(model: str, version: str, inputs: list[TensorData], outputs: list[str], revision: str = "") -> bytes:
     """128-bit BLAKE2b of everything that decides the answer: model, version
     and the revision of its files, each input's name, datatype, shape and
     bytes, and the outputs asked for."""
-    h = hashlib.blake2b(digest_size=16, person=b"infermesh-v1")
-    for part in (model, version, ",".join(outputs), revision):
-        h.update(len(part).to_bytes(4, "little") + part.encode())
+    key = (model, version, tuple(outputs), revision)
+    prefix = _DIGEST_PREFIXES.get(key)
+    if prefix is None:
+        if len(_DIGEST_PREFIXES) >= _DIGEST_MEMO_ENTRIES:
+            _DIGEST_PREFIXES.clear()
+        prefix = _DIGEST_PREFIXES[key] = hashlib.blake2b(digest_size=16, person=b"infermesh-v1")
+        for part in (model, version, ",".join(outputs), revision):
+            prefix.update(len(part).to_bytes(4, "little") + part.encode())
+    h = prefix.copy()
     for tensor in inputs:
-        head = f"{tensor.name}|{tensor.datatype}|{','.join(map(str, tensor.shape))}".encode()
-        h.update(len(head).to_bytes(4, "little") + head)
-        h.update(len(tensor.data).to_bytes(8, "little") + tensor.data)
+        head_key = (tensor.name, tensor.datatype, tensor.shape)
+        head = _DIGEST_HEADS.get(head_key)
+        if head is None:
+            if len(_DIGEST_HEADS) >= _DIGEST_MEMO_ENTRIES:
+                _DIGEST_HEADS.clear()
+            text = f"{tensor.name}|{tensor.datatype}|{','.join(map(str, tensor.shape))}".encode()
+            head = _DIGEST_HEADS[head_key] = len(text).to_bytes(4, "little") + text
+        h.update(head)
+        h.update(len(tensor.data).to_bytes(8, "little"))
+        h.update(tensor.data)
     return h.digest()

@@ -2,6 +2,8 @@
 
 import prometheus_client
 
+from services.common.metrics import Children
+
 REQUESTS = prometheus_client.Counter(
     "infermesh_router_requests_total", "Inference requests answered, by model, tier and gRPC status code.",
     ["model", "tier", "code"])
@@ -31,3 +33,9 @@ BREAKER_TRANSITIONS = prometheus_client.Counter(
 DEGRADED = prometheus_client.Counter(
     "infermesh_router_degraded_total",
     "Requests answered in place of a failing model, by model and source (cache, fallback).", ["model", "source"])
+
+# The per-request ones, by label values without labels()' lock (services.common.metrics.Children).
+REQUESTS_BY = Children(REQUESTS)
+LATENCY_BY = Children(LATENCY)
+CACHE_BY = Children(CACHE)
+BREAKER_STATE_BY = Children(BREAKER_STATE)

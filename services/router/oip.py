@@ -30,17 +30,22 @@ def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], 
     _refuse_unsupported(request)
     inputs = []
     for i, tensor in enumerate(request.inputs):
-        has_contents = tensor.HasField("contents") and any(
-            len(getattr(tensor.contents, f.name)) for f in tensor.contents.DESCRIPTOR.fields)
-        if raw and has_contents:
-            raise errors.InvalidArgument(
-                f"input {errors.shown(tensor.name)} has both contents and raw_input_contents; use one of them")
-        data = raw[i] if raw else _contents_bytes(tensor)
+        if raw:
+            if tensor.HasField("contents") and any(
+                    len(getattr(tensor.contents, f.name)) for f in tensor.contents.DESCRIPTOR.fields):
+                raise errors.InvalidArgument(
+                    f"input {errors.shown(tensor.name)} has both contents and raw_input_contents; use one of them")
+            data = raw[i]
+        else:
+            data = _contents_bytes(tensor)
         inputs.append(TensorData(tensor.name, tensor.datatype, tuple(tensor.shape), data))
     tier_name = metadata.get("x-user-tier", "standard").lower()
     if tier_name not in TIERS:
         raise errors.InvalidArgument(f"metadata x-user-tier is {errors.shown(tier_name)}; expected one of {sorted(TIERS)}")
     tier = TIERS[tier_name]
+    if not request.parameters:  # the usual case: none of the checks below applies
+        return InferRequest(model=request.model_name, version=request.model_version, id=request.id, inputs=inputs,
+                            outputs=[o.name for o in request.outputs], tier=tier, timeout_s=timeout_s)
     # The OIP/Triton request parameters: priority (1 is the highest level, 0 the
     # default) and timeout in microseconds, which may only shorten the deadline.
     priority = _int_parameter(request, "priority")
@@ -82,17 +87,18 @@ SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
 
 def _refuse_unsupported(request: pb.ModelInferRequest) -> None:
     for tensor in request.inputs:
-        for name in tensor.parameters:
+        for name in tensor.parameters or ():
             if name in UNSUPPORTED_TENSOR_PARAMETERS:
                 raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} has parameter '{name}': "
                                              f"{UNSUPPORTED_TENSOR_PARAMETERS[name]}")
     for output in request.outputs:
-        for name in output.parameters:
+        for name in output.parameters or ():
             if name in UNSUPPORTED_OUTPUT_PARAMETERS:
                 raise errors.InvalidArgument(f"requested output {errors.shown(output.name)} has parameter '{name}': "
                                              f"{UNSUPPORTED_OUTPUT_PARAMETERS[name]}")
-    for name in SEQUENCE_PARAMETERS:
-        if name in request.parameters and _parameter_set(request.parameters[name]):
+    parameters = request.parameters
+    for name in SEQUENCE_PARAMETERS if parameters else ():
+        if name in parameters and _parameter_set(parameters[name]):
             raise errors.InvalidArgument(f"parameter '{name}' is set: sequence batching (stateful models) is not "
                                          "supported; send each request on its own")
 
