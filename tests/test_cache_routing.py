@@ -63,10 +63,13 @@ def test_purge_is_refused_when_no_admin_token_is_configured(mesh):
 
 def test_near_cache_then_bypass_for_unique_work_then_recovery(model_repository, tmp_path):
     with Mesh(models=model_repository, log_dir=tmp_path,
-              router_args=("--cache-bypass-window", "20", "--cache-min-hit-rate", "0.1", "--cache-probe-every", "4")) as m:
+              router_args=("--cache-bypass-window", "20", "--cache-min-hit-rate", "0.1")) as m:
         lookups = lambda: sum(metric(m.router_metrics, "infermesh_router_cache_lookups_total", result=r)  # noqa: E731
                               for r in ("hit", "miss", "error"))
         gauge = lambda: metric(m.router_metrics, "infermesh_router_cache_bypassed", model="minilm")  # noqa: E731
+        # What the cache service itself saw: lookups it answered, bytes it stored.
+        cache_traffic = lambda: (metric(m.metrics_url("cache"), "infermesh_cache_lookups_total"),  # noqa: E731
+                                 metric(m.metrics_url("cache"), "infermesh_cache_stored_bytes_total"))
         with grpc.insecure_channel(m.router) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             # A repeat within the near cache's TTL never leaves the router.
@@ -81,14 +84,19 @@ def test_near_cache_then_bypass_for_unique_work_then_recovery(model_repository, 
             for i in range(19):  # with the repeat's miss above, 20 lookups: one window, one hit
                 stub.ModelInfer(text_request([f"unique {i} {uuid.uuid4().hex}"]), timeout=30)
             assert gauge() == 1
-            before = lookups()
+            time.sleep(0.5)  # the stores of the window's misses land
+            before, traffic_before = lookups(), cache_traffic()
             for i in range(40):
                 stub.ModelInfer(text_request([f"still unique {i} {uuid.uuid4().hex}"]), timeout=30)
-            assert lookups() - before == 10  # only the probes
-            # The workload turns repetitive: probes store and then hit, and the bypass lifts.
+            time.sleep(0.5)
+            assert lookups() == before  # while bypassed, the cache sees nothing of the model
+            assert cache_traffic() == traffic_before
+            # The workload turns repetitive: the router sees the repeats itself, and the bypass lifts.
             deadline = time.monotonic() + 60
             while gauge() == 1 and time.monotonic() < deadline:
                 response = stub.ModelInfer(text_request(["the one popular question"]), timeout=30)
                 time.sleep(0.06)  # past single-flight's linger, so each request is a new flight
             assert gauge() == 0
+            stub.ModelInfer(text_request(["the one popular question"]), timeout=30)
+            assert lookups() > before  # looking up again
             assert output_array(response, "EMBEDDING").shape == (1, 384)

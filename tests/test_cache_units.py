@@ -91,20 +91,37 @@ def test_replacing_a_value_keeps_the_byte_count_right(tmp_path):
 
 
 def test_bypass_turns_on_for_a_unique_workload_and_off_when_it_repeats():
-    bypass = AdaptiveBypass(window=10, min_hit_rate=0.1, probe_every=5)
+    bypass = AdaptiveBypass(window=10, min_hit_rate=0.1, memory=100)
     for _ in range(10):
         assert bypass.should_use_cache("m")
         bypass.record("m", hit=False)
     assert bypass.is_bypassed("m")
-    used = [bypass.should_use_cache("m") for _ in range(50)]
-    assert sum(used) == 10  # one in five still probes
-    for _ in range(9):
-        bypass.record("m", hit=True)
-    assert bypass.is_bypassed("m")  # judged over ten probes
-    bypass.record("m", hit=True)
+    assert not any(bypass.should_use_cache("m") for _ in range(50))  # no probes: the cache sees nothing
+    for i in range(30):  # all distinct: no repeats, the bypass holds
+        bypass.observe("m", bytes([i]))
+    assert bypass.is_bypassed("m")
+    for i in range(8):  # one repeat in a window of ten: not enough
+        bypass.observe("m", bytes([100 + i]) if i != 3 else b"\x05")
+    assert bypass.is_bypassed("m")
+    bypass.observe("m", b"\x05")  # the second: twice the minimum hit rate lifts it
     assert not bypass.is_bypassed("m")
     assert all(bypass.should_use_cache("m") for _ in range(5))
     assert not bypass.is_bypassed("other")
+
+
+def test_bypass_remembers_a_bounded_number_of_digests_most_recent_first():
+    """A repeat is one of the last `memory` distinct requests; an input asked
+    again is remembered anew, so one that keeps coming back stays known."""
+    bypass = AdaptiveBypass(window=4, min_hit_rate=0.25, memory=3)
+    for _ in range(4):
+        bypass.record("m", hit=False)
+    for digest in (b"a", b"b", b"c", b"a", b"d"):  # "a" repeats and is refreshed; "d" pushes "b" out
+        bypass.observe("m", digest)
+    assert bypass.is_bypassed("m")  # one repeat in the window of four: under twice the minimum
+    bypass.observe("m", b"b")  # forgotten: not a repeat
+    assert bypass.is_bypassed("m")
+    bypass.observe("m", b"a")  # still remembered: the window's second repeat
+    assert not bypass.is_bypassed("m")
 
 
 def test_near_cache_expires_and_stays_within_its_byte_bound():

@@ -25,7 +25,7 @@ async def serve(config: RouterConfig) -> None:
                             config.stream_max_age_s, config.batcher_linger_ms / 1000)
     cache = (CacheClient(config.cache, config.cache_lookup_timeout_ms / 1000, stream_max_age_s=config.stream_max_age_s)
              if config.cache else None)
-    bypass = AdaptiveBypass(config.cache_bypass_window, config.cache_min_hit_rate, config.cache_probe_every)
+    bypass = AdaptiveBypass(config.cache_bypass_window, config.cache_min_hit_rate, config.cache_bypass_memory)
     near = NearCache(config.near_cache_ttl_s, config.near_cache_max_bytes)
     samples = FailureSamples(config.failure_samples_path) if config.failure_samples_path else None
     router = Router(catalog, batcher, cache, bypass, config.default_timeout_s, near, config.breaker_policy(), samples)

@@ -26,7 +26,9 @@ class RouterConfig:
     cache_lookup_timeout_ms: float = dataclasses.field(default=25.0, metadata={"help": "a slower lookup counts as a miss"})
     cache_bypass_window: int = dataclasses.field(default=500, metadata={"help": "lookups per model that judge its hit rate"})
     cache_min_hit_rate: float = dataclasses.field(default=0.01, metadata={"help": "below this a model's lookups are bypassed"})
-    cache_probe_every: int = dataclasses.field(default=20, metadata={"help": "while bypassed, one request in this many still uses the cache"})
+    cache_bypass_memory: int = dataclasses.field(default=10_000, metadata={
+        "help": "request digests remembered per bypassed model: a request repeating one of them counts toward "
+                "lifting the bypass (the cache sees none of a bypassed model's traffic)"})
     near_cache_ttl_s: float = dataclasses.field(default=1.0, metadata={"help": "how long the router keeps hot results in memory (0 disables); also how long a Purge takes to reach it"})
     near_cache_max_bytes: int = dataclasses.field(default=32 * 1024 * 1024, metadata={"help": "bound on the near cache"})
     catalog_poll_s: float = dataclasses.field(default=1.0, metadata={"help": "how often the batcher is asked for models"})
@@ -48,8 +50,8 @@ class RouterConfig:
         require(self.max_stream_inflight >= 1, f"max_stream_inflight must be >= 1, got {self.max_stream_inflight}")
         require(self.cache_lookup_timeout_ms > 0, f"cache_lookup_timeout_ms must be > 0, got {self.cache_lookup_timeout_ms}")
         require(self.cache_bypass_window >= 1, f"cache_bypass_window must be >= 1, got {self.cache_bypass_window}")
+        require(self.cache_bypass_memory >= 1, f"cache_bypass_memory must be >= 1, got {self.cache_bypass_memory}")
         require(0 <= self.cache_min_hit_rate < 0.5, f"cache_min_hit_rate must be in [0, 0.5), got {self.cache_min_hit_rate}")
-        require(self.cache_probe_every >= 1, f"cache_probe_every must be >= 1, got {self.cache_probe_every}")
         require(self.near_cache_ttl_s >= 0, f"near_cache_ttl_s must be >= 0, got {self.near_cache_ttl_s}")
         require(self.near_cache_max_bytes >= 0, f"near_cache_max_bytes must be >= 0, got {self.near_cache_max_bytes}")
         require(self.catalog_poll_s > 0, f"catalog_poll_s must be > 0, got {self.catalog_poll_s}")

@@ -331,6 +331,7 @@ class Router:
                 return flight.version, cached, True
         elif self._cache is not None:
             metrics.CACHE_BY["bypassed"].inc()
+            self._bypass.observe(flight.model, flight.digest)
         used, outputs = await self._submit(flight.model, flight.requested, flight.inputs, flight.outputs, flight.tier,
                                            flight.deadline)
         if use_cache and used == flight.version:  # an answer from another version is not this key's
