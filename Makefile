@@ -89,8 +89,9 @@ models: $(VENV)/.installed
 	$(PY) -m services.model_server.build_repository --out $(MODEL_REPO)
 
 # Only what the mesh itself needs (the test and manifest tools are setup's).
+# make run ROUTERS=2: that many router processes share the port (SO_REUSEPORT).
 run: venv system-deps stubs models
-	$(PY) -m services.launcher --models $(MODEL_REPO)
+	$(PY) -m services.launcher --models $(MODEL_REPO) $(if $(ROUTERS),--routers $(ROUTERS))
 
 test: stubs
 	$(PY) -m pytest tests

@@ -17,7 +17,10 @@ def main() -> int:
     parser.add_argument("--models", default="build/models", help="model repository")
     parser.add_argument("--host", default=os.environ.get("INFERMESH_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("INFERMESH_PORT", 8001)), help="router gRPC port")
-    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("INFERMESH_METRICS_PORT", 8002)))
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("INFERMESH_METRICS_PORT", 8002)),
+                        help="the first router's metrics port; the others take the next ones")
+    parser.add_argument("--routers", type=int, default=int(os.environ.get("INFERMESH_ROUTERS", 1)),
+                        help="router processes sharing the gRPC port (SO_REUSEPORT), for more than one core's worth")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="use this Redis instead of starting one")
     parser.add_argument("--l2-path", default=os.environ.get("INFERMESH_L2_PATH", "var/cache"),
                         help="the cache's on-disk L2 folder; it survives restarts ('' disables L2)")
@@ -30,6 +33,8 @@ def main() -> int:
                         help="labels of the model server, as a DestinationRule subset selects them (one local "
                              "server is in both the blue subset and the VIP pool)")
     args = parser.parse_args()
+    if args.routers < 1:
+        parser.error(f"--routers must be at least 1, got {args.routers}")
 
     def interrupt(*_):
         raise KeyboardInterrupt
@@ -41,7 +46,8 @@ def main() -> int:
     mesh = Mesh(models=args.models, host=args.host, router_port=args.port, metrics_port=args.metrics_port,
                 redis_url=args.redis_url, l2_path=args.l2_path, log_dir=args.log_dir,
                 model_server_labels=(args.model_server_labels,) if args.model_server_labels else (),
-                batcher_args=("--traffic-policy", args.traffic_policy) if args.traffic_policy else ())
+                batcher_args=("--traffic-policy", args.traffic_policy) if args.traffic_policy else (),
+                routers=args.routers)
     try:
         mesh.start()
     except MeshError as exc:
@@ -60,11 +66,11 @@ def main() -> int:
     partial.write_text(json.dumps(
         {name: p.info.get("grpc") for name, p in mesh.processes.items() if name != "redis"}
         | {"redis": mesh.redis_url,
-           "metrics": {name: mesh.metrics_url(name) for name in mesh.processes if name not in ("redis", "router")}
-           | {"router": mesh.router_metrics}},
+           "metrics": {name: mesh.metrics_url(name) for name in mesh.processes if name != "redis"}},
         indent=1))
     partial.replace(args.run_file)
-    print(f"infermesh ready: router gRPC {mesh.router}, metrics {mesh.router_metrics} "
+    routers = f"{args.routers} routers on " if args.routers > 1 else "router "
+    print(f"infermesh ready: {routers}gRPC {mesh.router}, metrics {mesh.router_metrics} "
           f"(Ctrl-C drains and stops)", flush=True)
     try:
         while not stopping:

@@ -130,6 +130,7 @@ class Mesh:
         model_server_labels: tuple[str, ...] = (),
         model_server_nice: int | tuple[int, ...] = MODEL_SERVER_NICE,
         ready_timeout_s: float = 120.0,
+        routers: int = 1,
     ):
         self.models = str(models)
         self.host = host
@@ -155,6 +156,10 @@ class Mesh:
         # (bench/batching.py measures both).
         self.model_server_nice = model_server_nice
         self.ready_timeout_s = ready_timeout_s
+        if routers < 1:
+            raise ValueError(f"routers must be >= 1, got {routers}")
+        # Router processes sharing the public port (SO_REUSEPORT): "router", then "router-2", ...
+        self.router_count = routers
         self.processes: dict[str, Process] = {}
         self.redis_dir: str | None = None
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -177,17 +182,35 @@ class Mesh:
             if self.use_cache:
                 cache = self.start_cache()
             batcher_address = batcher.wait_ready(self.ready_timeout_s)["grpc"]
-            router_argv = ["--batcher", batcher_address, "--port", str(self.router_port),
-                           "--metrics-port", str(self.metrics_port)]
+            router_argv = ["--batcher", batcher_address]
             if cache is not None:
                 router_argv += ["--cache", cache.wait_ready(self.ready_timeout_s)["grpc"]]
-            if self.log_dir is not None:  # requests that failed while a breaker counted, for analysis
-                router_argv += ["--failure-samples-path", str(self.log_dir / "failure-samples.jsonl")]
-            self._spawn("router", "services.router", [*router_argv, *self.router_args]).wait_ready(self.ready_timeout_s)
+            self.start_routers(router_argv)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def start_routers(self, common: list[str]) -> None:
+        """The first router binds the public port (a free one for port 0), the
+        others the same port: with more than one, each takes SO_REUSEPORT and
+        the kernel spreads callers' connections among them. Each has its own
+        metrics port (the given one plus its index, or a free one)."""
+        port = self.router_port
+        for index in range(self.router_count):
+            name = self.router_names()[index]
+            metrics_port = self.metrics_port + index if self.metrics_port else 0
+            argv = [*common, "--port", str(port), "--metrics-port", str(metrics_port)]
+            if self.router_count > 1:
+                argv.append("--reuse-port")
+            if self.log_dir is not None:  # requests that failed while a breaker counted, for analysis
+                argv += ["--failure-samples-path", str(self.log_dir / f"failure-samples-{name}.jsonl"
+                                                       if index else self.log_dir / "failure-samples.jsonl")]
+            info = self._spawn(name, "services.router", [*argv, *self.router_args]).wait_ready(self.ready_timeout_s)
+            port = int(info["grpc"].rsplit(":", 1)[1])
+
+    def router_names(self) -> list[str]:
+        return ["router", *(f"router-{i}" for i in range(2, self.router_count + 1))]
 
     def _core_share(self) -> list[str]:
         """Several model servers on one machine split its cores, as pods do a
@@ -255,7 +278,12 @@ class Mesh:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Drains the router first, then the services behind it, then Redis."""
-        order = ["router", "batcher", "cache", *[n for n in self.processes if n.startswith("model_server")], "redis"]
+        order = [*self.router_names(), "batcher", "cache",
+                 *[n for n in self.processes if n.startswith("model_server")], "redis"]
+        for name in self.router_names():  # the routers drain together, each finishing its own calls
+            process = self.processes.get(name)
+            if process is not None and process.alive():
+                process.popen.send_signal(signal.SIGTERM)
         for name in order:
             process = self.processes.pop(name, None)
             if process is not None:

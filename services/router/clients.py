@@ -1,7 +1,6 @@
 """The router's gRPC clients: the batcher (submit and catalog) and the cache."""
 
 import asyncio
-import itertools
 import logging
 
 import grpc
@@ -19,6 +18,7 @@ from services.router.core import VIP, Catalog, ModelSignature, Spec
 log = logging.getLogger(__name__)
 
 
+STREAM_TURN_S = 0.02
 FAILED_POLLS = 3  # catalog polls in a row that fail before the router stops offering the batcher's models
 
 
@@ -43,7 +43,6 @@ class BatcherClient:
                       lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True), stream_max_age_s or None, framing)
             for _ in range(streams)
         ]
-        self._next = itertools.cycle(self._muxes)
         self._catalog = catalog
         self._poll_s = poll_s
         self._poller: asyncio.Task | None = None
@@ -81,12 +80,20 @@ class BatcherClient:
         # The batcher answers DEADLINE_EXCEEDED by then; past it (plus a margin
         # for the answer's trip), the batcher is not answering at all.
         try:
-            response = await next(self._next).request(build, timeout_s + 1.0, urgent=tier == VIP)
+            response = await self._mux(loop).request(build, timeout_s + 1.0, urgent=tier == VIP)
         except TimeoutError:
             raise errors.Unavailable(f"the batcher did not answer within {timeout_s + 1.0:.1f}s") from None
         if response.HasField("error"):
             raise errors.from_code(response.error.code, response.error.message, response.error.retry_after_ms)
         return response.version, tensors_from_proto(response.outputs)
+
+    def _mux(self, loop) -> StreamMux:
+        """The streams take turns by time, STREAM_TURN_S each, not request by
+        request: the requests of one moment share a stream, and so its frames
+        (a request each on four streams, a frame of requests on one), while
+        over a second every stream, and behind a mesh every batcher pod they
+        reach, gets its share."""
+        return self._muxes[int(loop.time() / STREAM_TURN_S) % len(self._muxes)]
 
     async def close(self) -> None:
         if self._poller is not None:

@@ -12,6 +12,9 @@ class RouterConfig:
     host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = dataclasses.field(default=8001, metadata={"help": "gRPC port (Triton's default), 0 picks a free one"})
     metrics_port: int = dataclasses.field(default=8002, metadata={"help": "Prometheus port (Triton's default), 0 picks a free one"})
+    reuse_port: bool = dataclasses.field(default=False, metadata={
+        "help": "let other router processes bind the same gRPC port (SO_REUSEPORT): the kernel spreads "
+                "connections among them; off, a second process on the port fails to start"})
     max_request_bytes: int = dataclasses.field(default=16 * 1024 * 1024, metadata={"help": "largest request message; larger gets RESOURCE_EXHAUSTED"})
     max_concurrent_rpcs: int = dataclasses.field(default=4096)
     max_stream_inflight: int = dataclasses.field(default=1024, metadata={"help": "requests in flight per ModelStreamInfer stream"})

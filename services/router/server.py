@@ -120,7 +120,7 @@ async def build_server(config: RouterConfig, router: Router, port: int | None = 
     # The transport takes up to 4x the limit so that on a stream one oversized
     # request fails alone instead of taking the whole stream down with it.
     server = serving.new_server("router", min(4 * config.max_request_bytes, 2**31 - 1), config.max_concurrent_rpcs,
-                                max_request_bytes=config.max_request_bytes)
+                                max_request_bytes=config.max_request_bytes, reuse_port=config.reuse_port)
     servicer = InferenceServicer(router, config.max_stream_inflight, config.max_request_bytes, draining)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
