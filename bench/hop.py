@@ -21,16 +21,15 @@ Writes bench/results/hop.{json,md,png}.
 """
 
 import argparse
-import asyncio
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from bench.report import cpu_times, machine, progress, pyplot, save_figure, steal_share, write
+from bench.bare import REFUSE
+from bench.bare import start as start_bare
+from bench.report import cpu_times, machine, process_cpu_s, progress, pyplot, save_figure, steal_share, write
 from bench.workload import ghz_unique_template, run_ghz
 from services.launcher.mesh import Mesh
 
@@ -39,40 +38,6 @@ RATES = (150, 300, 600)  # the overload's standard rate at the saturation measur
 TARGETS = ("bare_ok", "bare_refused", "router_refused")
 LABELS = {"bare_ok": "bare grpc.aio: OK", "bare_refused": "bare grpc.aio: RESOURCE_EXHAUSTED",
           "router_refused": "router: NOT_FOUND"}
-REFUSE = "refuse"  # the model name the bare server refuses
-
-
-def serve_bare() -> None:
-    """The bare server: prints its port, then serves until killed."""
-    import grpc
-    from inference import grpc_predict_v2_pb2 as pb
-    from inference import grpc_predict_v2_pb2_grpc as pb_grpc
-
-    from services.common import errors
-    from services.common.serving import add_health_and_reflection
-
-    class Bare(pb_grpc.GRPCInferenceServiceServicer):
-        async def ModelInfer(self, request, context):
-            if request.model_name == REFUSE:
-                context.set_trailing_metadata(((errors.RETRY_AFTER_METADATA, "100"),))
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is full; retry after about 100 ms")
-            return pb.ModelInferResponse(model_name=request.model_name, id=request.id)
-
-    async def main():
-        server = grpc.aio.server()
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Bare(), server)
-        add_health_and_reflection(server, [pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name])
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        print(port, flush=True)
-        await server.wait_for_termination()
-
-    asyncio.run(main())
-
-
-def process_cpu_s(pid: int) -> float:
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(address: str, pid: int, model: str, rate: int, seconds: float) -> dict:
@@ -139,15 +104,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each measurement")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
-    parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.bare_server:
-        serve_bare()
-        return 0
-    bare = subprocess.Popen([sys.executable, "-m", "bench.hop", "--bare-server"], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True)
+    bare, bare_address = start_bare(ROOT)
     try:
-        bare_address = f"127.0.0.1:{int(bare.stdout.readline())}"
         with Mesh(models=ROOT / "build" / "models", cache=False,
                   log_dir=pathlib.Path(tempfile.mkdtemp(prefix="infermesh-hop-"))) as mesh:
             router_pid = mesh.processes["router"].popen.pid

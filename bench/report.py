@@ -28,6 +28,12 @@ def cpu_times(stat: pathlib.Path = pathlib.Path("/proc/stat")) -> list[int] | No
     return [int(v) for v in fields[1:9]]
 
 
+def process_cpu_s(pid: int) -> float:
+    """The CPU time (user and system, all threads) a process has used so far, in seconds."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
     """The share of the CPU time between two cpu_times() that the hypervisor gave to
     other guests (steal): on a shared virtual machine the part of every figure that

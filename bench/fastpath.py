@@ -1,0 +1,305 @@
+"""The mesh's own cost per request (the fast path), side by side in one run.
+
+With a free model (`mlp`, 64 floats in and out, distinct inputs on every
+call, so the cache never answers and its automatic bypass engages), what is
+measured is the mesh itself:
+
+- throughput at 64 ghz callers through the mesh with one router and with two
+  router processes sharing the port, against a bare grpc.aio server answering
+  the same call (bench/bare.py, echoing the input as OUTPUT0);
+- the CPU time every process of the mesh spends per request (from /proc: the
+  router(s), batcher, model server, cache, redis-server) and ghz's own;
+- cache traffic while the bypass is engaged (the cache service's lookups and
+  stored bytes, which should not move);
+- p50 and p99 at one caller, mesh against bare;
+- refusals: the router's CPU per call refusing an unknown model (NOT_FOUND)
+  and under a standard-tier flood of minilm with a one-place queue (nearly
+  every call refused, most by the router's own shedding), against the bare
+  server's RESOURCE_EXHAUSTED.
+
+Every phase runs in every run, interleaved; the report gives medians over runs
+of each figure, ratios taken within a run. With --flame, py-spy records each
+service under the mesh's 64-caller load once more after the runs (sampling
+costs CPU, so those seconds are not in the figures) and writes flame graphs
+to bench/results/flame-<service>.svg.
+
+    .venv/bin/python -m bench.fastpath --runs 3 --flame
+
+Writes bench/results/fastpath.{json,md,png}.
+"""
+
+import argparse
+import json
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.bare import REFUSE
+from bench.bare import start as start_bare
+from bench.report import cpu_times, machine, process_cpu_s, progress, pyplot, save_figure, steal_share, write
+from bench.workload import ghz_unique_template, run_ghz
+from services.common.metrics import scrape
+from services.launcher.mesh import Mesh
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CALLERS = 64
+SERVICES = ("router", "batcher", "model_server", "cache", "redis")
+GOAL_CPU_US = 400  # the whole mesh's CPU per mlp request (issue 24)
+
+
+def mlp_template(tag: str, model: str = "mlp") -> str:
+    """A ghz -d body for mlp whose 256 input bytes (64 FP32 values) differ on
+    every call: the tag and ghz's request number, zero-padded, as raw bytes."""
+    digits = f"{{{{ printf `{tag}-%0{255 - len(tag)}d` .RequestNumber | b64enc }}}}"
+    return json.dumps({"model_name": model, "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 64]}],
+                       "raw_input_contents": [digits]})
+
+
+def ghz_cpu_s() -> float:
+    """CPU time of the finished children waited for so far (ghz runs as one)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def load(address: str, data: str, total: int, callers: int, pids: dict[str, list[int]]) -> dict:
+    """One ghz run of `total` calls from `callers` workers (closed loop), with
+    the CPU seconds each named group of processes spent per call."""
+    before = {name: sum(process_cpu_s(pid) for pid in group) for name, group in pids.items()}
+    ghz_before, machine_before = ghz_cpu_s(), cpu_times()
+    report = run_ghz(address, data, total, callers, timeout_s=30)
+    ghz_after, machine_after = ghz_cpu_s(), cpu_times()
+    after = {name: sum(process_cpu_s(pid) for pid in group) for name, group in pids.items()}
+    calls = report["count"]
+    latency = {p["percentage"]: p["latency"] / 1e6 for p in report.get("latencyDistribution") or ()}
+    return {"rps": report["rps"], "codes": report["statusCodeDistribution"],
+            "p50_ms": latency.get(50), "p99_ms": latency.get(99),
+            "cpu_us": {name: 1e6 * (after[name] - before[name]) / calls for name in pids},
+            "ghz_cpu_us": 1e6 * (ghz_after - ghz_before) / calls,
+            "steal": steal_share(machine_before, machine_after)}
+
+
+def mesh_pids(mesh: Mesh) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for name, process in mesh.processes.items():
+        service = "router" if name.startswith("router") else name
+        groups.setdefault(service, []).append(process.popen.pid)
+    return groups
+
+
+def cache_traffic(mesh: Mesh) -> tuple[float, float]:
+    """(lookups answered, bytes stored) so far, from the cache service itself."""
+    scraped = scrape(mesh.metrics_url("cache"))
+    return (sum(v for (n, _), v in scraped.items() if n == "infermesh_cache_lookups_total"),
+            sum(v for (n, _), v in scraped.items() if n == "infermesh_cache_stored_bytes_total"))
+
+
+def one_run(run: int, meshes: dict[str, Mesh], bare: tuple[int, str], flood: Mesh, seconds: float,
+            rates: dict[str, float]) -> dict:
+    """Every phase once; each 64-caller phase sized from the last rate seen so it lasts about `seconds`."""
+    bare_pid, bare_address = bare
+    result: dict = {}
+
+    def phase(key: str, address: str, data: str, callers: int, pids: dict[str, list[int]], total: int | None = None):
+        total = total or max(500, int(seconds * rates.get(key, 1000)))
+        cell = result[key] = load(address, data, total, callers, pids)
+        if callers == CALLERS:
+            rates[key] = cell["rps"]
+        cpu = ", ".join(f"{name} {us:.0f}" for name, us in cell["cpu_us"].items())
+        progress(f"run {run}: {key}: {cell['rps']:.0f}/s, p50 {cell['p50_ms'] or 0:.2f} ms, CPU µs per call: {cpu}, "
+                 f"ghz {cell['ghz_cpu_us']:.0f}; {cell['codes']}")
+        return cell
+
+    tag = f"r{run}"
+    phase("bare", bare_address, mlp_template(tag), CALLERS, {"bare": [bare_pid]})
+    for name, mesh in meshes.items():
+        lookups_before = cache_traffic(mesh)
+        cell = phase(name, mesh.router, mlp_template(f"{tag}{name}"), CALLERS, mesh_pids(mesh))
+        cell["cache_traffic"] = [after - before for after, before in zip(cache_traffic(mesh), lookups_before)]
+    mesh = meshes["mesh"]
+    phase("bare_1", bare_address, mlp_template(f"{tag}b1"), 1, {"bare": [bare_pid]}, total=1500)
+    phase("mesh_1", mesh.router, mlp_template(f"{tag}m1"), 1, mesh_pids(mesh), total=1500)
+    phase("bare_refused", bare_address, mlp_template(tag, REFUSE), CALLERS, {"bare": [bare_pid]})
+    phase("router_not_found", mesh.router, mlp_template(tag, "no-such-model"), CALLERS, mesh_pids(mesh))
+    phase("router_flooded", flood.router, ghz_unique_template(f"flood{tag}"), CALLERS, mesh_pids(flood))
+    return result
+
+
+def summarise(runs: list[dict]) -> dict:
+    med = statistics.median
+    keys = list(runs[0])
+    summary = {}
+    for key in keys:
+        cells = [r[key] for r in runs]
+        summary[key] = {
+            "rps": med(c["rps"] for c in cells),
+            "p50_ms": med(c["p50_ms"] for c in cells if c["p50_ms"] is not None) if any(
+                c["p50_ms"] is not None for c in cells) else None,
+            "p99_ms": med(c["p99_ms"] for c in cells if c["p99_ms"] is not None) if any(
+                c["p99_ms"] is not None for c in cells) else None,
+            "cpu_us": {name: med(c["cpu_us"][name] for c in cells) for name in cells[0]["cpu_us"]},
+            "ghz_cpu_us": med(c["ghz_cpu_us"] for c in cells),
+            "codes": _summed([c["codes"] for c in cells]),
+        }
+        if "cache_traffic" in cells[0]:
+            summary[key]["cache_traffic"] = [sum(c["cache_traffic"][i] for c in cells) for i in (0, 1)]
+    per_run = {
+        "mesh_over_bare": [r["mesh"]["rps"] / r["bare"]["rps"] for r in runs],
+        "two_routers_over_one": [r["mesh_2_routers"]["rps"] / r["mesh"]["rps"] for r in runs],
+        "mesh_cpu_us": [sum(r["mesh"]["cpu_us"].values()) for r in runs],
+        "p50_over_bare_ms": [r["mesh_1"]["p50_ms"] - r["bare_1"]["p50_ms"] for r in runs],
+        "flood_refused_share": [1 - r["router_flooded"]["codes"].get("OK", 0) / sum(r["router_flooded"]["codes"].values())
+                                for r in runs],
+    }
+    summary["ratios"] = {key: {"median": med(values), "runs": values} for key, values in per_run.items()}
+    steals = [c["steal"] for r in runs for c in r.values() if c.get("steal") is not None]
+    summary["steal_median"] = med(steals) if steals else None
+    summary["steal_max"] = max(steals) if steals else None
+    return summary
+
+
+def _summed(distributions: list[dict]) -> dict:
+    total: dict[str, int] = {}
+    for distribution in distributions:
+        for code, count in distribution.items():
+            total[code] = total.get(code, 0) + count
+    return total
+
+
+LABELS = {"bare": "bare grpc.aio server", "mesh": "mesh, one router", "mesh_2_routers": "mesh, two routers"}
+
+
+def markdown(report: dict) -> str:
+    s = report["summary"]
+    ratios = s["ratios"]
+    steal = ("" if s["steal_median"] is None else
+             f" The hypervisor took {s['steal_median']:.0%} of the CPU at the median phase (at most {s['steal_max']:.0%}).")
+    lines = [f"Machine: {report['machine']}. Command: `{report['command']}`. Medians of {report['runs']} runs on "
+             f"{report['date']}; ratios are taken within each run.{steal}", "",
+             f"**mlp, distinct inputs, ghz at {CALLERS} callers (closed loop)**", "",
+             "| path | requests/s | p50 ms | p99 ms | CPU µs per request: " + ", ".join(SERVICES) + " | mesh total | ghz |",
+             "|---|---|---|---|---|---|---|"]
+    for key in ("bare", "mesh", "mesh_2_routers"):
+        cell = s[key]
+        cpu = cell["cpu_us"]
+        parts = " / ".join(f"{cpu[name]:.0f}" if name in cpu else "–" for name in SERVICES) if key != "bare" else \
+            f"{cpu['bare']:.0f} (the server)"
+        total = f"{sum(cpu.values()):.0f}" if key != "bare" else "–"
+        lines.append(f"| {LABELS[key]} | {cell['rps']:.0f} | {cell['p50_ms']:.2f} | {cell['p99_ms']:.2f} | {parts} "
+                     f"| {total} | {cell['ghz_cpu_us']:.0f} |")
+    lookups, stored = s["mesh"]["cache_traffic"]
+    lines += ["",
+              f"- Mesh over bare server: **×{ratios['mesh_over_bare']['median']:.2f}** "
+              f"(runs: {', '.join(f'{v:.2f}' for v in ratios['mesh_over_bare']['runs'])}; goal ≥ 0.6).",
+              f"- Whole-mesh CPU per request: **{ratios['mesh_cpu_us']['median']:.0f} µs** "
+              f"(runs: {', '.join(f'{v:.0f}' for v in ratios['mesh_cpu_us']['runs'])}; goal ≤ {GOAL_CPU_US}).",
+              f"- Two router processes over one: ×{ratios['two_routers_over_one']['median']:.2f} "
+              f"(runs: {', '.join(f'{v:.2f}' for v in ratios['two_routers_over_one']['runs'])}).",
+              f"- Cache traffic during the mesh's mlp phases (bypass engaged), all runs: {lookups:.0f} lookups, "
+              f"{stored:.0f} bytes stored.",
+              "", "**One caller**", "",
+              "| path | p50 ms | p99 ms |", "|---|---|---|",
+              f"| bare grpc.aio server | {s['bare_1']['p50_ms']:.3f} | {s['bare_1']['p99_ms']:.3f} |",
+              f"| mesh | {s['mesh_1']['p50_ms']:.3f} | {s['mesh_1']['p99_ms']:.3f} |", "",
+              f"- Mesh p50 above the bare server's: **{ratios['p50_over_bare_ms']['median']:.3f} ms** "
+              f"(runs: {', '.join(f'{v:.3f}' for v in ratios['p50_over_bare_ms']['runs'])}; goal ≤ 0.5).",
+              "", f"**Refusals, {CALLERS} callers**", "",
+              "| what | calls/s | CPU µs per call | answers |", "|---|---|---|---|"]
+    for key, label, cpu_key in (("bare_refused", "bare grpc.aio server: RESOURCE_EXHAUSTED", "bare"),
+                                ("router_not_found", "router: unknown model (NOT_FOUND)", "router"),
+                                ("router_flooded", "router: minilm flood, one-place standard queue", "router")):
+        cell = s[key]
+        lines.append(f"| {label} | {cell['rps']:.0f} | {cell['cpu_us'][cpu_key]:.0f} | {cell['codes']} |")
+    lines.append("")
+    lines.append(f"- Share of the flood refused: {ratios['flood_refused_share']['median']:.1%}; in the flood the "
+                 f"batcher spent {s['router_flooded']['cpu_us']['batcher']:.0f} µs and the model server "
+                 f"{s['router_flooded']['cpu_us']['model_server']:.0f} µs per call.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    plt = pyplot()
+    s = report["summary"]
+    fig, (rate, cpu, latency) = plt.subplots(1, 3, figsize=(13, 4))
+    keys = ("bare", "mesh", "mesh_2_routers")
+    rate.bar([LABELS[k].replace(", ", "\n") for k in keys], [s[k]["rps"] for k in keys],
+             color=["#8c8c8c", "#4c72b0", "#55a868"])
+    rate.set(ylabel="requests / s", title=f"mlp at {CALLERS} callers")
+    bottom = 0.0
+    for name in SERVICES:
+        value = s["mesh"]["cpu_us"].get(name, 0.0)
+        cpu.bar(["mesh (one router)"], [value], bottom=[bottom], label=name)
+        bottom += value
+    cpu.bar(["bare server"], [s["bare"]["cpu_us"]["bare"]], color="#8c8c8c", label="bare server")
+    cpu.axhline(GOAL_CPU_US, color="#c44e52", linestyle="--", linewidth=1, label=f"goal {GOAL_CPU_US} µs")
+    cpu.set(ylabel="CPU µs per request", title="where the CPU goes")
+    cpu.legend(fontsize=7)
+    latency.bar(["bare p50", "mesh p50", "bare p99", "mesh p99"],
+                [s["bare_1"]["p50_ms"], s["mesh_1"]["p50_ms"], s["bare_1"]["p99_ms"], s["mesh_1"]["p99_ms"]],
+                color=["#8c8c8c", "#4c72b0", "#bdbdbd", "#8fa8d0"])
+    latency.set(ylabel="ms", title="one caller")
+    save_figure(fig, path, report, "the mesh's own cost per request")
+
+
+def flame_graphs(mesh: Mesh, out: pathlib.Path, seconds: float, rate: float) -> list[str]:
+    """py-spy flame graphs of every service of `mesh` under the 64-caller mlp load."""
+    py_spy = pathlib.Path(sys.executable).parent / "py-spy"
+    written = []
+    for name, process in mesh.processes.items():
+        if name == "redis":
+            continue
+        target = out / f"flame-{name}.svg"
+        recorder = subprocess.Popen([str(py_spy), "record", "--pid", str(process.popen.pid), "--output", str(target),
+                                     "--rate", "100", "--nonblocking", "--duration", str(int(seconds))],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)  # py-spy attaches
+        run_ghz(mesh.router, mlp_template(f"flame{name}"), int(seconds * rate), CALLERS, timeout_s=30)
+        _, stderr = recorder.communicate(timeout=seconds + 30)
+        if recorder.returncode == 0 and target.exists():
+            written.append(target.name)
+            progress(f"flame graph of {name}: {target}")
+        else:
+            progress(f"py-spy could not record {name}: {stderr.strip()[-300:]}")
+    return written
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=8.0, help="rough length of each 64-caller phase")
+    parser.add_argument("--flame", action="store_true", help="also record py-spy flame graphs of every service")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    models = ROOT / "build" / "models"
+    logs = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-fastpath-"))
+    bare, bare_address = start_bare(ROOT, echo=True)
+    try:
+        with Mesh(models=models, log_dir=logs / "one") as one, \
+                Mesh(models=models, log_dir=logs / "two", routers=2) as two, \
+                Mesh(models=models, log_dir=logs / "flood", cache=False,
+                     batcher_args=("--standard-max-queue-size", "1")) as flood:
+            meshes = {"mesh": one, "mesh_2_routers": two}
+            progress(f"bare server {bare_address}, meshes up (logs in {logs}); warming up until the bypass engages")
+            for mesh in meshes.values():  # past the bypass window (500 lookups) with unique inputs
+                run_ghz(mesh.router, mlp_template("warm"), 3000, CALLERS, timeout_s=30)
+            run_ghz(bare_address, mlp_template("warm"), 2000, CALLERS, timeout_s=30)
+            run_ghz(flood.router, ghz_unique_template("warm"), 500, CALLERS, timeout_s=30)
+            rates: dict[str, float] = {}
+            runs = [one_run(run + 1, meshes, (bare.pid, bare_address), flood, args.seconds, rates)
+                    for run in range(args.runs)]
+            flames = flame_graphs(one, args.out, args.seconds, rates["mesh"]) if args.flame else []
+    finally:
+        bare.kill()
+        bare.wait()
+    report = {"machine": machine(), "command": "python -m bench.fastpath " + " ".join(sys.argv[1:]),
+              "runs": len(runs), "date": time.strftime("%Y-%m-%d"), "summary": summarise(runs),
+              "flame_graphs": flames, "raw": runs}
+    write(args.out, "fastpath", report, markdown(report), plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
