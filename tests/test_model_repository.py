@@ -866,3 +866,28 @@ async def test_a_reserved_instance_is_lent_to_standard_batches_when_the_config_s
     assert load_config(repo / "mlp").instances.lend_reserved_after_s is None
     _config(repo / "mlp", instances={"count": 2, "reserved_for_vip": 1})
     assert load_config(repo / "mlp").instances.lend_reserved_after_s == LEND_RESERVED_AFTER_S
+
+
+async def test_a_batch_too_short_to_be_worth_a_thread_hop_runs_on_the_event_loop(repo, monkeypatch):
+    """A CPU batch the profile says runs within INLINE_RUN_S runs where the
+    request is handled (the hand-off to the instance's thread and back costs
+    more than such a run); a longer one still runs on its instance's thread,
+    and both answer the same."""
+    from services.model_server import execution
+
+    threads: list[str] = []
+    run = execution.LoadedVersion.run
+
+    def recording(self, instance, inputs, outputs):
+        threads.append(threading.current_thread().name)
+        return run(self, instance, inputs, outputs)
+
+    monkeypatch.setattr(execution.LoadedVersion, "run", recording)
+    async with model_server(repo) as ms:
+        monkeypatch.setattr(execution, "INLINE_RUN_S", 10.0)  # every batch counts as short
+        _, inline = await ms.execute()
+        monkeypatch.setattr(execution, "INLINE_RUN_S", 0.0)  # none does
+        _, threaded = await ms.execute()
+    assert threads[-2:][0] == threading.main_thread().name
+    assert threads[-1] != threading.main_thread().name
+    np.testing.assert_array_equal(inline, threaded)
