@@ -24,7 +24,7 @@ from services.common import errors
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.latency import LatencyProfile
 from services.common.tensors import from_numpy, to_numpy
-from services.model_server import metrics
+from services.model_server import execution, metrics
 from services.model_server.config import ModelServerConfig
 from services.model_server.core import ControlMode, ModelManager
 from services.model_server.repository import LEND_RESERVED_AFTER_S, ConfigError, load_config
@@ -496,9 +496,12 @@ async def test_the_correctness_probe_withdraws_readiness_on_drift(repo):
         assert await ms.ready() and await ms.health_of("mlp") == health_pb2.HealthCheckResponse.SERVING
 
 
-def _recording_runs(loaded):
+def _recording_runs(loaded, monkeypatch):
     """Makes `loaded` record (first value, rows) of each run and hold the first run
-    until released; returns (order, first_running, release)."""
+    until released; returns (order, first_running, release). A held run on the
+    event loop would hold everything else too, so every run goes to its
+    instance's thread."""
+    monkeypatch.setattr(execution, "INLINE_RUN_S", 0.0)
     real_run, first_running, release = loaded.run, threading.Event(), threading.Event()
     order = []
 
@@ -526,12 +529,12 @@ def _mlp(value: float, rows: int) -> list:
     return [from_numpy("INPUT0", np.full((rows, 64), value, dtype=np.float32), "FP32")]
 
 
-async def test_a_batch_arriving_during_the_probe_waits_for_one_probe_row_not_the_whole_probe(repo):
+async def test_a_batch_arriving_during_the_probe_waits_for_one_probe_row_not_the_whole_probe(repo, monkeypatch):
     """Execution is not preemptive, so the golden probe runs a row at a time at
     the lowest priority: a caller's batch that arrives while it runs goes next."""
     async with model_server(repo) as ms:
         loaded = ms.manager.resolve("mlp", "")
-        order, first_row_running, release = _recording_runs(loaded)  # holds the probe's first row
+        order, first_row_running, release = _recording_runs(loaded, monkeypatch)  # holds the probe's first row
         probe = asyncio.create_task(ms.manager.probe_all())
         await asyncio.get_running_loop().run_in_executor(None, first_row_running.wait, 10)
         caller = asyncio.create_task(ms.execute(rows=np.ones((8, 64), dtype=np.float32)))
@@ -690,14 +693,14 @@ async def test_a_large_batch_is_judged_by_its_own_size_not_by_the_average_batch(
         assert f"a batch of {len(ROWS)} takes about 500 ms" in refused.value.details()
 
 
-async def test_a_batch_is_refused_at_its_turn_when_batches_now_take_longer_than_it_has_left(repo):
+async def test_a_batch_is_refused_at_its_turn_when_batches_now_take_longer_than_it_has_left(repo, monkeypatch):
     """The batch ahead ran far past its estimate and taught the profile so: the
     batch that waited for it is refused when its turn comes, not run late; so is
     one that arrives with less time than its run now takes."""
     async with model_server(repo) as ms:
         loaded = _learned(ms.manager.resolve("mlp", ""), (4, 0.1))
         shed_before = metrics.SHED.labels("mlp")._value.get()  # noqa: SLF001
-        order, _, release = _recording_runs(loaded)
+        order, _, release = _recording_runs(loaded, monkeypatch)
         release.set()
         async with loaded.gate.turn(0):  # the batch ahead: about 100 ms, as far as anyone knows
             waiting = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(1.0, 4), [], time_left_s=5.0))
@@ -718,12 +721,12 @@ async def test_a_batch_is_refused_at_its_turn_when_batches_now_take_longer_than_
         assert order == [(3.0, 4)]
 
 
-async def test_a_batch_that_finishes_after_its_deadline_is_counted_late(repo):
+async def test_a_batch_that_finishes_after_its_deadline_is_counted_late(repo, monkeypatch):
     """The estimates behind the deadline checks were too optimistic: operators see it."""
     async with model_server(repo) as ms:
         loaded = _learned(ms.manager.resolve("mlp", ""), (4, 0.001))
         late_before = metrics.LATE.labels("mlp")._value.get()  # noqa: SLF001
-        order, first_running, release = _recording_runs(loaded)
+        order, first_running, release = _recording_runs(loaded, monkeypatch)
         running = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(1.0, 4), [], time_left_s=0.1))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
         await asyncio.sleep(0.15)  # the run outlasts the batch's deadline
@@ -750,7 +753,7 @@ async def test_a_batch_with_no_time_for_the_queue_ahead_is_refused_at_once(repo)
         assert 200 <= hint <= 300, hint
 
 
-async def test_while_vip_batches_come_a_standard_batch_runs_in_slices_and_a_vip_batch_goes_between(repo):
+async def test_while_vip_batches_come_a_standard_batch_runs_in_slices_and_a_vip_batch_goes_between(repo, monkeypatch):
     """A VIP batch waits for one slice of the running standard batch, not all of it;
     a standard batch that came later does not cut in; the answer is the whole batch's."""
     async with model_server(repo, slice_s=0.025) as ms:
@@ -760,7 +763,7 @@ async def test_while_vip_batches_come_a_standard_batch_runs_in_slices_and_a_vip_
         await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1)  # VIP traffic, lately
         sliced_before = metrics.SLICED.labels("mlp")._value.get()  # noqa: SLF001
         aside_before = metrics.STEPPED_ASIDE.labels("mlp")._value.get()  # noqa: SLF001
-        order, first_running, release = _recording_runs(loaded)
+        order, first_running, release = _recording_runs(loaded, monkeypatch)
         standard = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), []))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
         later = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(5.0, 4), []))
@@ -775,7 +778,7 @@ async def test_while_vip_batches_come_a_standard_batch_runs_in_slices_and_a_vip_
         assert metrics.STEPPED_ASIDE.labels("mlp")._value.get() == aside_before + 1  # noqa: SLF001
 
 
-async def test_a_sliced_batch_whose_rest_could_not_finish_in_time_is_refused_before_its_deadline(repo):
+async def test_a_sliced_batch_whose_rest_could_not_finish_in_time_is_refused_before_its_deadline(repo, monkeypatch):
     """Its first slice ran long (here: held 150 ms of its 250): the second, by the
     profile that slice taught, would end past the deadline, so the batch is refused
     then, RESOURCE_EXHAUSTED, rather than answered after its caller gave up."""
@@ -784,7 +787,7 @@ async def test_a_sliced_batch_whose_rest_could_not_finish_in_time_is_refused_bef
         await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1)  # VIP traffic, lately: slices of 2
         _learned(loaded, (2, 0.02), (4, 0.04))
         shed_before = metrics.SHED.labels("mlp")._value.get()  # noqa: SLF001
-        order, first_running, release = _recording_runs(loaded)
+        order, first_running, release = _recording_runs(loaded, monkeypatch)
         standard = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), [], time_left_s=0.25))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
         started = asyncio.get_running_loop().time()
@@ -797,24 +800,24 @@ async def test_a_sliced_batch_whose_rest_could_not_finish_in_time_is_refused_bef
         assert metrics.SHED.labels("mlp")._value.get() == shed_before + 1  # noqa: SLF001
 
 
-async def test_without_vip_batches_lately_a_standard_batch_runs_whole(repo):
+async def test_without_vip_batches_lately_a_standard_batch_runs_whole(repo, monkeypatch):
     async with model_server(repo, slice_s=0.025) as ms:
         loaded = ms.manager.resolve("mlp", "")
         _learned(loaded, (2, 0.02), (4, 0.04))
-        order, _, release = _recording_runs(loaded)
+        order, _, release = _recording_runs(loaded, monkeypatch)
         release.set()
         await ms.manager.execute("mlp", "", _mlp(3.0, 4), [])
         assert order == [(3.0, 4)]
 
 
-async def test_a_vip_batch_is_refused_only_if_the_slice_running_leaves_it_no_time(repo):
+async def test_a_vip_batch_is_refused_only_if_the_slice_running_leaves_it_no_time(repo, monkeypatch):
     """Behind a sliced standard batch a VIP batch waits for one slice, not for all the
     batch has left: the deadline check counts only that slice."""
     async with model_server(repo, slice_s=0.25) as ms:
         loaded = ms.manager.resolve("mlp", "")
         await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1)  # VIP traffic, lately
         _learned(loaded, (2, 0.2), (4, 0.4))  # slices of 2 rows; a VIP row is estimated at 0.2 s too
-        order, first_running, release = _recording_runs(loaded)
+        order, first_running, release = _recording_runs(loaded, monkeypatch)
         standard = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), []))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
         # 0.5 s left: 0.2 s to run, so it may wait ~0.28 s: enough for the slice (0.2 s), not for all 4 rows (0.4 s).
@@ -826,13 +829,13 @@ async def test_a_vip_batch_is_refused_only_if_the_slice_running_leaves_it_no_tim
         assert order == [(3.0, 2), (9.0, 1), (3.0, 2)]
 
 
-async def test_an_instance_reserved_for_vip_runs_a_vip_batch_while_standard_batches_wait(repo):
+async def test_an_instance_reserved_for_vip_runs_a_vip_batch_while_standard_batches_wait(repo, monkeypatch):
     """Two instances, the second for VIP only: a standard batch holds the first, a second
     standard batch waits though the VIP instance is free, and a VIP batch runs at once."""
     _config(repo / "mlp", instances={"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": None})
     async with model_server(repo) as ms:
         loaded = ms.manager.resolve("mlp", "")
-        order, first_running, release = _recording_runs(loaded)
+        order, first_running, release = _recording_runs(loaded, monkeypatch)
         first = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), []))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
         second = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(5.0, 4), []))
@@ -846,7 +849,7 @@ async def test_an_instance_reserved_for_vip_runs_a_vip_batch_while_standard_batc
         assert loaded.gate.usable(0) == 1 and loaded.gate.usable(1) == 2
 
 
-async def test_a_reserved_instance_is_lent_to_standard_batches_when_the_config_says_so(repo):
+async def test_a_reserved_instance_is_lent_to_standard_batches_when_the_config_says_so(repo, monkeypatch):
     """lend_reserved_after_s 0: a standard batch runs on the VIP instance while the
     general one is busy, and the loan is counted (null, in the test above: it never does)."""
     _config(repo / "mlp", instances={"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": 0})
@@ -854,7 +857,7 @@ async def test_a_reserved_instance_is_lent_to_standard_batches_when_the_config_s
     async with model_server(repo) as ms:
         loaded = ms.manager.resolve("mlp", "")
         lent_before = metrics.LENT.labels("mlp")._value.get()  # noqa: SLF001
-        order, first_running, release = _recording_runs(loaded)
+        order, first_running, release = _recording_runs(loaded, monkeypatch)
         first = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), []))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
         await ms.manager.execute("mlp", "", _mlp(5.0, 4), [])  # on the reserved instance, while the first still runs
