@@ -9,7 +9,7 @@ ISTIO_API_VERSION := v1.32.0
 MODEL_REPO := build/models
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
-.PHONY: setup venv system-deps ghz kustomize istio-crds kube-test-server stubs models run test check-manifests bench clean
+.PHONY: setup venv system-deps ghz kustomize istio-crds kube-test-server stubs models run test check-manifests bench peers bench-peers clean
 
 setup: venv system-deps ghz kustomize istio-crds kube-test-server stubs models
 	@echo "setup complete: 'make run' starts the mesh, 'make test' runs the tests"
@@ -101,6 +101,25 @@ check-manifests: kustomize istio-crds
 
 bench:
 	$(PY) -m bench.throughput
+
+# The peer servers of bench/peers.py (PyTriton, Ray Serve), each in a virtual
+# environment of its own: PyTriton needs numpy<2, the project numpy 2. Not part
+# of setup or test; nothing but bench/peers.py uses them.
+PEERS_PYTHON ?= python3.11
+PEERS_VENVS := .venv-peers
+
+peers: $(PEERS_VENVS)/pytriton/.installed $(PEERS_VENVS)/ray/.installed
+
+$(PEERS_VENVS)/%/.installed: bench/peers/%.txt
+	@test -x $(PEERS_VENVS)/$*/bin/python || $(PEERS_PYTHON) -m venv $(PEERS_VENVS)/$*
+	$(PEERS_VENVS)/$*/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
+	$(PEERS_VENVS)/$*/bin/python -m pip install --disable-pip-version-check --progress-bar on -r $<
+	@touch $@
+
+# The mesh beside PyTriton and Ray Serve (as root: Ray runs in a network
+# namespace of its own); make bench-peers ARGS="--runs 1 --seconds 5" for a short look.
+bench-peers: peers stubs models ghz
+	$(PY) -m bench.peers $(ARGS)
 
 clean:
 	rm -rf gen build var
