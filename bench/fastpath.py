@@ -259,6 +259,8 @@ def flame_graphs(mesh: Mesh, out: pathlib.Path, seconds: float, rate: float) -> 
         run_ghz(mesh.router, mlp_template(f"flame{name}"), int(seconds * rate), CALLERS, timeout_s=30)
         _, stderr = recorder.communicate(timeout=seconds + 30)
         if recorder.returncode == 0 and target.exists():
+            # py-spy writes its command line into the graph: paths relative to the checkout.
+            target.write_text(target.read_text().replace(f"{ROOT}/", ""))
             written.append(target.name)
             progress(f"flame graph of {name}: {target}")
         else:
