@@ -3,12 +3,14 @@ port: loads, verified hot swaps under load, rollback, unload in use, poll mode,
 the correctness probe, and every failure a load can meet."""
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import pathlib
 import shutil
 import sys
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -894,3 +896,44 @@ async def test_a_batch_too_short_to_be_worth_a_thread_hop_runs_on_the_event_loop
     assert threads[-2:][0] == threading.main_thread().name
     assert threads[-1] != threading.main_thread().name
     np.testing.assert_array_equal(inline, threaded)
+
+
+class _SlowHandOff(concurrent.futures.ThreadPoolExecutor):
+    """An instance's thread that takes `delay_s` to pick up each run, as an idle
+    or loaded machine's thread wake-up can."""
+
+    def __init__(self, delay_s: float):
+        super().__init__(max_workers=1)
+        self._delay_s = delay_s
+
+    def submit(self, fn, /, *args, **kwargs):
+        def late():
+            time.sleep(self._delay_s)
+            return fn(*args, **kwargs)
+        return super().submit(late)
+
+
+async def test_a_short_batch_that_once_went_to_a_slow_thread_comes_back_to_the_event_loop(repo, monkeypatch):
+    """Whether a batch runs on the event loop is judged by what runs took
+    themselves, not by the hand-off to the instance's thread: a batch that went
+    there once, and waited for the thread, does not keep every later one there."""
+    threads: list[str] = []
+    run = execution.LoadedVersion.run
+
+    def recording(self, instance, inputs, outputs):
+        threads.append(threading.current_thread().name)
+        return run(self, instance, inputs, outputs)
+
+    monkeypatch.setattr(execution.LoadedVersion, "run", recording)
+    async with model_server(repo) as ms:
+        loaded = ms.manager.resolve("mlp", "")
+        for instance in loaded.instances:
+            instance.executor.shutdown()
+            instance.executor = _SlowHandOff(0.05)
+        monkeypatch.setattr(execution, "INLINE_RUN_S", 0.0)  # the first goes to the thread
+        await ms.execute()
+        assert threads[-1] != threading.main_thread().name
+        assert loaded.estimate_s(1) >= 0.05  # its time, the hand-off included
+        monkeypatch.setattr(execution, "INLINE_RUN_S", 0.02)  # above a run of mlp, below the hand-off
+        await ms.execute()
+        assert threads[-1] == threading.main_thread().name

@@ -333,6 +333,9 @@ class LoadedVersion:
                                  lend_after_s=config.instances.lend_reserved_after_s)
         self.run_s = 0.0  # a first guess at a batch's time, from warm-up, until batches have run
         self.profile = LatencyProfile()  # what batches took, per size class
+        # What the runs themselves took, without the hand-off to an instance's thread
+        # and back: which batches run on the event loop is decided by this (_run_on).
+        self.run_profile = LatencyProfile()
         self._running: dict[int, Running] = {}  # instance -> what runs on it
         self.slice_s = 0.0  # the longest slice a batch runs in while higher priorities come; 0: whole batches
         self._seen_at: dict[int, float] = {}  # priority -> loop time its latest batch arrived
@@ -456,17 +459,32 @@ class LoadedVersion:
         running.started = loop.time()
         self._running[index] = running
         try:
-            if instance.device_id is None and not self.tokenizer and self.estimate_s(running.rows) <= INLINE_RUN_S:
+            if instance.device_id is None and not self.tokenizer and self._run_estimate_s(running.rows) <= INLINE_RUN_S:
                 # A run this short costs less than the hand-off to the instance's thread and back
                 # (two thread wake-ups, a few hundred microseconds on a loaded machine): it runs
                 # here, the event loop held no longer than by a handful of requests' own work.
-                result = self.run(instance, inputs, outputs)
+                result, run_s = self._timed_run(instance, inputs, outputs)
             else:
-                result = await loop.run_in_executor(instance.executor, self.run, instance, inputs, outputs)
+                result, run_s = await loop.run_in_executor(instance.executor, self._timed_run, instance, inputs, outputs)
         finally:
             del self._running[index]
         self.profile.observe(running.rows, loop.time() - running.started)
+        self.run_profile.observe(running.rows, run_s)
         return result
+
+    def _timed_run(self, instance: Instance, inputs: dict[str, TensorData],
+                   outputs: list[str]) -> tuple[list[TensorData], float]:
+        started = time.perf_counter()
+        result = self.run(instance, inputs, outputs)
+        return result, time.perf_counter() - started
+
+    def _run_estimate_s(self, rows: int) -> float:
+        """How long the run itself of a batch of `rows` takes, where it runs.
+        Not estimate_s: that counts the hand-off to a thread, and a batch that
+        once went there (a warm-up on a loaded machine) would seem too long to
+        come back."""
+        learned = self.run_profile.estimate(rows, shrink=False)
+        return self.run_s if learned is None else learned
 
     def _slice_counts(self, rows: int, priority: int, now: float, slice_rows: int | None = None) -> list[int]:
         """The slices to run a batch in: slices of `slice_rows` when the caller asks
