@@ -6,8 +6,11 @@ Model "refuse" is refused with RESOURCE_EXHAUSTED and a retry hint, as the
 router sheds. Any other model is answered with no outputs, or with --echo
 with each input returned as an output of the same datatype, shape and bytes
 (OUTPUT0, OUTPUT1, ...): for `mlp` the very reply size of the real model.
+With --forward ADDRESS it passes each call on to the server there and answers
+with its reply: servers so chained are the floor under a mesh of as many
+Python processes in series.
 
-    python -m bench.bare [--echo]     # prints its port, serves until killed
+    python -m bench.bare [--echo | --forward ADDRESS]   # prints its port, serves until killed
 """
 
 import argparse
@@ -18,7 +21,7 @@ import sys
 REFUSE = "refuse"
 
 
-def serve(echo: bool) -> None:
+def serve(echo: bool, forward: str | None) -> None:
     import grpc
     from inference import grpc_predict_v2_pb2 as pb
     from inference import grpc_predict_v2_pb2_grpc as pb_grpc
@@ -27,7 +30,12 @@ def serve(echo: bool) -> None:
     from services.common.serving import add_health_and_reflection
 
     class Bare(pb_grpc.GRPCInferenceServiceServicer):
+        def __init__(self):
+            self.next = pb_grpc.GRPCInferenceServiceStub(grpc.aio.insecure_channel(forward)) if forward else None
+
         async def ModelInfer(self, request, context):
+            if self.next is not None:
+                return await self.next.ModelInfer(request)
             if request.model_name == REFUSE:
                 context.set_trailing_metadata(((errors.RETRY_AFTER_METADATA, "100"),))
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is full; retry after about 100 ms")
@@ -50,9 +58,12 @@ def serve(echo: bool) -> None:
     asyncio.run(main())
 
 
-def start(root, echo: bool = False) -> tuple[subprocess.Popen, str]:
+def start(root, echo: bool = False, forward: str | None = None) -> tuple[subprocess.Popen, str]:
     """The bare server as a child process, and its address."""
-    process = subprocess.Popen([sys.executable, "-m", "bench.bare", *(["--echo"] if echo else [])], cwd=root,
+    options = ["--echo"] if echo else []
+    if forward is not None:
+        options = ["--forward", forward]
+    process = subprocess.Popen([sys.executable, "-m", "bench.bare", *options], cwd=root,
                                stdout=subprocess.PIPE, text=True)
     return process, f"127.0.0.1:{int(process.stdout.readline())}"
 
@@ -60,4 +71,6 @@ def start(root, echo: bool = False) -> tuple[subprocess.Popen, str]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--echo", action="store_true", help="answer each input as an output")
-    serve(parser.parse_args().echo)
+    parser.add_argument("--forward", metavar="ADDRESS", help="pass each call on to the server at ADDRESS")
+    arguments = parser.parse_args()
+    serve(arguments.echo, arguments.forward)

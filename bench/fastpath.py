@@ -9,9 +9,15 @@ measured is the mesh itself:
   the same call (bench/bare.py, echoing the input as OUTPUT0);
 - the CPU time every process of the mesh spends per request (from /proc: the
   router(s), batcher, model server, cache, redis-server) and ghz's own;
+- three bare servers in series (each forwarding the call to the next, the
+  last echoing), at 64 callers and at one: as many Python processes as the
+  mesh puts between a caller and the model, doing nothing else;
 - cache traffic while the bypass is engaged (the cache service's lookups and
   stored bytes, which should not move);
-- p50 and p99 at one caller, mesh against bare;
+- p50 and p99 at one caller, mesh against bare and against the chain;
+- what an idle gap costs this machine: an mlp run in-process back to back and
+  after a 3 ms pause (at one caller every process of the mesh wakes from such
+  a pause for every request);
 - refusals: the router's CPU per call refusing an unknown model (NOT_FOUND)
   and under a standard-tier flood of minilm with a one-place queue (nearly
   every call refused, most by the router's own shedding), against the bare
@@ -38,6 +44,9 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+import onnxruntime as ort
+
 from bench.bare import REFUSE
 from bench.bare import start as start_bare
 from bench.report import cpu_times, machine, process_cpu_s, progress, pyplot, save_figure, steal_share, write
@@ -57,6 +66,27 @@ def mlp_template(tag: str, model: str = "mlp") -> str:
     digits = f"{{{{ printf `{tag}-%0{255 - len(tag)}d` .RequestNumber | b64enc }}}}"
     return json.dumps({"model_name": model, "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 64]}],
                        "raw_input_contents": [digits]})
+
+
+def idle_gap_cost(model: pathlib.Path, calls: int = 400, gap_s: float = 0.003) -> dict:
+    """Median µs of one in-process mlp run back to back, and after `gap_s` asleep."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    feeds = {"INPUT0": np.random.default_rng(0).random((1, 64), dtype=np.float32)}
+    result = {}
+    for key, pause in (("back_to_back_us", 0.0), ("after_gap_us", gap_s)):
+        for _ in range(50):
+            session.run(None, feeds)
+        times = []
+        for _ in range(calls):
+            if pause:
+                time.sleep(pause)
+            started = time.perf_counter()
+            session.run(None, feeds)
+            times.append(time.perf_counter() - started)
+        result[key] = 1e6 * statistics.median(times)
+    return result
 
 
 def ghz_cpu_s() -> float:
@@ -97,10 +127,11 @@ def cache_traffic(mesh: Mesh) -> tuple[float, float]:
             sum(v for (n, _), v in scraped.items() if n == "infermesh_cache_stored_bytes_total"))
 
 
-def one_run(run: int, meshes: dict[str, Mesh], bare: tuple[int, str], flood: Mesh, seconds: float,
-            rates: dict[str, float]) -> dict:
+def one_run(run: int, meshes: dict[str, Mesh], bare: tuple[int, str], chain: tuple[list[int], str], flood: Mesh,
+            seconds: float, rates: dict[str, float]) -> dict:
     """Every phase once; each 64-caller phase sized from the last rate seen so it lasts about `seconds`."""
     bare_pid, bare_address = bare
+    chain_pids, chain_address = chain
     result: dict = {}
 
     def phase(key: str, address: str, data: str, callers: int, pids: dict[str, list[int]], total: int | None = None):
@@ -115,6 +146,7 @@ def one_run(run: int, meshes: dict[str, Mesh], bare: tuple[int, str], flood: Mes
 
     tag = f"r{run}"
     phase("bare", bare_address, mlp_template(tag), CALLERS, {"bare": [bare_pid]})
+    phase("chain", chain_address, mlp_template(f"{tag}c"), CALLERS, {"chain": chain_pids})
     for name, mesh in meshes.items():
         lookups_before = cache_traffic(mesh)
         cell = phase(name, mesh.router, mlp_template(f"{tag}{name}"), CALLERS, mesh_pids(mesh))
@@ -122,6 +154,10 @@ def one_run(run: int, meshes: dict[str, Mesh], bare: tuple[int, str], flood: Mes
     mesh = meshes["mesh"]
     phase("bare_1", bare_address, mlp_template(f"{tag}b1"), 1, {"bare": [bare_pid]}, total=1500)
     phase("mesh_1", mesh.router, mlp_template(f"{tag}m1"), 1, mesh_pids(mesh), total=1500)
+    phase("chain_1", chain_address, mlp_template(f"{tag}c1"), 1, {"chain": chain_pids}, total=1500)
+    result["idle_gap"] = idle_gap_cost(ROOT / "build" / "models" / "mlp" / "1" / "model.onnx")
+    progress(f"run {run}: an mlp run in-process: {result['idle_gap']['back_to_back_us']:.0f} µs back to back, "
+             f"{result['idle_gap']['after_gap_us']:.0f} µs after a 3 ms pause")
     phase("bare_refused", bare_address, mlp_template(tag, REFUSE), CALLERS, {"bare": [bare_pid]})
     phase("router_not_found", mesh.router, mlp_template(tag, "no-such-model"), CALLERS, mesh_pids(mesh))
     phase("router_flooded", flood.router, ghz_unique_template(f"flood{tag}"), CALLERS, mesh_pids(flood))
@@ -130,8 +166,8 @@ def one_run(run: int, meshes: dict[str, Mesh], bare: tuple[int, str], flood: Mes
 
 def summarise(runs: list[dict]) -> dict:
     med = statistics.median
-    keys = list(runs[0])
-    summary = {}
+    keys = [key for key in runs[0] if key != "idle_gap"]
+    summary = {"idle_gap": {name: med(r["idle_gap"][name] for r in runs) for name in runs[0]["idle_gap"]}}
     for key in keys:
         cells = [r[key] for r in runs]
         summary[key] = {
@@ -151,11 +187,14 @@ def summarise(runs: list[dict]) -> dict:
         "two_routers_over_one": [r["mesh_2_routers"]["rps"] / r["mesh"]["rps"] for r in runs],
         "mesh_cpu_us": [sum(r["mesh"]["cpu_us"].values()) for r in runs],
         "p50_over_bare_ms": [r["mesh_1"]["p50_ms"] - r["bare_1"]["p50_ms"] for r in runs],
+        "p50_over_chain_ms": [r["mesh_1"]["p50_ms"] - r["chain_1"]["p50_ms"] for r in runs],
+        "chain_p50_over_bare_ms": [r["chain_1"]["p50_ms"] - r["bare_1"]["p50_ms"] for r in runs],
+        "mesh_over_chain": [r["mesh"]["rps"] / r["chain"]["rps"] for r in runs],
         "flood_refused_share": [1 - r["router_flooded"]["codes"].get("OK", 0) / sum(r["router_flooded"]["codes"].values())
                                 for r in runs],
     }
     summary["ratios"] = {key: {"median": med(values), "runs": values} for key, values in per_run.items()}
-    steals = [c["steal"] for r in runs for c in r.values() if c.get("steal") is not None]
+    steals = [c["steal"] for r in runs for k, c in r.items() if k != "idle_gap" and c.get("steal") is not None]
     summary["steal_median"] = med(steals) if steals else None
     summary["steal_max"] = max(steals) if steals else None
     return summary
@@ -169,7 +208,8 @@ def _summed(distributions: list[dict]) -> dict:
     return total
 
 
-LABELS = {"bare": "bare grpc.aio server", "mesh": "mesh, one router", "mesh_2_routers": "mesh, two routers"}
+LABELS = {"bare": "bare grpc.aio server", "chain": "three bare servers in series", "mesh": "mesh, one router",
+          "mesh_2_routers": "mesh, two routers"}
 
 
 def markdown(report: dict) -> str:
@@ -182,18 +222,20 @@ def markdown(report: dict) -> str:
              f"**mlp, distinct inputs, ghz at {CALLERS} callers (closed loop)**", "",
              "| path | requests/s | p50 ms | p99 ms | CPU µs per request: " + ", ".join(SERVICES) + " | mesh total | ghz |",
              "|---|---|---|---|---|---|---|"]
-    for key in ("bare", "mesh", "mesh_2_routers"):
+    for key in ("bare", "chain", "mesh", "mesh_2_routers"):
         cell = s[key]
         cpu = cell["cpu_us"]
-        parts = " / ".join(f"{cpu[name]:.0f}" if name in cpu else "–" for name in SERVICES) if key != "bare" else \
-            f"{cpu['bare']:.0f} (the server)"
-        total = f"{sum(cpu.values()):.0f}" if key != "bare" else "–"
+        parts = {"bare": lambda: f"{cpu['bare']:.0f} (the server)",
+                 "chain": lambda: f"{cpu['chain']:.0f} (the three servers)"}.get(
+            key, lambda: " / ".join(f"{cpu[name]:.0f}" if name in cpu else "–" for name in SERVICES))()
+        total = f"{sum(cpu.values()):.0f}" if key not in ("bare", "chain") else "–"
         lines.append(f"| {LABELS[key]} | {cell['rps']:.0f} | {cell['p50_ms']:.2f} | {cell['p99_ms']:.2f} | {parts} "
                      f"| {total} | {cell['ghz_cpu_us']:.0f} |")
     lookups, stored = s["mesh"]["cache_traffic"]
     lines += ["",
               f"- Mesh over bare server: **×{ratios['mesh_over_bare']['median']:.2f}** "
-              f"(runs: {', '.join(f'{v:.2f}' for v in ratios['mesh_over_bare']['runs'])}; goal ≥ 0.6).",
+              f"(runs: {', '.join(f'{v:.2f}' for v in ratios['mesh_over_bare']['runs'])}; goal ≥ 0.6); "
+              f"over three bare servers in series: ×{ratios['mesh_over_chain']['median']:.2f}.",
               f"- Whole-mesh CPU per request: **{ratios['mesh_cpu_us']['median']:.0f} µs** "
               f"(runs: {', '.join(f'{v:.0f}' for v in ratios['mesh_cpu_us']['runs'])}; goal ≤ {GOAL_CPU_US}).",
               f"- Two router processes over one: ×{ratios['two_routers_over_one']['median']:.2f} "
@@ -203,9 +245,16 @@ def markdown(report: dict) -> str:
               "", "**One caller**", "",
               "| path | p50 ms | p99 ms |", "|---|---|---|",
               f"| bare grpc.aio server | {s['bare_1']['p50_ms']:.3f} | {s['bare_1']['p99_ms']:.3f} |",
+              f"| three bare servers in series | {s['chain_1']['p50_ms']:.3f} | {s['chain_1']['p99_ms']:.3f} |",
               f"| mesh | {s['mesh_1']['p50_ms']:.3f} | {s['mesh_1']['p99_ms']:.3f} |", "",
               f"- Mesh p50 above the bare server's: **{ratios['p50_over_bare_ms']['median']:.3f} ms** "
-              f"(runs: {', '.join(f'{v:.3f}' for v in ratios['p50_over_bare_ms']['runs'])}; goal ≤ 0.5).",
+              f"(runs: {', '.join(f'{v:.3f}' for v in ratios['p50_over_bare_ms']['runs'])}; goal ≤ 0.5); "
+              f"above three bare servers in series: {ratios['p50_over_chain_ms']['median']:.3f} ms "
+              f"(runs: {', '.join(f'{v:.3f}' for v in ratios['p50_over_chain_ms']['runs'])}). The chain itself is "
+              f"{ratios['chain_p50_over_bare_ms']['median']:.3f} ms above one bare server.",
+              f"- What an idle gap costs this machine: an mlp run in-process takes "
+              f"{s['idle_gap']['back_to_back_us']:.0f} µs back to back and {s['idle_gap']['after_gap_us']:.0f} µs "
+              f"after a 3 ms pause (medians); at one caller each process of the path wakes from such a pause.",
               "", f"**Refusals, {CALLERS} callers**", "",
               "| what | calls/s | CPU µs per call | answers |", "|---|---|---|---|"]
     for key, label, cpu_key in (("bare_refused", "bare grpc.aio server: RESOURCE_EXHAUSTED", "bare"),
@@ -224,9 +273,10 @@ def plot(report: dict, path: pathlib.Path) -> None:
     plt = pyplot()
     s = report["summary"]
     fig, (rate, cpu, latency) = plt.subplots(1, 3, figsize=(13, 4))
-    keys = ("bare", "mesh", "mesh_2_routers")
-    rate.bar([LABELS[k].replace(", ", "\n") for k in keys], [s[k]["rps"] for k in keys],
-             color=["#8c8c8c", "#4c72b0", "#55a868"])
+    keys = ("bare", "chain", "mesh", "mesh_2_routers")
+    short = {"bare": "bare\nserver", "chain": "3 bare\nin series", "mesh": "mesh,\none router",
+             "mesh_2_routers": "mesh,\ntwo routers"}
+    rate.bar([short[k] for k in keys], [s[k]["rps"] for k in keys], color=["#8c8c8c", "#bdbdbd", "#4c72b0", "#55a868"])
     rate.set(ylabel="requests / s", title=f"mlp at {CALLERS} callers")
     bottom = 0.0
     for name in SERVICES:
@@ -234,12 +284,13 @@ def plot(report: dict, path: pathlib.Path) -> None:
         cpu.bar(["mesh (one router)"], [value], bottom=[bottom], label=name)
         bottom += value
     cpu.bar(["bare server"], [s["bare"]["cpu_us"]["bare"]], color="#8c8c8c", label="bare server")
+    cpu.bar(["3 bare in series"], [s["chain"]["cpu_us"]["chain"]], color="#bdbdbd", label="3 bare in series")
     cpu.axhline(GOAL_CPU_US, color="#c44e52", linestyle="--", linewidth=1, label=f"goal {GOAL_CPU_US} µs")
     cpu.set(ylabel="CPU µs per request", title="where the CPU goes")
     cpu.legend(fontsize=7)
-    latency.bar(["bare p50", "mesh p50", "bare p99", "mesh p99"],
-                [s["bare_1"]["p50_ms"], s["mesh_1"]["p50_ms"], s["bare_1"]["p99_ms"], s["mesh_1"]["p99_ms"]],
-                color=["#8c8c8c", "#4c72b0", "#bdbdbd", "#8fa8d0"])
+    latency.bar(["bare\np50", "chain\np50", "mesh\np50", "bare\np99", "chain\np99", "mesh\np99"],
+                [s[k][q] for q in ("p50_ms", "p99_ms") for k in ("bare_1", "chain_1", "mesh_1")],
+                color=["#8c8c8c", "#bdbdbd", "#4c72b0"] * 2)
     latency.set(ylabel="ms", title="one caller")
     save_figure(fig, path, report, "the mesh's own cost per request")
 
@@ -278,6 +329,9 @@ def main() -> int:
     models = ROOT / "build" / "models"
     logs = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-fastpath-"))
     bare, bare_address = start_bare(ROOT, echo=True)
+    chain = [start_bare(ROOT, echo=True)]
+    for _ in range(2):
+        chain.insert(0, start_bare(ROOT, forward=chain[0][1]))
     try:
         with Mesh(models=models, log_dir=logs / "one") as one, \
                 Mesh(models=models, log_dir=logs / "two", routers=2) as two, \
@@ -288,14 +342,17 @@ def main() -> int:
             for mesh in meshes.values():  # past the bypass window (500 lookups) with unique inputs
                 run_ghz(mesh.router, mlp_template("warm"), 3000, CALLERS, timeout_s=30)
             run_ghz(bare_address, mlp_template("warm"), 2000, CALLERS, timeout_s=30)
+            run_ghz(chain[0][1], mlp_template("warm"), 2000, CALLERS, timeout_s=30)
             run_ghz(flood.router, ghz_unique_template("warm"), 500, CALLERS, timeout_s=30)
             rates: dict[str, float] = {}
-            runs = [one_run(run + 1, meshes, (bare.pid, bare_address), flood, args.seconds, rates)
+            chained = ([process.pid for process, _ in chain], chain[0][1])
+            runs = [one_run(run + 1, meshes, (bare.pid, bare_address), chained, flood, args.seconds, rates)
                     for run in range(args.runs)]
             flames = flame_graphs(one, args.out, args.seconds, rates["mesh"]) if args.flame else []
     finally:
-        bare.kill()
-        bare.wait()
+        for process in [bare, *(process for process, _ in chain)]:
+            process.kill()
+            process.wait()
     report = {"machine": machine(), "command": "python -m bench.fastpath " + " ".join(sys.argv[1:]),
               "runs": len(runs), "date": time.strftime("%Y-%m-%d"), "summary": summarise(runs),
               "flame_graphs": flames, "raw": runs}
