@@ -191,7 +191,9 @@ def plot(report: dict, levels: list[int], path: pathlib.Path) -> None:
     left.set_xlabel("concurrent callers (ghz)")
     left.set_ylabel("sentences / s")
     left.set_title("minilm throughput")
-    left.legend(fontsize=8)
+    lines_top = max(s["ort_best_per_s"], s.get("ort_sessions_per_s", 0.0), *rps)
+    left.set_ylim(0, 1.55 * lines_top)  # room above the lines for the legend
+    left.legend(fontsize=7, loc="upper left")
     right.plot(levels, [s["mesh"][c]["p50_ms"] for c in levels], marker="o", label="p50")
     right.plot(levels, [s["mesh"][c]["p99_ms"] for c in levels], marker="o", label="p99")
     right.set_xscale("log", base=2)
