@@ -176,9 +176,9 @@ def test_a_namespace_given_by_an_overlay_must_carry_its_principals_along(istio, 
 
 
 def test_a_release_goes_to_green_alone_then_to_blue_and_the_vip_pool(tmp_path):
-    """Each pool has an image name of its own, so the README's blue-green steps
-    move one pool at a time; the other services keep theirs."""
-    shutil.copytree(manifests.ROOT / "mesh", tmp_path / "mesh")  # edited in place, as the README does
+    """Each pool has an image name of its own, so the blue-green steps of
+    docs/kubernetes.md move one pool at a time; the other services keep theirs."""
+    shutil.copytree(manifests.ROOT / "mesh", tmp_path / "mesh")  # edited in place, as docs/kubernetes.md does
     overlay = tmp_path / "mesh" / "kubernetes" / "overlays" / "production"
 
     def images():
