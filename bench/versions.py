@@ -137,6 +137,7 @@ def main() -> int:
             speeds[name]["32"].append(_throughput(sess, tok, b32_texts, 32))
     for name in sessions:
         variants[name]["sentences_per_s"] = {b: statistics.median(v) for b, v in speeds[name].items()}
+        variants[name]["sentences_per_s_runs"] = speeds[name]
         variants[name]["speedup_vs_v1"] = {b: variants[name]["sentences_per_s"][b] / statistics.median(speeds["v1 fp32"][b])
                                            for b in ("1", "32")}
 
@@ -191,11 +192,10 @@ def _markdown(r: dict) -> str:
         "v2's recipe: `quant_pre_process` (ONNX shape inference; symbolic inference cannot follow the dynamo "
         "graph), then `quantize_dynamic` with per-channel int8 weights for every weight MatMul and the embedding "
         "Gathers, activations quantised per batch (uint8). Per-channel scales remove most of naive INT8's error "
-        "at the same speed; keeping FFN-down or the last layer in fp32 buys a little quality (see the table) "
-        "for a larger file and, for FFN-down, a clear loss of speed; reduce_range only loses precision. "
-        "Differences of ~10% in speed between the per-channel variants are within this machine's noise. Weight-only 8-bit MatMulNBits "
-        "(block 32, accuracy_level 4), tried during the design, kept cosine 0.9997 but ran 0.85× v1 at batch 32 "
-        "and left the 47 MB embedding table in fp32.",
+        "without losing speed; keeping FFN-down or the last layer in fp32 buys a little quality (see the table) "
+        "for a larger file and, for FFN-down, a loss of speed; reduce_range only loses precision.",
+        "",
+        _speed_spread(v),
         "",
         "## Golden probe",
         "",
@@ -204,7 +204,7 @@ def _markdown(r: dict) -> str:
         + ". Broken copies of v1 (worst row; the probe fails when any row is below): "
         + ", ".join(f"{n} {c:.4f}" for n, c in r["broken_golden_worst_row_cosine"].items()) + ".",
         "minilm-lite has its own threshold (build_repository.LITE_GOLDEN_MIN, worst row shown in the table): "
-        "the golden texts include languages and code it barely models; with 1 std weight noise its rows fall to ~0.1.",
+        "the golden texts include languages and code it barely models.",
         "",
         "## minilm-lite",
         "",
@@ -219,6 +219,19 @@ def _markdown(r: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _speed_spread(v: dict) -> str:
+    """Each variant's sentences/s across runs (min–max), or a line saying the report kept none:
+    without the spread, a difference in speed cannot be told from this machine's noise."""
+    if not all("sentences_per_s_runs" in x for x in v.values()):
+        return ("This report keeps only the median speeds, not each run's, so it cannot tell how much of a "
+                "difference in speed between two variants is noise.")
+    spans = "; ".join(
+        f"{name} {min(x['sentences_per_s_runs']['1']):.0f}–{max(x['sentences_per_s_runs']['1']):.0f} / "
+        f"{min(x['sentences_per_s_runs']['32']):.0f}–{max(x['sentences_per_s_runs']['32']):.0f}"
+        for name, x in v.items())
+    return f"Sentences/s across runs (min–max, batch 1 / batch 32): {spans}."
 
 
 def _plot(r: dict, path: pathlib.Path) -> None:
