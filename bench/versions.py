@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from bench.report import machine, progress, pyplot, write
+from bench.report import chosen_seed, machine, phase_order, progress, pyplot, seed_argument, write
 from services.model_server import build_variants as bv
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -88,6 +88,7 @@ def _broken_probe(src: pathlib.Path, tok_path: pathlib.Path, golden: dict, scale
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported")
+    seed_argument(parser)
     parser.add_argument("--models", type=pathlib.Path, default=ROOT / "build" / "models")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
@@ -130,9 +131,11 @@ def main() -> int:
     # Throughput: the same sentences in their held-out (hash) order, every variant in each run.
     b1_texts, b32_texts = heldout[:128], heldout[128:128 + 640]
     speeds = {name: {"1": [], "32": []} for name in sessions}
+    seed = chosen_seed(args.seed)
     for run in range(args.runs):
         progress(f"run {run + 1}/{args.runs}: throughput at batch 1 and 32")
-        for name, sess in sessions.items():
+        for name in phase_order(sessions, run, seed):  # no variant always first
+            sess = sessions[name]
             speeds[name]["1"].append(_throughput(sess, tok, b1_texts, 1))
             speeds[name]["32"].append(_throughput(sess, tok, b32_texts, 32))
     for name in sessions:
@@ -145,7 +148,7 @@ def main() -> int:
     broken = {f"v1 + {s:g} std weight noise": _broken_probe(paths["v1 fp32"], tok_path, golden, s, scratch / "broken.onnx")
               for s in (0.1, 1.0)}
 
-    report = {"machine": machine(), "runs": args.runs, "heldout_sentences": len(heldout),
+    report = {"machine": machine(), "runs": args.runs, "seed": seed, "heldout_sentences": len(heldout),
               "golden_min_cosine": min_cos, "broken_golden_worst_row_cosine": broken, "variants": variants}
     write(args.out, "versions", report, _markdown(report), _plot)
     return 0
