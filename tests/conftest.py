@@ -1,10 +1,15 @@
-"""Fixtures: the model repository, a real local mesh, a real redis-server."""
+"""Fixtures: the model repository, a real local mesh, a real redis-server; and
+the test tiers (pytest.ini): each test has one, and a unit test stays in-process."""
 
 import asyncio
+import contextlib
 import os
 import pathlib
 import shutil
+import socket
+import subprocess
 
+import grpc
 import numpy as np
 import pytest
 
@@ -14,6 +19,78 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODELS = ROOT / "build" / "models"
 GHZ = ROOT / "bin" / "ghz"
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
+TIERS = ("unit", "service", "e2e")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Refuses the run unless every test has exactly one tier: before -m selects by
+    them, so a test without one is found by any run, `make test-fast` included."""
+    wrong = []
+    for item in items:
+        tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
+        if len(tiers) != 1:
+            wrong.append(f"{item.nodeid}: {' and '.join(tiers) or 'no tier'}")
+    if wrong:
+        raise pytest.UsageError("each test needs exactly one of the markers unit, service or e2e "
+                                "(pytest.ini says which is which):\n  " + "\n  ".join(wrong))
+
+
+@contextlib.contextmanager
+def _in_process_only(broken: list[str]):
+    """While it lasts, starting a process or a server, or binding an IP socket,
+    fails and is written down in `broken` (in case the code swallows the error)."""
+    def refuse(what):
+        def refused(*args, **kwargs):
+            broken.append(what)
+            raise RuntimeError(f"a unit test {what}: mark it service or e2e")
+        return refused
+
+    bind = socket.socket.bind
+
+    def guarded_bind(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            refuse(f"bound a socket to {address}")()
+        return bind(sock, address)
+
+    saved = [(subprocess.Popen, "__init__"), (socket.socket, "bind"), (grpc.aio, "server"), (grpc, "server")]
+    originals = [getattr(owner, name) for owner, name in saved]
+    subprocess.Popen.__init__ = refuse("started a subprocess")
+    socket.socket.bind = guarded_bind
+    grpc.aio.server = refuse("started a grpc.aio server")
+    grpc.server = refuse("started a gRPC server")
+    try:
+        yield
+    finally:
+        for (owner, name), original in zip(saved, originals):
+            setattr(owner, name, original)
+
+
+def _unit_phase(item):
+    """Runs one phase of a test; a unit test's fails if it left the process."""
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+    broken: list[str] = []
+    with _in_process_only(broken):
+        result = yield
+    if broken:
+        pytest.fail(f"marked unit, but it {broken[0]}: mark it service or e2e (pytest.ini)", pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _unit_phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _unit_phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    return (yield from _unit_phase(item))
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ from tests.oip import output_array, text_request
 POLICY = BreakerPolicy(open_error_rate=0.05, recover_error_rate=0.01, window_s=10.0, min_requests=20, open_s=5.0)
 
 
+@pytest.mark.unit
 def test_it_opens_past_five_percent_failures_and_not_before_enough_answers():
     breaker = Breaker(POLICY)
     for i in range(19):
@@ -34,6 +35,7 @@ def test_it_opens_past_five_percent_failures_and_not_before_enough_answers():
     assert not breaker.allows(2.0)
 
 
+@pytest.mark.unit
 def test_old_answers_leave_the_window():
     breaker = Breaker(POLICY)
     for _ in range(100):
@@ -43,6 +45,7 @@ def test_old_answers_leave_the_window():
     assert states[-1] is State.OPEN
 
 
+@pytest.mark.unit
 def test_after_open_s_it_probes_a_growing_share_and_closes_below_one_percent():
     breaker = Breaker(POLICY, rng=random.Random(5))
     for _ in range(20):
@@ -59,6 +62,7 @@ def test_after_open_s_it_probes_a_growing_share_and_closes_below_one_percent():
     assert changed is State.CLOSED and breaker.allows(now)
 
 
+@pytest.mark.unit
 def test_a_failing_probe_step_opens_it_again():
     breaker = Breaker(POLICY)
     for _ in range(20):
@@ -72,6 +76,7 @@ def test_a_failing_probe_step_opens_it_again():
     assert not breaker.allows(9.9)
 
 
+@pytest.mark.e2e
 async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(model_repository, tmp_path,
                                                                              reference_embeddings):
     with Mesh(models=model_repository, log_dir=tmp_path, l2_path=tmp_path / "l2",

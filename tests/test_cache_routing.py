@@ -14,6 +14,8 @@ from services.launcher.mesh import Mesh
 from tests.conftest import metric
 from tests.oip import output_array, text_request
 
+pytestmark = pytest.mark.e2e
+
 
 def rows_run(mesh) -> float:
     return metric(mesh.metrics_url("model_server"), "infermesh_model_batch_rows_sum", model="minilm")

@@ -13,11 +13,14 @@ import time
 import urllib.request
 
 import grpc
+import pytest
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from tests.conftest import ROOT, scrape
 from tests.oip import output_array, text_request
+
+pytestmark = pytest.mark.e2e
 
 
 def free_port() -> int:

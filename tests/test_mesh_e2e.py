@@ -17,6 +17,8 @@ from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from tests.conftest import MAX_REQUEST_BYTES, metric, scrape
 from tests.oip import output_array, tensor_request, text_request
 
+pytestmark = pytest.mark.e2e
+
 
 def unique(text: str) -> str:
     """Texts the cache has not seen, so the model really runs."""

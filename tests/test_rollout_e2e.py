@@ -21,6 +21,8 @@ from tests.conftest import metric
 from tests.faulty import faulty_repository
 from tests.oip import text_request
 
+pytestmark = pytest.mark.e2e
+
 POLICY = pathlib.Path(__file__).resolve().parent.parent / "mesh" / "istio" / "model-server-traffic.yaml"
 # Each weight is judged this long: at 10% and a few dozen batches a second it
 # must be long enough that green surely gets some (1.5 s left it none about

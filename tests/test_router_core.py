@@ -12,6 +12,8 @@ from services.common.tensors import from_numpy
 from services.router.core import Catalog, InferRequest, Router
 from tests.test_router_validation import MLP
 
+pytestmark = pytest.mark.unit
+
 
 class SlowBatcher:
     def __init__(self, delay_s: float):

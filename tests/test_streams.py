@@ -38,6 +38,7 @@ class Echo(batcher_pb2_grpc.BatcherServicer):
         self.ended += 1
 
 
+@pytest.mark.service
 async def test_a_stream_past_its_age_takes_no_new_requests_and_ends_once_it_has_answered():
     """Behind a mesh a stream stays on the pod it first reached: replacing it
     after an age lets replicas added since get their share, and the requests
@@ -86,6 +87,7 @@ class Held(batcher_pb2_grpc.BatcherServicer):
                 yield batcher_pb2.SubmitResponse(id=request.id)
 
 
+@pytest.mark.service
 async def test_a_request_waiting_to_be_sent_is_built_then_and_dropped_if_its_caller_left():
     """A request queued behind a stalled stream states the time it has left when
     it is sent, and one whose caller gave up meanwhile is never sent (it would
@@ -166,6 +168,7 @@ async def frames_server():
         await server.stop(0)
 
 
+@pytest.mark.service
 async def test_requests_queued_together_share_a_frame_and_each_gets_its_own_answer():
     """While requests are in flight, those that come within the linger go out
     as one message; answers ready together come back as one."""
@@ -190,6 +193,7 @@ async def test_requests_queued_together_share_a_frame_and_each_gets_its_own_answ
         await mux.close()
 
 
+@pytest.mark.service
 async def test_an_urgent_request_does_not_wait_out_the_linger():
     async with frames_server() as (servicer, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         mux = StreamMux("frames", batcher_pb2_grpc.BatcherStub(channel).SubmitMany,
@@ -208,6 +212,7 @@ async def test_an_urgent_request_does_not_wait_out_the_linger():
         await mux.close()
 
 
+@pytest.mark.unit
 async def test_a_frame_stops_growing_at_its_byte_bound_and_keeps_the_order():
     """What does not fit starts the next frame; nothing is lost or reordered,
     and the end marker still ends the stream after the last frame."""

@@ -11,6 +11,7 @@ import time
 import grpc
 import numpy as np
 import onnxruntime as ort
+import pytest
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
@@ -18,6 +19,8 @@ from services.launcher.mesh import Mesh
 from tests.conftest import MODELS
 from tests.oip import output_array, tensor_request, text_request
 from tests.test_model_repository import ROWS, _add_version, _config, _mlp_outputs, _write_golden
+
+pytestmark = pytest.mark.e2e
 
 
 async def test_a_swap_under_load_through_the_mesh_fails_no_request(tmp_path, model_repository):

@@ -17,6 +17,8 @@ from services.launcher.mesh import Mesh
 from tests.conftest import metric
 from tests.oip import text_request
 
+pytestmark = pytest.mark.e2e
+
 POLICY = pathlib.Path(__file__).resolve().parent.parent / "mesh" / "istio" / "model-server-traffic.yaml"
 
 
