@@ -3,11 +3,13 @@ the test tiers (pytest.ini): each test has one, and a unit test stays in-process
 
 import asyncio
 import contextlib
+import inspect
 import os
 import pathlib
 import shutil
 import socket
 import subprocess
+import time
 
 import grpc
 import numpy as np
@@ -100,20 +102,37 @@ def model_repository() -> pathlib.Path:
     return MODELS
 
 
-@pytest.fixture(scope="session")
-def mesh(model_repository, tmp_path_factory):
-    """One whole mesh (with its own redis-server) shared by the end-to-end tests."""
+def _test_mesh(model_repository, tmp_path_factory):
+    """A whole mesh (with its own redis-server) as the end-to-end tests expect it."""
     from services.launcher.mesh import Mesh
 
-    log_dir = tmp_path_factory.mktemp("mesh-logs")
     # Automatic cache bypass is off here (the tests send mostly unique texts yet expect lookups),
     # and so is the near cache: these tests watch the cache service itself.
-    with Mesh(models=model_repository, log_dir=log_dir, l2_path=tmp_path_factory.mktemp("l2"),
-              router_args=("--max-request-bytes", str(MAX_REQUEST_BYTES), "--cache-min-hit-rate", "0",
-                           "--near-cache-ttl-s", "0")) as running:
+    return Mesh(models=model_repository, log_dir=tmp_path_factory.mktemp("mesh-logs"),
+                l2_path=tmp_path_factory.mktemp("l2"),
+                router_args=("--max-request-bytes", str(MAX_REQUEST_BYTES), "--cache-min-hit-rate", "0",
+                             "--near-cache-ttl-s", "0"))
+
+
+@pytest.fixture(scope="session")
+def mesh(model_repository, tmp_path_factory):
+    """One whole mesh shared by the end-to-end tests. It learns from their traffic
+    (batch latencies per size): a test whose outcome depends on what it has
+    learned, or whose traffic would teach it what others must not inherit,
+    takes `own_mesh` instead."""
+    with _test_mesh(model_repository, tmp_path_factory) as running:
         yield running
         dead = running.dead()
         assert not dead, f"services died during the tests: {dead}"
+
+
+@pytest.fixture
+def own_mesh(model_repository, tmp_path_factory):
+    """A mesh like `mesh` for one test alone, starting with nothing learned."""
+    with _test_mesh(model_repository, tmp_path_factory) as running:
+        yield running
+        dead = running.dead()
+        assert not dead, f"services died during the test: {dead}"
 
 
 @pytest.fixture(scope="session")
@@ -152,6 +171,32 @@ def redis_binary() -> str:
 def metric(url: str, name: str, **labels) -> float:
     """The sum of samples of `name` whose labels include `labels`."""
     return sum(v for (n, ls), v in scrape(url).items() if n == name and set(labels.items()) <= set(ls))
+
+
+async def until(condition, what: str, timeout_s: float = 30.0, interval_s: float = 0.02):
+    """Polls `condition` (a function, its result awaited if it is awaitable) until
+    it returns something true, and returns that; fails naming `what` if it has
+    not within timeout_s. The wait stands for a state, never for a time."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = condition()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not so within {timeout_s:.0f} s")
+        await asyncio.sleep(interval_s)
+
+
+def wait_until(condition, what: str, timeout_s: float = 30.0, interval_s: float = 0.02):
+    """`until` for tests without an event loop."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not so within {timeout_s:.0f} s")
+        time.sleep(interval_s)
+    return result
 
 
 async def settle() -> None:
