@@ -12,7 +12,7 @@ from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.launcher.mesh import Mesh
-from tests.conftest import metric
+from tests.conftest import metric, wait_until
 from tests.oip import output_array, text_request
 
 
@@ -59,13 +59,19 @@ def test_a_batcher_too_busy_to_answer_a_catalog_poll_keeps_its_models_offered(un
     misses the router's catalog polls; for a moment that must not withdraw every
     model, only a run of misses does. The requests sent meanwhile are answered."""
     batcher = uncached_mesh.processes["batcher"].popen
+    router_log = uncached_mesh.log_dir / "router.log"
+
+    def missed_polls() -> int:
+        return router_log.read_text().count("batcher did not list models")
+
     with grpc.insecure_channel(uncached_mesh.router) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         assert output_array(stub.ModelInfer(text_request(["before"])), "EMBEDDING").shape == (1, 384)
+        missed_before = missed_polls()
         batcher.send_signal(signal.SIGSTOP)
         try:
             pending = stub.ModelInfer.future(text_request(["while stopped"]), timeout=30)
-            time.sleep(1.5)  # one poll (1 s timeout) missed
+            wait_until(lambda: missed_polls() > missed_before, "the router missing a catalog poll (1 s timeout)")
             assert stub.ModelReady(pb.ModelReadyRequest(name="minilm")).ready
         finally:
             batcher.send_signal(signal.SIGCONT)

@@ -32,7 +32,7 @@ from services.model_server.core import ControlMode, ModelManager
 from services.model_server.repository import LEND_RESERVED_AFTER_S, ConfigError, load_config
 from services.model_server.server import Readiness, build_server
 
-from tests.conftest import MODELS, settle
+from tests.conftest import MODELS, settle, until
 
 ROWS = np.random.default_rng(7).standard_normal((4, 64), dtype=np.float32)
 
@@ -221,10 +221,10 @@ async def test_a_new_version_swaps_in_under_load_without_a_failed_request(repo):
                 seen.append((after_swap, version))
 
         callers = [asyncio.create_task(caller()) for _ in range(8)]
-        await asyncio.sleep(0.2)
+        await until(lambda: len(seen) >= 16, "answers before the swap")
         await ms.load()
         swapped.set()
-        await asyncio.sleep(0.2)
+        await until(lambda: sum(after for after, _ in seen) >= 16, "answers after the swap")
         stop.set()
         await asyncio.gather(*callers)  # any failed request raises here
         assert seen[0] == (False, "1")

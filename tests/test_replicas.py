@@ -29,7 +29,7 @@ from services.launcher.mesh import MODEL_SERVER_NICE, Mesh, Process
 from services.model_server.config import ModelServerConfig
 from services.model_server.core import ModelManager
 from services.model_server.server import build_server
-from tests.conftest import metric
+from tests.conftest import metric, until
 from tests.oip import output_array, text_request
 from tests.test_model_repository import _config, repo  # noqa: F401 - the mlp repository fixture
 
@@ -97,8 +97,10 @@ async def test_both_replicas_get_work_and_one_dying_loses_nothing(two_replicas):
         # Long texts keep both replicas busy; then one of them dies mid-batch.
         calls = [asyncio.ensure_future(stub.ModelInfer(text_request([f"{uuid.uuid4().hex} " + "long words " * 120] * 2),
                                                        timeout=120)) for _ in range(40)]
-        await asyncio.sleep(0.5)
-        victim = mesh.processes["model_server-1"].popen
+        victim = mesh.processes["model_server-1"]
+        await until(lambda: metric(mesh.metrics_url("batcher"), "infermesh_batcher_inflight_batches",
+                                   replica=victim.info["grpc"]) >= 1, "a batch in flight on the replica to kill")
+        victim = victim.popen
         victim.send_signal(signal.SIGKILL)
         victim.wait()
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -208,14 +210,14 @@ async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_
         async with loaded.gate.turn(0):  # the model is busy: the first batch waits at the server
             first = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0))
             second = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0))
-            await asyncio.wait_for(until(lambda: replicas._room_waiters), 10)  # noqa: SLF001
+            await until(lambda: replicas._room_waiters, "a batch waiting for room", timeout_s=10)  # noqa: SLF001
             assert replica.inflight == 1  # the second waits here, not in the server's queue
             with pytest.raises(errors.ResourceExhausted, match=r"had as many batches in flight as it may \(1\) until this "
                                                                "batch could no longer finish before its deadline"):
                 await replicas.execute("mlp", "", mlp_batch(), [], 0.2)
             # A VIP batch has a slot of its own: it goes to the server's VIP-first gate.
             vip = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0, priority=1))
-            await asyncio.wait_for(until(lambda: replica.inflight == 2), 10)
+            await until(lambda: replica.inflight == 2, "two batches in flight", timeout_s=10)
         assert [(await call)[0] for call in (first, second, vip)] == ["1", "1", "1"]
         assert replica.inflight == 0
     finally:
@@ -313,11 +315,6 @@ async def test_a_subsets_own_outlier_detection_and_its_panic_threshold_apply_to_
         await manager.close()
 
 
-async def until(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0.01)
-
-
 @pytest.mark.service
 async def test_a_replica_is_sent_as_many_batches_as_its_instances_can_start(repo):
     """Three instances, one for VIP only: the model server says so in ListModels,
@@ -341,10 +338,10 @@ async def test_a_replica_is_sent_as_many_batches_as_its_instances_can_start(repo
                 await held.enter_async_context(gate.turn(1))
             one_row = [from_numpy("INPUT0", np.ones((1, 64), dtype=np.float32), "FP32")]
             standard = [asyncio.ensure_future(batcher.submit("mlp", "", one_row, [])) for _ in range(3)]
-            await asyncio.wait_for(until(lambda: gate.waiting == 2), 10)
+            await until(lambda: gate.waiting == 2, "two batches waiting", timeout_s=10)
             assert replica.running[("mlp", STANDARD)] == 2 and batcher.queue_length() == 1
             vip = asyncio.ensure_future(batcher.submit("mlp", "", one_row, [], priority=VIP))
-            await asyncio.wait_for(until(lambda: gate.waiting == 3), 10)
+            await until(lambda: gate.waiting == 3, "three batches waiting", timeout_s=10)
             assert replica.running[("mlp", VIP)] == 1 and batcher.queue_length() == 1
         assert len(await asyncio.gather(*standard, vip)) == 4
     finally:
