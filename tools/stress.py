@@ -1,6 +1,6 @@
 """make test-stress: the service and e2e tiers while busy processes hold every core,
-round after round, each in a new random order; stops at the first failing round
-and prints the seed that replays its order."""
+round after round, each in a new random order; stops at the first failure and
+prints the seed that replays its order."""
 
 import argparse
 import contextlib
@@ -49,7 +49,7 @@ def main() -> int:
         for round_number, seed in enumerate(seeds, 1):
             print(f"test-stress: round {round_number}/{args.rounds}, {args.burners} busy processes, "
                   f"--randomly-seed={seed}", flush=True)
-            done = subprocess.run([sys.executable, "-m", "pytest", "-p", "randomly", f"--randomly-seed={seed}",
+            done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-p", "randomly", f"--randomly-seed={seed}",
                                    "-m", args.tiers, *args.pytest_args, "tests"], cwd=ROOT)
             if done.returncode != 0:
                 print(f"test-stress: round {round_number} failed with --randomly-seed={seed}; replay its order "
