@@ -18,7 +18,7 @@ $(shell mkdir -p $(VERSIONS); \
     f=$(VERSIONS)/$${pair%%=*}; [ "$$(cat $$f 2>/dev/null)" = "$${pair#*=}" ] || echo "$${pair#*=}" > $$f; done)
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
-.PHONY: setup venv system-deps ghz kustomize istio-crds kube-test-server stubs models run test check-manifests bench peers bench-peers clean
+.PHONY: setup venv system-deps ghz kustomize istio-crds kube-test-server stubs models run test test-fast test-stress check-manifests bench peers bench-peers clean
 
 setup: venv system-deps ghz kustomize istio-crds kube-test-server stubs models
 	@echo "setup complete: 'make run' starts the mesh, 'make test' runs the tests"
@@ -104,8 +104,23 @@ models: $(VENV)/.installed
 run: venv system-deps stubs models
 	$(PY) -m services.launcher --models $(MODEL_REPO) $(if $(ROUTERS),--routers $(ROUTERS))
 
+# Every run is in a shuffled order (pytest-randomly), its seed printed at the top
+# ("Using --randomly-seed=N"); make test SEED=N replays that order.
+RANDOMLY = -p randomly $(if $(SEED),--randomly-seed=$(SEED))
+
 test: stubs
-	$(PY) -m pytest tests
+	$(PY) -m pytest $(RANDOMLY) tests
+
+# The unit tier alone: in-process, no servers or subprocesses (pytest.ini).
+test-fast: stubs
+	$(PY) -m pytest $(RANDOMLY) -m unit tests
+
+# The service and e2e tiers with a busy process on every core, ROUNDS times,
+# each round in a new shuffled order; stops at the first failing round and
+# prints its seed (make test-stress SEED=N ROUNDS=1 runs that order again).
+ROUNDS ?= 2
+test-stress: stubs
+	$(PY) -m tools.stress --rounds $(ROUNDS) $(if $(SEED),--seed $(SEED)) $(if $(ARGS),-- $(ARGS))
 
 check-manifests: kustomize istio-crds
 	$(PY) -m tools.manifests

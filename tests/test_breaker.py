@@ -15,12 +15,13 @@ from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.launcher.mesh import Mesh
 from services.router.breaker import HALF_OPEN_STEPS, Breaker, BreakerPolicy, State
-from tests.conftest import metric
+from tests.conftest import metric, until
 from tests.oip import output_array, text_request
 
 POLICY = BreakerPolicy(open_error_rate=0.05, recover_error_rate=0.01, window_s=10.0, min_requests=20, open_s=5.0)
 
 
+@pytest.mark.unit
 def test_it_opens_past_five_percent_failures_and_not_before_enough_answers():
     breaker = Breaker(POLICY)
     for i in range(19):
@@ -34,6 +35,7 @@ def test_it_opens_past_five_percent_failures_and_not_before_enough_answers():
     assert not breaker.allows(2.0)
 
 
+@pytest.mark.unit
 def test_old_answers_leave_the_window():
     breaker = Breaker(POLICY)
     for _ in range(100):
@@ -43,6 +45,7 @@ def test_old_answers_leave_the_window():
     assert states[-1] is State.OPEN
 
 
+@pytest.mark.unit
 def test_after_open_s_it_probes_a_growing_share_and_closes_below_one_percent():
     breaker = Breaker(POLICY, rng=random.Random(5))
     for _ in range(20):
@@ -59,6 +62,7 @@ def test_after_open_s_it_probes_a_growing_share_and_closes_below_one_percent():
     assert changed is State.CLOSED and breaker.allows(now)
 
 
+@pytest.mark.unit
 def test_a_failing_probe_step_opens_it_again():
     breaker = Breaker(POLICY)
     for _ in range(20):
@@ -72,6 +76,7 @@ def test_a_failing_probe_step_opens_it_again():
     assert not breaker.allows(9.9)
 
 
+@pytest.mark.e2e
 async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(model_repository, tmp_path,
                                                                              reference_embeddings):
     with Mesh(models=model_repository, log_dir=tmp_path, l2_path=tmp_path / "l2",
@@ -82,12 +87,21 @@ async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(mode
                 grpc.aio.insecure_channel(mesh.processes["model_server"].info["grpc"]) as control_channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             control = pb_grpc.GRPCInferenceServiceStub(control_channel)
+
+            def router_sees(model: str, ready: bool):
+                """Whether the router's catalog, which comes from the batcher's, has `model` ready or not."""
+                async def check() -> bool:
+                    return (await stub.ModelReady(pb.ModelReadyRequest(name=model))).ready == ready
+                return until(check, f"the router seeing {model} {'ready' if ready else 'without a ready version'}")
+
             known = "a sentence answered before the outage"
-            await stub.ModelInfer(text_request([known]), timeout=60)  # now in the cache
-            await asyncio.sleep(0.3)  # the store lands
+            stored_before = metric(mesh.metrics_url("cache"), "infermesh_cache_stored_bytes_total", level="l1")
+            await stub.ModelInfer(text_request([known]), timeout=60)
+            await until(lambda: metric(mesh.metrics_url("cache"), "infermesh_cache_stored_bytes_total", level="l1")
+                        > stored_before, "the answer stored in the cache")
 
             await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm"), timeout=30)
-            await asyncio.sleep(0.6)  # router and batcher see minilm without a ready version
+            await router_sees("minilm", ready=False)
             results = []
             for _ in range(40):
                 try:
@@ -108,7 +122,7 @@ async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(mode
 
             # With the fallback gone too, the caller hears why, as a retryable status.
             await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm-lite"), timeout=30)
-            await asyncio.sleep(0.6)
+            await router_sees("minilm-lite", ready=False)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await stub.ModelInfer(text_request([f"no fallback {uuid.uuid4().hex}"]), timeout=30)
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -116,7 +130,8 @@ async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(mode
             await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="minilm-lite"), timeout=60)
 
             await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="minilm"), timeout=120)
-            await asyncio.sleep(1.5)  # ready again, and the breaker's open time is over
+            await router_sees("minilm-lite", ready=True)  # the fallback, while the breaker is open
+            await router_sees("minilm", ready=True)
             # Half-open: 10%, then 25%, then 50% of requests try minilm, each step needing 10 good answers.
             # Bounded by time, not rounds: degraded answers come fast, and a step that saw a failure
             # reopens the breaker for a second, so on a slow machine rounds can run out first.
