@@ -3,6 +3,7 @@ reflection, readiness announcement and graceful shutdown."""
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import logging
 import signal
@@ -10,6 +11,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 from google.protobuf import descriptor_pool
@@ -42,16 +44,39 @@ class Oversized:
 
 
 class Malformed:
-    """A stream message that is not valid protobuf. Under per-message checks
-    (a server with max_request_bytes) it reaches the servicer wrapped so, to be
-    answered alone: the stream's framing is intact, so the stream, and every
-    other request on it, can go on."""
+    """A stream message that is not valid protobuf, or that its method's
+    Decoder refused. Under per-message checks (a server with
+    max_request_bytes) it reaches the servicer wrapped so, to be answered
+    alone: the stream's framing is intact, so the stream, and every other
+    request on it, can go on. `partial` is what the Decoder could read of it
+    (its id, for the answer), or None."""
 
-    __slots__ = ("size", "error")
+    __slots__ = ("size", "error", "partial")
 
-    def __init__(self, size: int, error: errors.InvalidArgument):
+    def __init__(self, size: int, error: errors.InfermeshError, partial=None):
         self.size = size
         self.error = error
+        self.partial = partial
+
+
+class Decoder(Protocol):
+    """How a server reads one method's requests in place of the generated
+    parser: checks that need no parse first, so that a message built to be
+    slow to parse is refused before it is."""
+
+    def decode(self, raw: bytes):
+        """The message; raises an InfermeshError to refuse it, any other
+        exception where it is not a valid message."""
+
+    def partial(self, raw: bytes):
+        """What of a refused message can be read at a cost independent of its
+        size (what its answer must name), or None."""
+
+
+# Messages larger than this, of a method with a Decoder, are decoded in the
+# server's decode thread: a Python walk there hands the GIL back to the event
+# loop every switch interval, where on the loop it would hold it throughout.
+OFFLOAD_BYTES = 64 * 1024
 
 
 class ErrorHandling:
@@ -59,16 +84,23 @@ class ErrorHandling:
     (ErrorHandledServer), rather than an interceptor running per call. The
     wrapper maps domain errors to their gRPC status, anything unexpected to
     INTERNAL (traceback in the log, a generic message to the caller), and
-    records the per-RPC metrics. It also parses requests itself, so that a
+    records the per-RPC metrics. It also parses requests itself (through the
+    method's Decoder where it has one), so that a
     message that is not valid protobuf is INVALID_ARGUMENT rather than grpc's
     UNKNOWN, and a unary request over `max_request_bytes` is
     RESOURCE_EXHAUSTED naming both sizes (stream messages over it arrive
     wrapped in Oversized, and with it set unreadable ones in Malformed). A
     method the servicer leaves unimplemented is UNIMPLEMENTED."""
 
-    def __init__(self, service: str, max_request_bytes: int | None = None):
+    def __init__(self, service: str, max_request_bytes: int | None = None,
+                 decoders: dict[str, Decoder] | None = None):
         self._service = service
         self._max_request_bytes = max_request_bytes
+        self._decoders = decoders or {}
+        # One thread: large messages are decoded one at a time, so that the
+        # loop shares the GIL with one decode at most.
+        self._decode_thread = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{service}-decode")
+                               if self._decoders else None)
 
     def wrap(self, full_method: str, handler):
         """The handler of `full_method` ("/package.Service/Method"), wrapped."""
@@ -76,6 +108,9 @@ class ErrorHandling:
             return None
         method = full_method.rsplit("/", 1)[-1]
         parse = handler.request_deserializer
+        decoder = self._decoders.get(method)
+        if decoder is not None:
+            parse = _Decoding(decoder, self._decode_thread)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(handler.unary_unary, method, parse), response_serializer=handler.response_serializer)
@@ -88,11 +123,15 @@ class ErrorHandling:
                 response_serializer=handler.response_serializer)
         return handler
 
-    def _parse(self, parse, raw: bytes, method: str):
+    async def _parse(self, parse, raw: bytes, method: str):
         if parse is None:
             return raw
         try:
+            if isinstance(parse, _Decoding):
+                return await parse.decode(raw)
             return parse(raw)
+        except errors.InfermeshError:
+            raise
         except Exception as exc:  # noqa: BLE001 - DecodeError and friends
             raise errors.InvalidArgument(f"{method} request of {len(raw)} bytes is not a valid message: {exc}") from None
 
@@ -101,12 +140,15 @@ class ErrorHandling:
 
     async def _messages(self, raw_iterator, parse, method: str):
         async for raw in raw_iterator:
+            if isinstance(parse, _Decoding) and self._too_large(raw):
+                yield Oversized(parse.decoder.partial(raw), len(raw))  # refused unparsed: parsing it costs most
+                continue
             try:
-                message = self._parse(parse, raw, method)
-            except errors.InvalidArgument as exc:
+                message = await self._parse(parse, raw, method)
+            except errors.InfermeshError as exc:
                 if self._max_request_bytes is None:
                     raise
-                yield Malformed(len(raw), exc)
+                yield Malformed(len(raw), exc, parse.decoder.partial(raw) if isinstance(parse, _Decoding) else None)
                 continue
             yield Oversized(message, len(raw)) if self._too_large(raw) else message
 
@@ -121,7 +163,7 @@ class ErrorHandling:
                 if self._too_large(raw):
                     raise errors.ResourceExhausted(
                         f"{method} request of {len(raw)} bytes exceeds the limit of {self._max_request_bytes} bytes")
-                response = await behavior(self._parse(parse, raw, method), context)
+                response = await behavior(await self._parse(parse, raw, method), context)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 await self._abort(context, exc, method, started)
             self._record(method, _code_name(context), started)
@@ -175,6 +217,22 @@ class ErrorHandling:
         await context.abort(code, message)
 
 
+class _Decoding:
+    """A method's Decoder, run on the event loop for a small message and in
+    the decode thread for a large one."""
+
+    __slots__ = ("decoder", "_thread")
+
+    def __init__(self, decoder: Decoder, thread: concurrent.futures.Executor):
+        self.decoder = decoder
+        self._thread = thread
+
+    async def decode(self, raw: bytes):
+        if len(raw) <= OFFLOAD_BYTES:
+            return self.decoder.decode(raw)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.decoder.decode, raw)
+
+
 def _code_name(context) -> str:
     code = context.code()
     if code is None:
@@ -226,15 +284,17 @@ class _WrappedGenericHandler(grpc.GenericRpcHandler):
 
 
 def new_server(service: str, max_message_bytes: int, max_concurrent_rpcs: int | None = None,
-               max_request_bytes: int | None = None, reuse_port: bool = False) -> ErrorHandledServer:
+               max_request_bytes: int | None = None, reuse_port: bool = False,
+               decoders: dict[str, Decoder] | None = None) -> ErrorHandledServer:
     """A grpc.aio server whose handlers are error-handled (ErrorHandling).
     `max_message_bytes` is the transport's hard limit; `max_request_bytes`,
     when set and lower, is checked per request so that one oversized message
     fails alone. With `reuse_port`, other processes may bind the same port
-    (SO_REUSEPORT) and the kernel spreads connections among them."""
+    (SO_REUSEPORT) and the kernel spreads connections among them. `decoders`
+    read the requests of the methods they name (by method name)."""
     server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs,
                              options=server_options(max_message_bytes, reuse_port))
-    return ErrorHandledServer(server, ErrorHandling(service, max_request_bytes))
+    return ErrorHandledServer(server, ErrorHandling(service, max_request_bytes, decoders))
 
 
 KEEPALIVE_MS = 15_000  # how often our clients ping a quiet connection

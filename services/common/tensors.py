@@ -49,22 +49,24 @@ def element_count(shape: tuple[int, ...] | list[int]) -> int:
     return math.prod(shape)
 
 
-def _bytes_spans(view: memoryview, what: str):
-    """(offset, length) of each length-prefixed BYTES element; raises
-    InvalidArgument naming `what` where the framing is broken."""
+def _bytes_spans(view: memoryview, what: str, count: int | None = None):
+    """(offset, length) of each length-prefixed BYTES element, `count` of them
+    at most; raises InvalidArgument naming `what` where the framing is broken."""
     offset = index = 0
-    while offset < len(view):
-        if offset + 4 > len(view):
+    size = len(view)
+    unpack = _LENGTH.unpack_from
+    while offset < size and index != count:
+        if offset + 4 > size:
             raise InvalidArgument(
-                f"{what}: malformed BYTES contents: {len(view) - offset} trailing byte(s) at offset {offset} "
+                f"{what}: malformed BYTES contents: {size - offset} trailing byte(s) at offset {offset} "
                 "cannot hold a 4-byte length prefix"
             )
-        (length,) = _LENGTH.unpack_from(view, offset)
+        (length,) = unpack(view, offset)
         offset += 4
-        if offset + length > len(view):
+        if offset + length > size:
             raise InvalidArgument(
                 f"{what}: malformed BYTES contents: element {index} declares length {length} "
-                f"at offset {offset - 4} but only {len(view) - offset} byte(s) remain"
+                f"at offset {offset - 4} but only {size - offset} byte(s) remain"
             )
         yield offset, length
         offset += length
@@ -82,8 +84,65 @@ def count_bytes_elements(data: bytes, what: str) -> int:
     return sum(1 for _ in _bytes_spans(memoryview(data), what))
 
 
+def check_bytes_elements(data: bytes, shape, what: str, max_element_bytes: int | None = None) -> None:
+    """Checks that BYTES contents hold exactly the shape's element count, each
+    framed and of at most `max_element_bytes`. The walk stops at that count:
+    its cost is the shape's, never that of what a caller appended."""
+    count = element_count(shape)
+    view = memoryview(data)
+    offset = seen = 0
+    for offset, length in _bytes_spans(view, what, count):
+        if max_element_bytes is not None and length > max_element_bytes:
+            raise InvalidArgument(f"{what}: element {seen} is {length} bytes long; the limit is {max_element_bytes} "
+                                  "bytes per element")
+        seen += 1
+        offset += length
+    if seen < count:
+        raise InvalidArgument(f"{what} holds {seen} BYTES element(s) but shape {list(shape)} needs {count}")
+    if offset < len(view):
+        raise InvalidArgument(f"{what} holds more than {count} BYTES element(s): shape {list(shape)} holds {count}, "
+                              f"and {len(view) - offset} byte(s) follow element {count - 1}")
+
+
+def check_tensor_data(tensor: "TensorData", what: str, max_element_bytes: int | None = None) -> None:
+    """Checks that a tensor's data holds what its shape and datatype say (see
+    check_bytes_elements); `what` names the tensor in errors."""
+    if tensor.datatype == "BYTES":
+        check_bytes_elements(tensor.data, tensor.shape, what, max_element_bytes)
+        return
+    need = element_count(tensor.shape) * NUMPY_DTYPES[tensor.datatype].itemsize
+    if len(tensor.data) != need:
+        raise InvalidArgument(f"{what} has {len(tensor.data)} bytes of data but shape {list(tensor.shape)} of "
+                              f"{tensor.datatype} needs {need}")
+
+
+def bytes_elements(tensors) -> int:
+    """How many BYTES elements the shapes of `tensors` hold: what checking them walks."""
+    return sum(element_count(t.shape) for t in tensors if t.datatype == "BYTES")
+
+
+PACK_INLINE_ITEMS = 64  # below this a join per item is faster than numpy's set-up
+PACK_CHUNK_ITEMS = 16384  # each a C-level step of a few milliseconds: a thread packing many lets others run between
+
+
 def pack_bytes_elements(items: list[bytes]) -> bytes:
-    return b"".join(_LENGTH.pack(len(item)) + item for item in items)
+    """Length-prefixes and concatenates `items`: numpy scatters the prefixes,
+    a chunk of items at a time."""
+    if len(items) < PACK_INLINE_ITEMS:
+        return b"".join(_LENGTH.pack(len(item)) + item for item in items)
+    if len(items) > PACK_CHUNK_ITEMS:
+        return b"".join(pack_bytes_elements(items[start : start + PACK_CHUNK_ITEMS])
+                        for start in range(0, len(items), PACK_CHUNK_ITEMS))
+    lengths = np.fromiter(map(len, items), dtype="<u4", count=len(items))
+    out = np.empty(4 * len(items) + int(lengths.sum(dtype=np.int64)), dtype=np.uint8)
+    starts = np.zeros(len(items), dtype=np.int64)  # where each prefix goes
+    np.cumsum(lengths[:-1].astype(np.int64) + 4, out=starts[1:])
+    prefix_at = (starts[:, None] + np.arange(4)).reshape(-1)
+    out[prefix_at] = lengths.view(np.uint8)
+    is_data = np.ones(len(out), dtype=bool)
+    is_data[prefix_at] = False
+    out[is_data] = np.frombuffer(b"".join(items), dtype=np.uint8)
+    return out.tobytes()
 
 
 def to_numpy(tensor: TensorData) -> np.ndarray:

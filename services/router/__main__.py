@@ -28,7 +28,8 @@ async def serve(config: RouterConfig) -> None:
     bypass = AdaptiveBypass(config.cache_bypass_window, config.cache_min_hit_rate, config.cache_bypass_memory)
     near = NearCache(config.near_cache_ttl_s, config.near_cache_max_bytes)
     samples = FailureSamples(config.failure_samples_path) if config.failure_samples_path else None
-    router = Router(catalog, batcher, cache, bypass, config.default_timeout_s, near, config.breaker_policy(), samples)
+    router = Router(catalog, batcher, cache, bypass, config.default_timeout_s, near, config.breaker_policy(), samples,
+                    config.request_limits())
     await batcher.start()
     metrics_port = start_metrics_server(config.host, config.metrics_port)
     draining = asyncio.Event()

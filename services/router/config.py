@@ -43,6 +43,15 @@ class RouterConfig:
     failure_samples_path: str = dataclasses.field(default="", metadata={"help": "JSON-lines file for requests that failed while a breaker counted (empty: none)"})
     drain_grace_s: float = dataclasses.field(default=10.0)
     log_level: str = dataclasses.field(default="info")
+    max_text_bytes: int = dataclasses.field(default=64 * 1024, metadata={
+        "help": "largest BYTES element (one text) of a request; longer is INVALID_ARGUMENT naming the element"})
+    max_inputs: int = dataclasses.field(default=64, metadata={"help": "inputs (and raw_input_contents) of one request"})
+    max_outputs: int = dataclasses.field(default=64, metadata={"help": "requested outputs of one request"})
+    max_parameters: int = dataclasses.field(default=32, metadata={
+        "help": "entries of each parameter map of a request (its own, each input's, each output's)"})
+    max_typed_elements: int = dataclasses.field(default=1 << 16, metadata={
+        "help": "elements of typed contents in one request, all inputs together; larger tensors go as "
+                "raw_input_contents (parsing typed ones costs a step per element)"})
 
     def __post_init__(self):
         require(self.max_request_bytes >= 1024, f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
@@ -64,6 +73,14 @@ class RouterConfig:
         require(self.breaker_window_s > 0 and self.breaker_open_s > 0 and self.breaker_min_requests >= 1,
                 f"breaker window, open time and minimum requests must be positive, got {self.breaker_window_s}, "
                 f"{self.breaker_open_s}, {self.breaker_min_requests}")
+        for name in ("max_text_bytes", "max_inputs", "max_outputs", "max_parameters", "max_typed_elements"):
+            require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def request_limits(self):
+        from services.router.limits import RequestLimits
+
+        return RequestLimits(self.max_inputs, self.max_outputs, self.max_parameters, self.max_typed_elements,
+                             self.max_text_bytes)
 
     def breaker_policy(self):
         from services.router.breaker import BreakerPolicy

@@ -13,10 +13,11 @@ import time
 from typing import Protocol
 
 from services.common import errors
-from services.common.tensors import NUMPY_DTYPES, TensorData, count_bytes_elements, element_count
+from services.common.tensors import TensorData, bytes_elements, check_tensor_data
 from services.router import metrics
 from services.router.breaker import COUNTED_CODES, Breaker, BreakerPolicy, FailureSamples, State
 from services.router.bypass import AdaptiveBypass
+from services.router.limits import RequestLimits
 from services.router.nearcache import NearCache
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 STANDARD, VIP = 0, 1
 SINGLE_FLIGHT_LINGER_S = 0.05
 MAX_SHED_MS = 1000  # the longest a batcher's "retry after" makes the router refuse a level by itself
+# A request whose BYTES elements are more than this is checked in a thread (a
+# walk of 200 ns an element), so that the event loop goes on meanwhile.
+INLINE_ELEMENTS = 4096
 TIERS = {"standard": STANDARD, "vip": VIP}
 TIER_NAMES = {tier: name for name, tier in TIERS.items()}
 
@@ -128,8 +132,10 @@ class Catalog:
 class Router:
     def __init__(self, catalog: Catalog, batcher: Batcher, cache: Cache | None, bypass: AdaptiveBypass | None = None,
                  default_timeout_s: float = 60.0, near: NearCache | None = None,
-                 breaker_policy: BreakerPolicy | None = None, failure_samples: FailureSamples | None = None):
+                 breaker_policy: BreakerPolicy | None = None, failure_samples: FailureSamples | None = None,
+                 limits: RequestLimits | None = None):
         self.catalog = catalog
+        self.limits = limits or RequestLimits()
         self._breaker_policy = breaker_policy or BreakerPolicy()
         self._breakers: dict[str, Breaker] = {}
         self._failure_samples = failure_samples
@@ -221,7 +227,7 @@ class Router:
         """The cache's answer for this exact request if it has one, else the fallback model's."""
         version = sig.ready_versions[0] if sig.ready_versions else (sig.versions[0] if sig.versions else "")
         if self._cache is not None and not request.cache_bypass:
-            inputs = validate(sig, request)
+            inputs = await validated(sig, request, self.limits)
             digest = request_digest(sig.name, version, inputs, request.outputs, sig.revision(version))
             cached = self._near.get(digest) or (await self._cache.lookup(sig.name, digest, request.tier))[0]
             if cached is not None:
@@ -240,7 +246,7 @@ class Router:
         sig, version = self.signature(request.model, request.version)
         if version not in sig.ready_versions:
             raise errors.Unavailable(f"model '{sig.name}' version '{version}' has no ready replica; retry later")
-        inputs = validate(sig, request)
+        inputs = await validated(sig, request, self.limits)
         # Every request has a deadline downstream: the caller's, or ours. The
         # batcher's is a little earlier, so that it answers DEADLINE_EXCEEDED
         # itself before the caller's own deadline fires.
@@ -408,9 +414,35 @@ class Flight:
     requested: str = ""
 
 
-def validate(sig: ModelSignature, request: InferRequest) -> list[TensorData]:
+def validate(sig: ModelSignature, request: InferRequest, limits: RequestLimits | None = None) -> list[TensorData]:
     """Checks a request against the model's signature; returns its inputs in the
     model's order. Every error names the field, the value and the model."""
+    ordered = check_signature(sig, request)
+    check_contents(sig, ordered, limits or RequestLimits())
+    return ordered
+
+
+async def validated(sig: ModelSignature, request: InferRequest, limits: RequestLimits) -> list[TensorData]:
+    """validate, with the walk of many BYTES elements in a thread."""
+    ordered = check_signature(sig, request)
+    if bytes_elements(ordered) > INLINE_ELEMENTS:
+        await asyncio.to_thread(check_contents, sig, ordered, limits)
+    else:
+        check_contents(sig, ordered, limits)
+    return ordered
+
+
+def check_contents(sig: ModelSignature, ordered: list[TensorData], limits: RequestLimits) -> None:
+    """Checks each input's data against its shape (check_signature passed):
+    as many bytes as the shape needs, or exactly its count of BYTES elements,
+    each of at most max_text_bytes. Costs the shape's element count at most."""
+    for spec, tensor in zip(sig.inputs, ordered):
+        check_tensor_data(tensor, _where(spec, sig.name), limits.max_text_bytes)
+
+
+def check_signature(sig: ModelSignature, request: InferRequest) -> list[TensorData]:
+    """The checks of validate that cost a step per input, not per element:
+    names, datatypes, shapes and outputs; returns the inputs in the model's order."""
     model = sig.name
     by_name: dict[str, TensorData] = {tensor.name: tensor for tensor in request.inputs}
     if len(by_name) != len(request.inputs) or by_name.keys() != sig.input_names:
@@ -435,17 +467,6 @@ def validate(sig: ModelSignature, request: InferRequest) -> list[TensorData]:
         if rows is not None and batch != rows:
             raise errors.InvalidArgument(f"{_where(spec, model)} has batch dimension {batch} but another input has {rows}")
         rows = batch
-        count = element_count(shape)
-        if spec.datatype == "BYTES":
-            found = count_bytes_elements(tensor.data, _where(spec, model))
-            if found != count:
-                raise errors.InvalidArgument(f"{_where(spec, model)} holds {found} BYTES element(s) but shape "
-                                             f"{list(shape)} needs {count}")
-        else:
-            need = count * NUMPY_DTYPES[spec.datatype].itemsize
-            if len(tensor.data) != need:
-                raise errors.InvalidArgument(f"{_where(spec, model)} has {len(tensor.data)} bytes of data but shape "
-                                             f"{list(shape)} of {spec.datatype} needs {need}")
         ordered.append(tensor)
     if request.outputs:
         known = sig.output_names

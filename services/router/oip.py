@@ -4,8 +4,11 @@ import numpy as np
 from inference import grpc_predict_v2_pb2 as pb
 
 from services.common import errors
-from services.common.tensors import NUMPY_DTYPES, TensorData, pack_bytes_elements
+from services.common.tensors import NUMPY_DTYPES, TensorData, element_count, pack_bytes_elements
+from services.router import limits as rules
+from services.router import precheck
 from services.router.core import STANDARD, TIERS, VIP, InferRequest, InferResult, ModelSignature
+from services.router.limits import MAX_DIMS, RequestLimits
 
 # The typed `contents` field that carries each datatype (FP16 has none: raw only).
 CONTENTS_FIELD = {
@@ -18,6 +21,84 @@ CONTENTS_FIELD = {
     "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
 }
+
+
+# A message larger than this is walked on the wire before it is parsed
+# (precheck), and decoded in the server's decode thread: smaller ones
+# parse in well under a millisecond whatever they hold.
+PRECHECK_BYTES = 64 * 1024
+# Typed contents are converted a slice at a time, each a short C-level step,
+# so that a thread converting many lets the event loop run in between.
+CONVERT_CHUNK = 16384
+
+
+class RequestDecoder:
+    """Reads ModelInfer and ModelStreamInfer messages for the server
+    (serving.Decoder): the wire checked first when large, then parsed, its
+    counts checked (check_counts), and typed contents converted to raw ones,
+    so that what follows on the event loop only slices bytes."""
+
+    def __init__(self, limits: RequestLimits):
+        self.limits = limits
+
+    def decode(self, raw: bytes) -> pb.ModelInferRequest:
+        if len(raw) > PRECHECK_BYTES:
+            precheck.check_request(raw, self.limits)
+        request = pb.ModelInferRequest.FromString(raw)
+        check_counts(request, self.limits)
+        move_contents_to_raw(request)
+        return request
+
+    def partial(self, raw: bytes) -> pb.ModelInferRequest:
+        """What a refusal's answer names: the request's model, version and id."""
+        model, version, request_id = precheck.header(raw)
+        return pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
+
+
+def check_counts(request: pb.ModelInferRequest, limits: RequestLimits) -> None:
+    """The rules of precheck.check_request, on a parsed request and with the
+    same refusals: every repeated field within what its shapes and `limits`
+    allow. Costs a len() per field."""
+    if len(request.parameters) > limits.max_parameters:
+        raise rules.too_many("parameters", limits.max_parameters, "max_parameters")
+    if len(request.inputs) > limits.max_inputs:
+        raise rules.too_many("inputs", limits.max_inputs, "max_inputs")
+    typed = 0
+    for tensor in request.inputs:
+        if len(tensor.shape) > MAX_DIMS:
+            raise rules.too_many_dims(tensor.name)
+        if len(tensor.parameters) > limits.max_parameters:
+            raise rules.too_many_parameters(f"input {errors.shown(tensor.name)}", limits.max_parameters)
+        if any(d < 0 for d in tensor.shape):
+            raise rules.negative_dimension(tensor.name, tensor.shape)
+        if tensor.HasField("contents"):
+            allowed = element_count(tensor.shape)
+            for field in rules.CONTENTS_FIELDS.values():
+                found = len(getattr(tensor.contents, field))
+                if found > allowed:
+                    raise rules.too_many_elements(tensor.name, field, tensor.shape, allowed)
+                typed += found
+            if typed > limits.max_typed_elements:
+                raise rules.too_many_typed(limits.max_typed_elements)
+    if len(request.outputs) > limits.max_outputs:
+        raise rules.too_many("requested outputs", limits.max_outputs, "max_outputs")
+    for output in request.outputs:
+        if len(output.parameters) > limits.max_parameters:
+            raise rules.too_many_parameters(f"requested output {errors.shown(output.name)}", limits.max_parameters)
+    if len(request.raw_input_contents) > limits.max_inputs:
+        raise rules.too_many("raw_input_contents entries", limits.max_inputs, "max_inputs")
+
+
+def move_contents_to_raw(request: pb.ModelInferRequest) -> None:
+    """Converts typed contents into raw_input_contents in place, as
+    request_from_proto would, refusing as it does; a request with raw
+    contents, or without typed ones, is left for it to judge."""
+    if request.raw_input_contents or not any(tensor.HasField("contents") for tensor in request.inputs):
+        return
+    packed = [_contents_bytes(tensor) for tensor in request.inputs]
+    for tensor in request.inputs:
+        tensor.ClearField("contents")
+    request.raw_input_contents.extend(packed)
 
 
 def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], timeout_s: float | None) -> InferRequest:
@@ -143,10 +224,18 @@ def _contents_bytes(tensor) -> bytes:
         raise errors.InvalidArgument(
             f"input {errors.shown(tensor.name)} of datatype {datatype} carries {wrong[0]}; expected {field}")
     values = getattr(contents, field)
+    count = element_count(tensor.shape)
+    if len(values) != count:
+        raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} holds {len(values)} {field} element(s) but "
+                                     f"shape {list(tensor.shape)} needs {count}")
     if datatype == "BYTES":
-        return pack_bytes_elements(list(values))
+        return pack_bytes_elements(values[:])
+    dtype = NUMPY_DTYPES[datatype]
     try:
-        return np.asarray(values, dtype=NUMPY_DTYPES[datatype]).tobytes()
+        if len(values) <= CONVERT_CHUNK:
+            return np.asarray(values, dtype=dtype).tobytes()
+        return b"".join(np.asarray(values[start : start + CONVERT_CHUNK], dtype=dtype).tobytes()
+                        for start in range(0, len(values), CONVERT_CHUNK))
     except (OverflowError, ValueError) as exc:
         raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} has a value out of range for {datatype}: {exc}") from None
 

@@ -10,7 +10,7 @@ from services.common import errors, serving
 from services.common.streams import answer_concurrently
 from services.router.config import RouterConfig
 from services.router.core import Router
-from services.router.oip import metadata_to_proto, request_from_proto, response_to_proto
+from services.router.oip import RequestDecoder, metadata_to_proto, request_from_proto, response_to_proto
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -100,10 +100,12 @@ def _stream_error(request, exc: errors.InfermeshError) -> pb.ModelStreamInferRes
     request's model, version and id (none for a message that could not be
     read), the gRPC status name and a refusal's retry hint as parameters."""
     if isinstance(request, serving.Malformed):
+        request = request.partial  # what the decoder could read of it, if anything
+    elif isinstance(request, serving.Oversized):
+        request = request.message
+    if request is None:
         response = pb.ModelInferResponse()
     else:
-        if isinstance(request, serving.Oversized):
-            request = request.message
         response = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
                                          id=request.id)
     response.parameters["grpc_status"].string_param = exc.code_name
@@ -119,8 +121,10 @@ async def build_server(config: RouterConfig, router: Router, port: int | None = 
     Once `draining` is set, each stream ends as soon as nothing is in flight on it."""
     # The transport takes up to 4x the limit so that on a stream one oversized
     # request fails alone instead of taking the whole stream down with it.
+    decoder = RequestDecoder(router.limits)
     server = serving.new_server("router", min(4 * config.max_request_bytes, 2**31 - 1), config.max_concurrent_rpcs,
-                                max_request_bytes=config.max_request_bytes, reuse_port=config.reuse_port)
+                                max_request_bytes=config.max_request_bytes, reuse_port=config.reuse_port,
+                                decoders={"ModelInfer": decoder, "ModelStreamInfer": decoder})
     servicer = InferenceServicer(router, config.max_stream_inflight, config.max_request_bytes, draining)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
