@@ -385,6 +385,25 @@ async def test_invalid_utf8_text_fails_alone_in_its_batch(stub):
     assert all(isinstance(r, pb.ModelInferResponse) for r in results[1:])
 
 
+async def test_a_text_past_the_token_limit_fails_alone_and_one_within_it_is_truncated(stub):
+    """Texts up to preprocess.max_text_tokens (8192) are truncated at the model's
+    256 tokens; longer ones are refused by the tokenizer, naming the input and the limit."""
+    long = text_request([unique("word " * 9000)])  # 45 KB: within the router's 64 KiB per text
+    within = [text_request([unique("word " * 2000)]), text_request([unique("short")])]
+    results = await asyncio.gather(stub.ModelInfer(long), *(stub.ModelInfer(r) for r in within), return_exceptions=True)
+    assert isinstance(results[0], grpc.aio.AioRpcError), results[0]
+    assert results[0].code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input 'TEXT' element 0 of model 'minilm' has more than 8192 tokens" in results[0].details()
+    assert all(output_array(r, "EMBEDDING").shape == (1, 384) for r in results[1:])
+
+
+async def test_a_text_over_the_router_byte_limit_is_refused_naming_it(stub):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.ModelInfer(text_request(["ok", "x" * (64 * 1024 + 1)]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input 'TEXT' of model 'minilm': element 1 is 65537 bytes long; the limit is 65536" in info.value.details()
+
+
 async def test_requests_up_to_the_model_limit_and_far_deadlines_are_served(own_mesh):
     """A mesh of its own: on the shared one, the batch times earlier tests taught
     it (of long texts, on a busy machine) can rightly have a batch of 64 refused

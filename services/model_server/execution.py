@@ -533,6 +533,14 @@ class LoadedVersion:
                 raise errors.InvalidArgument(
                     f"input '{text.name}' element {i} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
         encodings = self.tokenizer.encode_batch(texts)
+        limit = self.config.preprocess.max_text_tokens
+        for i, encoding in enumerate(encodings):
+            # Past max_length the tokenizer keeps the rest as overflowing pieces.
+            if encoding.overflowing and _text_tokens(encoding) > limit:
+                raise errors.InvalidArgument(
+                    f"input '{text.name}' element {i} of model '{self.config.name}' has more than {limit} tokens; "
+                    f"the limit is {limit} tokens per text (preprocess.max_text_tokens), and the model reads the "
+                    f"first {self.config.preprocess.max_length}")
         mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
         metrics.PADDING.labels(self.config.name).observe(1.0 - mask.sum() / max(mask.size, 1))
         feeds = {"attention_mask": mask}
@@ -639,7 +647,8 @@ def _revision(config: ModelConfig, *files: pathlib.Path | None) -> str:
     digest = hashlib.blake2b(digest_size=12)
     deciding = {"inputs": [dataclasses.astuple(s) for s in config.inputs],
                 "outputs": [dataclasses.astuple(s) for s in config.outputs],
-                "preprocess": None if config.preprocess is None else dataclasses.astuple(config.preprocess),
+                # max_text_tokens decides which texts are refused, not what an answer holds
+                "preprocess": None if config.preprocess is None else dataclasses.astuple(config.preprocess)[:3],
                 "graph_outputs": config.graph_outputs}
     digest.update(json.dumps(deciding, sort_keys=True).encode() + b"\0")
     for file in files:
@@ -679,6 +688,14 @@ def _sharded_session(config: ModelConfig, folder: pathlib.Path, first_device: in
                               lambda path, device: _session(path, config, device, per_shard), devices)
     except ShardError as exc:
         raise LoadFailed("file", f"{config.name} tp_degree {degree}: {exc}") from None
+
+
+def _text_tokens(encoding) -> int:
+    """The tokens of a text before truncation: its own in every piece the
+    tokenizer cut it into, and the special tokens of one."""
+    pieces = [encoding, *encoding.overflowing]
+    own = sum(len(piece.ids) - sum(piece.special_tokens_mask) for piece in pieces)  # padding is special too
+    return own + sum(encoding.special_tokens_mask) - (len(encoding.ids) - sum(encoding.attention_mask))
 
 
 def _tokenizer(path: pathlib.Path, max_length: int):

@@ -23,6 +23,9 @@ KNOWN_FIELDS = {
 PROVIDERS = ("cuda", "cpu")
 MAX_THREADS = 1024  # far above any machine's cores, and within ONNX Runtime's C int
 MAX_TOKENS = 1 << 20  # far above any model's context, and within the tokenizer's integers
+# Tokens one text may have before truncation: texts up to it are truncated at
+# max_length, as sentence-transformers does; longer ones are refused.
+DEFAULT_MAX_TEXT_TOKENS = 8192
 GRAPH_OPTIMIZATION = ("disable", "basic", "extended", "all")
 
 
@@ -41,7 +44,8 @@ class TensorSpec:
 class Preprocess:
     kind: str
     tokenizer_file: str
-    max_length: int
+    max_length: int  # tokens the model sees: longer texts are truncated
+    max_text_tokens: int = DEFAULT_MAX_TEXT_TOKENS  # tokens a text may have at all: longer is INVALID_ARGUMENT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,14 +303,18 @@ def parse_config(doc, model_dir: pathlib.Path, where: str) -> ModelConfig:
     if "preprocess" in doc:
         pre = _field(doc, "preprocess", dict, where)
         at = f"{where}: preprocess"
-        _known(pre, ("kind", "tokenizer_file", "max_length"), at)
+        _known(pre, ("kind", "tokenizer_file", "max_length", "max_text_tokens"), at)
         kind = _field(pre, "kind", str, at)
         if kind != "text_tokenizer":
             raise ConfigError(f"{at}: field 'kind' is {kind!r}; the only kind is 'text_tokenizer'")
         max_length = _field(pre, "max_length", int, at)
         if not 2 <= max_length <= MAX_TOKENS:
             raise ConfigError(f"{at}: field 'max_length' must be 2..{MAX_TOKENS}, got {max_length}")
-        preprocess = Preprocess(kind, _field(pre, "tokenizer_file", str, at), max_length)
+        max_text_tokens = _field(pre, "max_text_tokens", int, at) if "max_text_tokens" in pre else DEFAULT_MAX_TEXT_TOKENS
+        if not max_length <= max_text_tokens <= MAX_TOKENS:
+            raise ConfigError(f"{at}: field 'max_text_tokens' must be {max_length} (max_length)..{MAX_TOKENS}, "
+                              f"got {max_text_tokens}")
+        preprocess = Preprocess(kind, _field(pre, "tokenizer_file", str, at), max_length, max_text_tokens)
     inputs = _tensor_specs(doc, "inputs", where)
     if preprocess is not None and (len(inputs) != 1 or inputs[0].datatype != "BYTES"):
         raise ConfigError(f"{where}: a text_tokenizer model takes exactly one BYTES input, got {inputs}")
