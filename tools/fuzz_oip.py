@@ -277,7 +277,7 @@ def kind_of(message: str) -> str:
     """A refusal's rule: its message with the values taken out."""
     message = re.sub(r"'[^']*'(\.\.\. \(\d+ characters\))?", "'…'", message)
     message = re.sub(r"\[[^\]]*\]", "[…]", message)
-    message = re.sub(r"-?\d+(\.\d+)?", "N", message)
+    message = re.sub(r"(?<![A-Za-z_])-?\d+(\.\d+)?", "N", message)  # numbers, not fp32 or UTF-8
     return " ".join(message.split()[:9])
 
 
