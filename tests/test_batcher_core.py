@@ -9,7 +9,7 @@ import pytest
 from services.batcher.core import STANDARD, VIP, Batcher, LevelPolicy, ModelLimits, QueuePolicy, ServiceRate
 from services.common import errors
 from services.common.latency import CAUTIOUS_DEVIATIONS, MovingTime
-from services.common.tensors import from_numpy, to_numpy
+from services.common.tensors import TensorData, from_numpy, to_numpy
 from tests.conftest import settle
 
 pytestmark = pytest.mark.unit
@@ -164,6 +164,20 @@ async def test_one_bad_request_does_not_fail_its_batch_neighbours():
     assert isinstance(results[1], errors.InvalidArgument)
     assert [float(to_numpy(r[1][0])[0, 0]) for i, r in enumerate(results) if i != 1] == [2.0, 6.0, 8.0]
     assert backend.batches[0] == [1.0, 13.0, 3.0, 4.0]
+
+
+async def test_a_request_whose_data_cannot_fill_its_shape_is_refused_before_it_joins_a_batch():
+    """A direct caller's request that the router would refuse never reaches a
+    batch, where it would fail its neighbours' first try."""
+    backend = GatedBackend(max_batch=4)
+    backend.gate.set()
+    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    short = [TensorData("X", "FP32", (1, 1), b"\0\0")]
+    with pytest.raises(errors.InvalidArgument, match=r"input 'X' of model 'm' has 2 bytes of data but shape \[1, 1\]"):
+        await batcher.submit("m", "1", short, [])
+    assert backend.batches == []
+    await asyncio.gather(submit(batcher, 1.0))
+    assert backend.batches == [[1.0]]
 
 
 class RefusingBackend(GatedBackend):

@@ -25,7 +25,7 @@ from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 from services.common import errors
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.latency import LatencyProfile
-from services.common.tensors import from_numpy, to_numpy
+from services.common.tensors import TensorData, from_numpy, to_numpy
 from services.model_server import execution, metrics
 from services.model_server.config import ModelServerConfig
 from services.model_server.core import ControlMode, ModelManager
@@ -974,3 +974,28 @@ async def test_a_short_batch_that_once_went_to_a_slow_thread_comes_back_to_the_e
         monkeypatch.setattr(execution, "INLINE_RUN_S", 0.02)  # above a run of mlp, below the hand-off
         await ms.execute()
         assert threads[-1] == threading.main_thread().name
+
+
+@pytest.mark.service
+async def test_a_direct_caller_whose_data_does_not_fit_its_shape_is_refused_naming_the_input(tmp_path):
+    """The model server is reachable without the router: what the router would
+    refuse it refuses too, before anything walks the data on its loop."""
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "minilm-lite", repo / "minilm-lite")
+    millions = TensorData("TEXT", "BYTES", (1,), b"\0\0\0\0" * 2_000_000)  # shape [1], 2 million empty elements
+    cases = [
+        (millions, "input 'TEXT' of model 'minilm-lite' holds more than 1 BYTES element(s)"),
+        (TensorData("TEXT", "BYTES", (3,), b"\0\0\0\0"), "too few for the 3 BYTES element(s) of shape [3]"),
+        (TensorData("TEXT", "BYTES", (1, 5000), b"\0\0\0\0" * 5000), "has shape [1, 5000]; expected [-1]"),
+        (TensorData("TEXT", "BYTES", (-1,), b""), "has shape [-1]; expected [-1]"),
+    ]
+    async with model_server(repo) as ms:
+        for tensor, fragment in cases:
+            request = model_server_pb2.ExecuteRequest(model="minilm-lite", inputs=tensors_to_proto([tensor]))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await ms.models.Execute(request, timeout=60)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+            assert fragment in info.value.details(), info.value.details()
+        good = model_server_pb2.ExecuteRequest(model="minilm-lite", inputs=tensors_to_proto([
+            from_numpy("TEXT", np.array([b"still served"], dtype=object), "BYTES")]))
+        assert (await ms.models.Execute(good, timeout=30)).outputs

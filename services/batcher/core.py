@@ -29,7 +29,7 @@ from services.batcher import metrics
 from services.batcher.policy import FixedPolicy, Policy, QueueView, make_policy
 from services.common import errors
 from services.common.latency import CAUTIOUS_DEVIATIONS, MovingTime
-from services.common.tensors import TensorData, concat_rows, split_rows
+from services.common.tensors import TensorData, check_tensor_size, concat_rows, split_rows
 
 log = logging.getLogger(__name__)
 
@@ -815,6 +815,8 @@ class Batcher:
         if rows > limits.max_batch_size:
             raise errors.InvalidArgument(
                 f"request of {rows} rows exceeds max_batch_size {limits.max_batch_size} of model '{model}'")
+        for tensor in inputs:  # a request whose data cannot fill its shape never joins, and fails, a batch
+            check_tensor_size(tensor, f"input '{tensor.name}' of model '{model}'")
         if version and limits.versions and version not in limits.versions:
             # Refused before it has a queue (a queue per version string asked for would grow without
             # bound), as the replicas would refuse it: UNAVAILABLE, since the router, whose catalog may

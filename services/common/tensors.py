@@ -116,6 +116,21 @@ def check_tensor_data(tensor: "TensorData", what: str, max_element_bytes: int | 
                               f"{tensor.datatype} needs {need}")
 
 
+def check_tensor_size(tensor: "TensorData", what: str) -> None:
+    """The checks of check_tensor_data that cost nothing per element: a numeric
+    tensor's exact size, and room for a BYTES tensor's length prefixes."""
+    count = element_count(tensor.shape)
+    if tensor.datatype == "BYTES":
+        if len(tensor.data) < 4 * count:
+            raise InvalidArgument(f"{what} has {len(tensor.data)} bytes of data, too few for the {count} BYTES "
+                                  f"element(s) of shape {list(tensor.shape)} (4 bytes of length each at least)")
+        return
+    need = count * NUMPY_DTYPES[tensor.datatype].itemsize
+    if len(tensor.data) != need:
+        raise InvalidArgument(f"{what} has {len(tensor.data)} bytes of data but shape {list(tensor.shape)} of "
+                              f"{tensor.datatype} needs {need}")
+
+
 def bytes_elements(tensors) -> int:
     """How many BYTES elements the shapes of `tensors` hold: what checking them walks."""
     return sum(element_count(t.shape) for t in tensors if t.datatype == "BYTES")

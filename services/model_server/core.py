@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from services.common import errors
-from services.common.tensors import TensorData
+from services.common.tensors import TensorData, bytes_elements, check_bytes_elements, check_tensor_size
 from services.model_server import metrics
 from services.model_server.execution import (LoadedVersion, LoadFailed, compare, cuda_usable, first_line,
                                              golden_feeds, load_version)
@@ -483,6 +483,10 @@ class ModelManager:
         `time_left_s` is the caller's deadline (see LoadedVersion.execute)."""
         loaded = self.resolve(model, version)
         by_name = _check_inputs(loaded.config, inputs)
+        if bytes_elements(inputs) > INLINE_ELEMENTS:
+            await asyncio.to_thread(_check_contents, loaded.config, inputs)
+        else:
+            _check_contents(loaded.config, inputs)
         known = {spec.name for spec in loaded.config.outputs}
         unknown = [name for name in outputs if name not in known]
         if unknown:
@@ -514,11 +518,27 @@ def _check_inputs(config: ModelConfig, inputs: list[TensorData]) -> dict[str, Te
         spec = expected[name]
         if tensor.datatype != spec.datatype:
             raise errors.InvalidArgument(f"input '{name}' has datatype {tensor.datatype}; expected {spec.datatype}")
+        if len(tensor.shape) != len(spec.shape) or any(d < 0 or s not in (-1, d) for s, d in zip(spec.shape, tensor.shape)):
+            raise errors.InvalidArgument(f"input '{name}' of model '{config.name}' has shape {list(tensor.shape)}; "
+                                         f"expected {list(spec.shape)} (-1: any size)")
         if tensor.rows > config.max_batch_size:
             raise errors.InvalidArgument(
                 f"batch of {tensor.rows} rows exceeds max_batch_size {config.max_batch_size} of model '{config.name}'"
             )
+        check_tensor_size(tensor, f"input '{name}' of model '{config.name}'")
     return by_name
+
+
+# A batch whose BYTES elements are more than this is checked in a thread, off the event loop.
+INLINE_ELEMENTS = 4096
+
+
+def _check_contents(config: ModelConfig, inputs: list[TensorData]) -> None:
+    """Each BYTES input holds exactly its shape's elements: the walk stops there,
+    and what follows on the loop (splitting a batch into slices) may walk them."""
+    for tensor in inputs:
+        if tensor.datatype == "BYTES":
+            check_bytes_elements(tensor.data, tensor.shape, f"input '{tensor.name}' of model '{config.name}'")
 
 
 def _unexpected(exc: Exception) -> str:
