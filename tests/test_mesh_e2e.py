@@ -441,3 +441,37 @@ async def test_the_batcher_answers_one_request_a_message_and_several_alike(mesh)
         assert singles[i].outputs[0].data == many[i].outputs[0].data
         assert np.frombuffer(many[i].outputs[0].data, "<f4").shape == (64,)
     assert many[4].error.code == grpc.StatusCode.UNAVAILABLE.value[0]  # one bad request fails alone
+
+
+async def test_internal_messages_built_to_be_slow_to_parse_are_refused_unparsed(mesh):
+    """The batcher and the model server are reachable without the router: a
+    frame of a million empty requests, or a batch of a million tensors, is
+    refused with INVALID_ARGUMENT before it is parsed, and both go on serving."""
+    from infermesh.batcher.v1 import batcher_pb2, batcher_pb2_grpc
+    from infermesh.common.v1.tensor_pb2 import Tensor
+    from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
+
+    frame = b"\x0a\x00" * 1_000_000  # SubmitManyRequest.requests, a million empty ones
+    tensors = b"\x1a\x00" * 1_000_000  # ExecuteRequest.inputs, a million empty tensors
+    options = [("grpc.max_send_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(mesh.address("batcher"), options=options) as channel:
+        many = channel.stream_stream("/infermesh.batcher.v1.Batcher/SubmitMany", request_serializer=None,
+                                     response_deserializer=batcher_pb2.SubmitManyResponse.FromString)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            [f async for f in many(iter([frame]))]
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "SubmitMany message of 2000000 bytes holds more than 131072 protobuf fields" in info.value.details()
+        request = batcher_pb2.SubmitRequest(id=1, model="mlp", timeout_ms=10_000, inputs=[
+            Tensor(name="INPUT0", datatype="FP32", shape=[1, 64], data=bytes(256))])
+        (answer,) = [r async for r in batcher_pb2_grpc.BatcherStub(channel).Submit(iter([request]))]
+        assert not answer.HasField("error")
+    async with grpc.aio.insecure_channel(mesh.address("model_server"), options=options) as channel:
+        execute = channel.unary_unary("/infermesh.model_server.v1.ModelServer/Execute", request_serializer=None,
+                                      response_deserializer=model_server_pb2.ExecuteResponse.FromString)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await execute(b"\x0a\x03mlp" + tensors)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "Execute message of 2000005 bytes holds more than 131072 protobuf fields" in info.value.details()
+        ok = await model_server_pb2_grpc.ModelServerStub(channel).Execute(model_server_pb2.ExecuteRequest(
+            model="mlp", inputs=[Tensor(name="INPUT0", datatype="FP32", shape=[1, 64], data=bytes(256))]))
+        assert ok.outputs

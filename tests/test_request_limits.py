@@ -101,6 +101,18 @@ def test_counts_at_the_limit_pass_and_one_more_is_refused_on_the_wire_and_parsed
         assert (outcomes[0] is not None) == refused and (not refused or fragment in outcomes[0]), outcomes
 
 
+def test_packed_varints_are_counted_on_the_wire_one_per_value():
+    from services.common import wire
+
+    values = [0, 1, 127, 128, 300, 2**63 - 1, -1]
+    payload = pb.InferTensorContents(int64_contents=values).SerializeToString()[2:]  # one packed field, small
+    assert wire.packed_varints(payload, 0, len(payload)) == len(values)
+    request = pb.ModelInferRequest(model_name="m", id="x" * 70_000)
+    request.inputs.add(name="I", datatype="INT64", shape=[3]).contents.int64_contents.extend([2**40] * 4)
+    with pytest.raises(errors.InvalidArgument, match="carries more than 3 int64_contents elements"):
+        precheck.check_request(request.SerializeToString(), LIMITS)
+
+
 def test_typed_elements_past_the_shape_or_the_limit_are_refused_before_conversion():
     request = pb.ModelInferRequest(model_name="mlp")
     request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 64]).contents.fp32_contents.extend([0.0] * 65)
@@ -187,3 +199,22 @@ def test_check_counts_refuses_negative_and_too_many_dimensions():
     deep.inputs.add(name="I", datatype="FP32", shape=[1] * 33)
     with pytest.raises(errors.InvalidArgument, match="input 'I' has a shape of more than 32 dimensions"):
         check_counts(deep, LIMITS)
+
+
+def test_fields_are_counted_through_submessages_and_packed_elements():
+    from infermesh.batcher.v1 import batcher_pb2
+    from infermesh.common.v1.tensor_pb2 import Tensor
+
+    from services.common import wire
+
+    request = batcher_pb2.SubmitRequest(id=1, model="mlp", inputs=[
+        Tensor(name="INPUT0", datatype="FP32", shape=[2, 64], data=bytes(512))])
+    frame = batcher_pb2.SubmitManyRequest(requests=[request] * 3).SerializeToString()
+    # per request: itself, its id, model and inputs, the tensor's name, datatype, shape (the field and 2 elements), data
+    assert wire.count_fields(frame, batcher_pb2.SubmitManyRequest.DESCRIPTOR, 100) == 3 * (1 + 3 + 6)
+    with pytest.raises(wire.BudgetExceeded):
+        wire.count_fields(frame, batcher_pb2.SubmitManyRequest.DESCRIPTOR, 26)
+    decoder = serving.BoundedDecoder(batcher_pb2.SubmitManyRequest, 1000, "SubmitMany")
+    assert decoder.decode(frame) == batcher_pb2.SubmitManyRequest.FromString(frame)
+    with pytest.raises(errors.InvalidArgument, match="SubmitMany message of 200000 bytes holds more than 1000"):
+        decoder.decode(b"\x0a\x00" * 100_000)

@@ -15,6 +15,7 @@ from services.common.streams import Framing, answer_concurrently
 log = logging.getLogger(__name__)
 SERVICE_NAME = batcher_pb2.DESCRIPTOR.services_by_name["Batcher"].full_name
 MAX_INFLIGHT_PER_STREAM = 8192
+MAX_FIELDS = 1 << 17  # of one Submit or SubmitMany message, its requests' and tensors' included
 # The frames of SubmitMany, both ways (the router packs its own the same way).
 FRAMING = Framing(pack=lambda requests: batcher_pb2.SubmitManyResponse(responses=requests),
                   unpack=lambda frame: frame.requests)
@@ -79,7 +80,11 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
 async def build_server(config: BatcherConfig, batcher: Batcher, replicas: ReplicaSet, draining: asyncio.Event,
                        port: int | None = None):
     """Returns (server, bound_port, health servicer); the server is started."""
-    server = serving.new_server("batcher", config.max_message_bytes)
+    # A frame of the router's holds at most 256 requests of a few fields each
+    # per input: a message of many more was built to be slow to parse.
+    server = serving.new_server("batcher", config.max_message_bytes, decoders={
+        "Submit": serving.BoundedDecoder(batcher_pb2.SubmitRequest, MAX_FIELDS, "Submit"),
+        "SubmitMany": serving.BoundedDecoder(batcher_pb2.SubmitManyRequest, MAX_FIELDS, "SubmitMany")})
     batcher_pb2_grpc.add_BatcherServicer_to_server(BatcherServicer(batcher, replicas, draining), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")

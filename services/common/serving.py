@@ -18,7 +18,7 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import collector, errors
+from services.common import collector, errors, wire
 from services.common.config import add_dataclass_arguments, from_arguments
 from services.common.metrics import RPC_LATENCY_BY, RPC_REQUESTS_BY
 
@@ -71,6 +71,30 @@ class Decoder(Protocol):
     def partial(self, raw: bytes):
         """What of a refused message can be read at a cost independent of its
         size (what its answer must name), or None."""
+
+
+class BoundedDecoder:
+    """A Decoder for internal methods: a large message is refused with
+    INVALID_ARGUMENT when it holds more than `max_fields` fields in all (what
+    parsing it costs), counted before it is parsed."""
+
+    def __init__(self, message_class, max_fields: int, method: str):
+        self._class = message_class
+        self._max_fields = max_fields
+        self._method = method
+
+    def decode(self, raw: bytes):
+        if len(raw) > OFFLOAD_BYTES:
+            try:
+                wire.count_fields(raw, self._class.DESCRIPTOR, self._max_fields)
+            except wire.BudgetExceeded:
+                raise errors.InvalidArgument(
+                    f"{self._method} message of {len(raw)} bytes holds more than {self._max_fields} protobuf fields; "
+                    "this service takes at most that many in one message") from None
+        return self._class.FromString(raw)
+
+    def partial(self, raw: bytes):
+        return None
 
 
 # Messages larger than this, of a method with a Decoder, are decoded in the

@@ -50,7 +50,7 @@ def signed64(value: int) -> int:
 
 def packed_varints(buf: bytes, start: int, stop: int) -> int:
     """How many varints a packed field's payload holds (each ends at a byte under 0x80)."""
-    return (stop - start) - len(buf[start:stop].translate(None, _HIGH_BYTES))
+    return len(buf[start:stop].translate(None, _HIGH_BYTES))
 
 
 def decode_packed_varints(buf: bytes, start: int, stop: int) -> list[int]:
@@ -169,3 +169,32 @@ class Reader:
             else:
                 raise WireError(f"group {number} opened at offset {tag_at} holds wire type {wire_type}")
         raise WireError(f"group {number} opened at offset {tag_at} is never closed")
+
+
+def count_fields(buf: bytes, descriptor, budget: int) -> int:
+    """How many fields `buf`, a serialised message of `descriptor`'s type, holds
+    in all (submessages' fields and packed elements included); raises
+    BudgetExceeded once past `budget`, WireError where it is not valid. What a
+    parser's work grows with, counted at a cost bounded by the budget."""
+    reader = Reader(buf, budget)
+    _count(reader, descriptor, 0, len(buf), 0)
+    return budget - reader.budget
+
+
+MAX_DEPTH = 64
+
+
+def _count(reader: Reader, descriptor, pos: int, end: int, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise WireError(f"messages nested more than {MAX_DEPTH} deep")
+    by_number = descriptor.fields_by_number
+    for number, wire_type, a, b in reader.fields(pos, end):
+        field = by_number.get(number)
+        if field is None or wire_type != LEN:
+            continue
+        if field.message_type is not None:
+            _count(reader, field.message_type, a, b, depth + 1)
+        elif field.type not in (field.TYPE_STRING, field.TYPE_BYTES):  # a packed repeated scalar
+            width = {field.TYPE_FLOAT: 4, field.TYPE_FIXED32: 4, field.TYPE_SFIXED32: 4, field.TYPE_DOUBLE: 8,
+                     field.TYPE_FIXED64: 8, field.TYPE_SFIXED64: 8}.get(field.type)
+            reader.spend((b - a) // width if width else packed_varints(reader.buf, a, b))

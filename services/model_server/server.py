@@ -147,11 +147,18 @@ class Readiness:
         await self.health.set("", SERVING if self._manager.all_ready() else NOT_SERVING)
 
 
+MAX_FIELDS = 1 << 17  # of one Execute message, all its tensors' included
+
+
 async def build_server(config: ModelServerConfig, manager: ModelManager, port: int | None = None,
                        readiness: Readiness | None = None):
     """Returns (server, bound_port, health servicer); the server is started and
     health follows the models' readiness."""
-    server = serving.new_server("model_server", config.max_message_bytes, config.max_concurrent_rpcs)
+    # A batch holds a few fields per input whatever its size: a message of
+    # many more was built to be slow to parse, and is refused unparsed.
+    execute = serving.BoundedDecoder(model_server_pb2.ExecuteRequest, MAX_FIELDS, "Execute")
+    server = serving.new_server("model_server", config.max_message_bytes, config.max_concurrent_rpcs,
+                                decoders={"Execute": execute})
     model_server_pb2_grpc.add_ModelServerServicer_to_server(ModelServerServicer(manager, config.label_map), server)
     oip_grpc.add_GRPCInferenceServiceServicer_to_server(RepositoryServicer(manager), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME, OIP_SERVICE_NAME])
