@@ -10,7 +10,9 @@ process, or sent to a running router, and counted:
   other than INTERNAL in process; UNKNOWN or INTERNAL from a router);
 - a hang is a request the watchdog stopped (in process: a SIGALRM timer; on a
   router: the call's deadline);
-- every refusal must be a named status whose message names the field.
+- every refusal must be a named status whose message names the field;
+- in process, the wire precheck must refuse nothing that check_counts accepts
+  once parsed (a disagreement counts as a crash).
 
     python -m tools.fuzz_oip --in-process 100000 --router 10000
 
@@ -41,7 +43,8 @@ from inference import grpc_predict_v2_pb2 as pb
 from services.common import errors
 from services.router.core import Catalog, ModelSignature, Router, Spec, validate
 from services.router.limits import RequestLimits
-from services.router.oip import RequestDecoder, request_from_proto
+from services.router import precheck
+from services.router.oip import RequestDecoder, check_counts, request_from_proto
 
 MINILM = ModelSignature("minilm", ("1",), ("1",), "onnxruntime_onnx", (Spec("TEXT", "BYTES", (-1,)),),
                         (Spec("EMBEDDING", "FP32", (-1, 384)),), 64)
@@ -49,6 +52,7 @@ MLP = ModelSignature("mlp", ("1",), ("1",), "onnxruntime_onnx", (Spec("INPUT0", 
                      (Spec("OUTPUT0", "FP32", (-1, 64)),), 256)
 SIGNATURES = (MINILM, MLP)
 MAX_BYTES = 16 * 1024 * 1024 - 64 * 1024  # what the router takes by default, with room for the envelope
+AGREEMENT_BYTES = 1 << 20  # requests up to this size are also checked both ways (precheck_agrees)
 WATCHDOG_S = 20.0  # far above what any request costs; past it a request is counted as a hang
 
 # Words a refusal uses to name the field at fault.
@@ -273,6 +277,25 @@ def in_process(raw: bytes, limits: RequestLimits) -> None:
     validate(sig, infer, limits)
 
 
+def precheck_agrees(raw: bytes, limits: RequestLimits) -> bool:
+    """Whether the wire precheck refuses only what check_counts would refuse
+    once parsed (its contract), for a message small enough to parse as well."""
+    try:
+        precheck.check_request(raw, limits)
+        return True
+    except (errors.InfermeshError, ValueError):
+        pass
+    try:
+        request = pb.ModelInferRequest.FromString(raw)
+    except Exception:  # noqa: BLE001 - not a message: refusing it was right
+        return True
+    try:
+        check_counts(request, limits)
+    except errors.InfermeshError:
+        return True
+    return False
+
+
 def kind_of(message: str) -> str:
     """A refusal's rule: its message with the values taken out."""
     message = re.sub(r"'[^']*'(\.\.\. \(\d+ characters\))?", "'…'", message)
@@ -350,6 +373,8 @@ def run_in_process(count: int, limits: RequestLimits, seed: int, tally: Tally | 
             tally.crash(type(exc).__name__, f"{type(exc).__name__}: {exc}")
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
+            if len(raw) <= AGREEMENT_BYTES and not precheck_agrees(raw, limits):
+                tally.crash("precheck refused what check_counts accepts", f"{len(raw)} bytes: {raw[:80]!r}")
             if traced:
                 tally.peak_bytes.append(tracemalloc.get_traced_memory()[1])
                 tally.request_bytes.append(len(raw))
