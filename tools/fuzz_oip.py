@@ -283,7 +283,10 @@ def precheck_agrees(raw: bytes, limits: RequestLimits) -> bool:
     try:
         precheck.check_request(raw, limits)
         return True
-    except (errors.InfermeshError, ValueError):
+    except errors.InfermeshError as exc:
+        if "protobuf fields" in exc.message or "parameters" in exc.message:
+            return True  # counted as parsing costs: fields given twice, map entries that repeat a key
+    except ValueError:
         pass
     try:
         request = pb.ModelInferRequest.FromString(raw)

@@ -25,7 +25,9 @@ def check_request(raw: bytes, limits: RequestLimits) -> None:
     """Raises InvalidArgument, naming the field, where the request's repeated
     fields hold more than its shapes and `limits` allow, or WireError where
     it is not a valid message. Accepts every request that passes
-    oip.check_counts once parsed (the same rules, counted on the wire)."""
+    oip.check_counts once parsed (the same rules, counted on the wire), but
+    for what the parser folds away at a cost: fields given twice (the field
+    budget) and map entries that repeat a key (counted as entries)."""
     reader = Reader(raw, limits.field_budget)
     try:
         _walk(reader, limits)
