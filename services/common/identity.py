@@ -322,3 +322,41 @@ def _write_private(path: pathlib.Path, text: str) -> None:
 def bearer_metadata(key: str) -> tuple[tuple[str, str], ...]:
     """gRPC metadata presenting `key`."""
     return (("authorization", f"Bearer {key}"),)
+
+
+def certificate_identities(context) -> tuple[str, ...]:
+    """The verified client certificate's identities (common name, then its
+    subject alternative names) of a grpc.aio call; empty without mutual TLS."""
+    auth = context.auth_context() or {}
+    found = [*auth.get("x509_common_name", ()), *auth.get("x509_subject_alternative_name", ())]
+    return tuple(dict.fromkeys(v.decode() if isinstance(v, bytes) else v for v in found))
+
+
+def call_credentials(context) -> Credentials:
+    """What a grpc.aio call presents directly: its bearer key and client certificate."""
+    metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+    return Credentials(bearer=bearer_of(metadata), certificate=certificate_identities(context))
+
+
+class AdminGate:
+    """Control RPCs (model load and unload, cache purge) for admin tenants only."""
+
+    def __init__(self, registry: Registry | None, service: str):
+        self._registry = registry
+        self._service = service
+
+    @classmethod
+    def from_file(cls, path: str, service: str) -> "AdminGate":
+        return cls(Registry.load(path) if path else None, service)
+
+    @property
+    def configured(self) -> bool:
+        return self._registry is not None
+
+    def check(self, context, action: str) -> Tenant:
+        """The admin tenant of the call, or PERMISSION_DENIED / UNAUTHENTICATED."""
+        if self._registry is None:
+            raise errors.PermissionDenied(
+                f"{action} needs an admin credential, and this {self._service} has no tenant registry to check one "
+                "against (start it with --tenants-file)")
+        return self._registry.admin(call_credentials(context), action)

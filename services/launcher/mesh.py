@@ -163,8 +163,9 @@ class Mesh:
             raise ValueError(f"routers must be >= 1, got {routers}")
         # Router processes sharing the public port (SO_REUSEPORT): "router", then "router-2", ...
         self.router_count = routers
-        # The router's tenant registry; without one, a development registry of its own
-        # (a VIP, a standard and an admin tenant) whose keys are in `keys`.
+        # The services' tenant registry (the router's tenants, the control RPCs' admins);
+        # without one, a development registry of its own (a VIP, a standard and an admin
+        # tenant) whose keys are in `keys`.
         self.tenants_file = str(tenants_file) if tenants_file else None
         self.keys: dict[str, str] = {}
         self.processes: dict[str, Process] = {}
@@ -178,7 +179,8 @@ class Mesh:
                 self.start_redis()
             servers = [
                 self._spawn(f"model_server-{i}" if self.model_server_count > 1 else "model_server", "services.model_server",
-                            ["--model-repository", self.models, *self._core_share(), *self.model_server_args,
+                            ["--model-repository", self.models, "--tenants-file", self._tenants(), *self._core_share(),
+                             *self.model_server_args,
                              *(["--labels", self.model_server_labels[i]] if i < len(self.model_server_labels) else [])],
                             nice=self._model_server_nice(i))
                 for i in range(self.model_server_count)
@@ -189,7 +191,7 @@ class Mesh:
             if self.use_cache:
                 cache = self.start_cache()
             batcher_address = batcher.wait_ready(self.ready_timeout_s)["grpc"]
-            router_argv = ["--batcher", batcher_address, "--tenants-file", self._tenants()]
+            router_argv = ["--batcher", batcher_address, "--tenants-file", self._tenants()]  # one registry for all
             if cache is not None:
                 router_argv += ["--cache", cache.wait_ready(self.ready_timeout_s)["grpc"]]
             self.start_routers(router_argv)
@@ -257,7 +259,7 @@ class Mesh:
 
     def start_cache(self) -> Process:
         """Spawns the cache service (also to restart it); the caller waits for it."""
-        argv = ["--redis-url", self.redis_url, *self.cache_args]
+        argv = ["--redis-url", self.redis_url, "--tenants-file", self._tenants(), *self.cache_args]
         if self.l2_path:
             argv += ["--l2-path", self.l2_path]
         return self._spawn("cache", "services.cache", argv)

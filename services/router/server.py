@@ -6,7 +6,7 @@ import logging
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from services.common import errors, serving
+from services.common import errors, identity, serving
 from services.common.streams import answer_concurrently
 from services.router.config import RouterConfig
 from services.router.core import Router
@@ -20,14 +20,6 @@ SERVER_VERSION = "0.1.0"
 
 def _metadata(context) -> dict[str, str]:
     return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-
-
-def certificate_identities(context) -> tuple[str, ...]:
-    """The verified client certificate's identities (common name, then its
-    subject alternative names), empty without mutual TLS."""
-    auth = context.auth_context() or {}
-    found = [*auth.get("x509_common_name", ()), *auth.get("x509_subject_alternative_name", ())]
-    return tuple(dict.fromkeys(v.decode() if isinstance(v, bytes) else v for v in found))
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -68,7 +60,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         metadata = _metadata(context)
-        tenant = self._auth.caller(metadata, certificate_identities(context))
+        tenant = self._auth.caller(metadata, identity.certificate_identities(context))
         infer_request = self._as(tenant, request_from_proto(request, metadata, context.time_remaining()))
         return response_to_proto(await self._router.infer(infer_request))
 
@@ -85,7 +77,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         credentials are checked once, before it is read: unknown ones end it
         with UNAUTHENTICATED."""
         metadata = _metadata(context)
-        tenant = self._auth.caller(metadata, certificate_identities(context))
+        tenant = self._auth.caller(metadata, identity.certificate_identities(context))
 
         async def answer(request):
             if isinstance(request, serving.Malformed):
