@@ -100,7 +100,8 @@ async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(mode
             await until(lambda: metric(mesh.metrics_url("cache"), "infermesh_cache_stored_bytes_total", level="l1")
                         > stored_before, "the answer stored in the cache")
 
-            await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm"), timeout=30)
+            await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm"), timeout=30,
+                metadata=mesh.credentials("dev-admin"))
             await router_sees("minilm", ready=False)
             results = []
             for _ in range(40):
@@ -121,15 +122,18 @@ async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(mode
             assert float(np.dot(output_array(cached, "EMBEDDING")[0], want[0])) >= 0.9999  # minilm's own answer
 
             # With the fallback gone too, the caller hears why, as a retryable status.
-            await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm-lite"), timeout=30)
+            await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm-lite"), timeout=30,
+                metadata=mesh.credentials("dev-admin"))
             await router_sees("minilm-lite", ready=False)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await stub.ModelInfer(text_request([f"no fallback {uuid.uuid4().hex}"]), timeout=30)
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "its fallback 'minilm-lite' cannot answer either" in raised.value.details()
-            await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="minilm-lite"), timeout=60)
+            await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="minilm-lite"), timeout=60,
+                metadata=mesh.credentials("dev-admin"))
 
-            await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="minilm"), timeout=120)
+            await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="minilm"), timeout=120,
+                metadata=mesh.credentials("dev-admin"))
             await router_sees("minilm-lite", ready=True)  # the fallback, while the breaker is open
             await router_sees("minilm", ready=True)
             # Half-open: 10%, then 25%, then 50% of requests try minilm, each step needing 10 good answers.

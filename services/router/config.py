@@ -41,11 +41,26 @@ class RouterConfig:
     breaker_min_requests: int = dataclasses.field(default=20, metadata={"help": "answers a window needs before it can change the breaker"})
     breaker_open_s: float = dataclasses.field(default=5.0, metadata={"help": "how long an open breaker degrades everything before probing"})
     failure_samples_path: str = dataclasses.field(default="", metadata={"help": "JSON-lines file for requests that failed while a breaker counted (empty: none)"})
+    tenants_file: str = dataclasses.field(default="", metadata={
+        "help": "the tenant registry (YAML: tenants, their credentials, tiers and limits; docs/security.md); "
+                "empty: every caller is anonymous and standard, and credentials are refused"})
+    trust_tier_header: bool = dataclasses.field(default=False, metadata={
+        "help": "the old mode: believe the tier a request claims (x-user-tier, the OIP priority) whoever sends "
+                "it; for a router that only trusted callers can reach"})
+    trust_sidecar_identity: bool = dataclasses.field(default=False, metadata={
+        "help": "the router sits behind its own Istio sidecar: take the peer principal from "
+                "x-forwarded-client-cert and a tenant from jwt_tenant_header (the mesh refuses client copies)"})
+    jwt_tenant_header: str = dataclasses.field(default="x-infermesh-jwt-tenant", metadata={
+        "help": "the header Istio's RequestAuthentication writes a verified token's tenant claim into"})
     drain_grace_s: float = dataclasses.field(default=10.0)
     log_level: str = dataclasses.field(default="info")
 
     def __post_init__(self):
         require(self.max_request_bytes >= 1024, f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        require(not (self.trust_tier_header and self.tenants_file),
+                "trust_tier_header believes every claim: it cannot go with a tenants_file, whose tiers it would ignore")
+        require(self.jwt_tenant_header == self.jwt_tenant_header.lower() and self.jwt_tenant_header.strip(),
+                f"jwt_tenant_header must be a lower-case header name, got {self.jwt_tenant_header!r}")
         require(self.default_timeout_s > 0, f"default_timeout_s must be > 0, got {self.default_timeout_s}")
         require(self.batcher_streams >= 1, f"batcher_streams must be >= 1, got {self.batcher_streams}")
         require(0 <= self.batcher_linger_ms <= 100, f"batcher_linger_ms must be in [0, 100], got {self.batcher_linger_ms}")
