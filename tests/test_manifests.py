@@ -215,3 +215,17 @@ def test_each_sidecar_carries_connections_until_its_service_has_drained(producti
         config = json.loads(pod["metadata"]["annotations"]["proxy.istio.io/config"])
         sidecar_s = traffic.parse_duration(config["terminationDrainDuration"], name)
         assert drain_grace_s.get(name, 10) < sidecar_s < pod["spec"]["terminationGracePeriodSeconds"], name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.name for p in OVERLAYS])
+def test_a_router_that_keeps_failure_samples_keeps_them_redacted(overlay):
+    """Callers' texts stay out of a pod's disk: wherever a router is given a
+    samples path, its content is set to redacted, not left to a default."""
+    docs = manifests.render(overlay)
+    routers = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].startswith("router")]
+    assert routers
+    for router in routers:
+        for container in router["spec"]["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            if env.get("INFERMESH_ROUTER_FAILURE_SAMPLES_PATH"):
+                assert env.get("INFERMESH_ROUTER_FAILURE_SAMPLES_CONTENT") == "redacted", router["metadata"]["name"]
