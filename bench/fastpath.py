@@ -49,7 +49,8 @@ import onnxruntime as ort
 
 from bench.bare import REFUSE
 from bench.bare import start as start_bare
-from bench.report import cpu_times, machine, process_cpu_s, progress, pyplot, save_figure, steal_share, write
+from bench.report import (chosen_seed, cpu_times, goal_verdict, machine, phase_order, process_cpu_s, progress, pyplot, save_figure,
+                          seed_argument, steal_share, write)
 from bench.workload import ghz_unique_template, run_ghz
 from services.common.metrics import scrape
 from services.launcher.mesh import Mesh
@@ -95,12 +96,13 @@ def ghz_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def load(address: str, data: str, total: int, callers: int, pids: dict[str, list[int]]) -> dict:
-    """One ghz run of `total` calls from `callers` workers (closed loop), with
-    the CPU seconds each named group of processes spent per call."""
+def load(address: str, data: str, total: int, callers: int, pids: dict[str, list[int]],
+         seconds: float | None = None) -> dict:
+    """One ghz run of `total` calls (or of `seconds`) from `callers` workers
+    (closed loop), with the CPU seconds each named group of processes spent per call."""
     before = {name: sum(process_cpu_s(pid) for pid in group) for name, group in pids.items()}
     ghz_before, machine_before = ghz_cpu_s(), cpu_times()
-    report = run_ghz(address, data, total, callers, timeout_s=30)
+    report = run_ghz(address, data, total, callers, timeout_s=30, seconds=seconds)
     ghz_after, machine_after = ghz_cpu_s(), cpu_times()
     after = {name: sum(process_cpu_s(pid) for pid in group) for name, group in pids.items()}
     calls = report["count"]
@@ -128,40 +130,57 @@ def cache_traffic(mesh: Mesh) -> tuple[float, float]:
 
 
 def one_run(run: int, meshes: dict[str, Mesh], bare: tuple[int, str], chain: tuple[list[int], str], flood: Mesh,
-            seconds: float, rates: dict[str, float]) -> dict:
-    """Every phase once; each 64-caller phase sized from the last rate seen so it lasts about `seconds`."""
+            seconds: float, seed: int) -> tuple[dict, list[str]]:
+    """Every phase once, in an order shuffled by (seed, run); each 64-caller
+    phase lasts `seconds`, each 1-caller one 1500 calls."""
     bare_pid, bare_address = bare
     chain_pids, chain_address = chain
     result: dict = {}
-
-    def phase(key: str, address: str, data: str, callers: int, pids: dict[str, list[int]], total: int | None = None):
-        total = total or max(500, int(seconds * rates.get(key, 1000)))
-        cell = result[key] = load(address, data, total, callers, pids)
-        if callers == CALLERS:
-            rates[key] = cell["rps"]
-        cpu = ", ".join(f"{name} {us:.0f}" for name, us in cell["cpu_us"].items())
-        progress(f"run {run}: {key}: {cell['rps']:.0f}/s, p50 {cell['p50_ms'] or 0:.2f} ms, CPU µs per call: {cpu}, "
-                 f"ghz {cell['ghz_cpu_us']:.0f}; {cell['codes']}")
-        return cell
-
-    tag = f"r{run}"
-    phase("bare", bare_address, mlp_template(tag), CALLERS, {"bare": [bare_pid]})
-    phase("chain", chain_address, mlp_template(f"{tag}c"), CALLERS, {"chain": chain_pids})
-    for name, mesh in meshes.items():
-        lookups_before = cache_traffic(mesh)
-        cell = phase(name, mesh.router, mlp_template(f"{tag}{name}"), CALLERS, mesh_pids(mesh))
-        cell["cache_traffic"] = [after - before for after, before in zip(cache_traffic(mesh), lookups_before)]
     mesh = meshes["mesh"]
-    phase("bare_1", bare_address, mlp_template(f"{tag}b1"), 1, {"bare": [bare_pid]}, total=1500)
-    phase("mesh_1", mesh.router, mlp_template(f"{tag}m1"), 1, mesh_pids(mesh), total=1500)
-    phase("chain_1", chain_address, mlp_template(f"{tag}c1"), 1, {"chain": chain_pids}, total=1500)
-    result["idle_gap"] = idle_gap_cost(ROOT / "build" / "models" / "mlp" / "1" / "model.onnx")
-    progress(f"run {run}: an mlp run in-process: {result['idle_gap']['back_to_back_us']:.0f} µs back to back, "
-             f"{result['idle_gap']['after_gap_us']:.0f} µs after a 3 ms pause")
-    phase("bare_refused", bare_address, mlp_template(tag, REFUSE), CALLERS, {"bare": [bare_pid]})
-    phase("router_not_found", mesh.router, mlp_template(tag, "no-such-model"), CALLERS, mesh_pids(mesh))
-    phase("router_flooded", flood.router, ghz_unique_template(f"flood{tag}"), CALLERS, mesh_pids(flood))
-    return result
+    tag = f"r{run}"
+
+    def phase(key: str, address: str, data: str, callers: int, pids: dict[str, list[int]]):
+        def measure():
+            if callers == CALLERS:
+                cell = result[key] = load(address, data, 0, callers, pids, seconds=seconds)
+            else:
+                cell = result[key] = load(address, data, 1500, callers, pids)
+            cpu = ", ".join(f"{name} {us:.0f}" for name, us in cell["cpu_us"].items())
+            progress(f"run {run}: {key}: {cell['rps']:.0f}/s, p50 {cell['p50_ms'] or 0:.2f} ms, CPU µs per call: "
+                     f"{cpu}, ghz {cell['ghz_cpu_us']:.0f}; {cell['codes']}")
+        return key, measure
+
+    def through_mesh(name: str, target: Mesh):
+        key, measure = phase(name, target.router, mlp_template(f"{tag}{name}"), CALLERS, mesh_pids(target))
+
+        def with_cache_traffic():
+            lookups_before = cache_traffic(target)
+            measure()
+            result[name]["cache_traffic"] = [after - before for after, before in
+                                             zip(cache_traffic(target), lookups_before)]
+        return key, with_cache_traffic
+
+    def idle_gap():
+        result["idle_gap"] = idle_gap_cost(ROOT / "build" / "models" / "mlp" / "1" / "model.onnx")
+        progress(f"run {run}: an mlp run in-process: {result['idle_gap']['back_to_back_us']:.0f} µs back to back, "
+                 f"{result['idle_gap']['after_gap_us']:.0f} µs after a 3 ms pause")
+
+    phases = [
+        phase("bare", bare_address, mlp_template(tag), CALLERS, {"bare": [bare_pid]}),
+        phase("chain", chain_address, mlp_template(f"{tag}c"), CALLERS, {"chain": chain_pids}),
+        *(through_mesh(name, target) for name, target in meshes.items()),
+        phase("bare_1", bare_address, mlp_template(f"{tag}b1"), 1, {"bare": [bare_pid]}),
+        phase("mesh_1", mesh.router, mlp_template(f"{tag}m1"), 1, mesh_pids(mesh)),
+        phase("chain_1", chain_address, mlp_template(f"{tag}c1"), 1, {"chain": chain_pids}),
+        ("idle_gap", idle_gap),
+        phase("bare_refused", bare_address, mlp_template(tag, REFUSE), CALLERS, {"bare": [bare_pid]}),
+        phase("router_not_found", mesh.router, mlp_template(tag, "no-such-model"), CALLERS, mesh_pids(mesh)),
+        phase("router_flooded", flood.router, ghz_unique_template(f"flood{tag}"), CALLERS, mesh_pids(flood)),
+    ]
+    order = phase_order(phases, run, seed)
+    for _, measure in order:
+        measure()
+    return result, [key for key, _ in order]
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -218,7 +237,8 @@ def markdown(report: dict) -> str:
     steal = ("" if s["steal_median"] is None else
              f" The hypervisor took {s['steal_median']:.0%} of the CPU at the median phase (at most {s['steal_max']:.0%}).")
     lines = [f"Machine: {report['machine']}. Command: `{report['command']}`. Medians of {report['runs']} runs on "
-             f"{report['date']}; ratios are taken within each run.{steal}", "",
+             f"{report['date']}, each run's phases in an order shuffled with seed {report.get('seed', '?')}; ratios "
+             f"are taken within each run.{steal}", "",
              f"**mlp, distinct inputs, ghz at {CALLERS} callers (closed loop)**", "",
              "| path | requests/s | p50 ms | p99 ms | CPU µs per request: " + ", ".join(SERVICES) + " | mesh total | ghz |",
              "|---|---|---|---|---|---|---|"]
@@ -234,10 +254,12 @@ def markdown(report: dict) -> str:
     lookups, stored = s["mesh"]["cache_traffic"]
     lines += ["",
               f"- Mesh over bare server: **×{ratios['mesh_over_bare']['median']:.2f}** "
-              f"(runs: {', '.join(f'{v:.2f}' for v in ratios['mesh_over_bare']['runs'])}; goal ≥ 0.6); "
+              f"(runs: {', '.join(f'{v:.2f}' for v in ratios['mesh_over_bare']['runs'])}; goal ≥ 0.6: "
+              f"{goal_verdict(ratios['mesh_over_bare']['runs'], lambda v: v >= 0.6)}); "
               f"over three bare servers in series: ×{ratios['mesh_over_chain']['median']:.2f}.",
               f"- Whole-mesh CPU per request: **{ratios['mesh_cpu_us']['median']:.0f} µs** "
-              f"(runs: {', '.join(f'{v:.0f}' for v in ratios['mesh_cpu_us']['runs'])}; goal ≤ {GOAL_CPU_US}).",
+              f"(runs: {', '.join(f'{v:.0f}' for v in ratios['mesh_cpu_us']['runs'])}; goal ≤ {GOAL_CPU_US}: "
+              f"{goal_verdict(ratios['mesh_cpu_us']['runs'], lambda v: v <= GOAL_CPU_US)}).",
               f"- Two router processes over one: ×{ratios['two_routers_over_one']['median']:.2f} "
               f"(runs: {', '.join(f'{v:.2f}' for v in ratios['two_routers_over_one']['runs'])}).",
               f"- Cache traffic during the mesh's mlp phases (bypass engaged), all runs: {lookups:.0f} lookups, "
@@ -248,7 +270,8 @@ def markdown(report: dict) -> str:
               f"| three bare servers in series | {s['chain_1']['p50_ms']:.3f} | {s['chain_1']['p99_ms']:.3f} |",
               f"| mesh | {s['mesh_1']['p50_ms']:.3f} | {s['mesh_1']['p99_ms']:.3f} |", "",
               f"- Mesh p50 above the bare server's: **{ratios['p50_over_bare_ms']['median']:.3f} ms** "
-              f"(runs: {', '.join(f'{v:.3f}' for v in ratios['p50_over_bare_ms']['runs'])}; goal ≤ 0.5); "
+              f"(runs: {', '.join(f'{v:.3f}' for v in ratios['p50_over_bare_ms']['runs'])}; goal ≤ 0.5: "
+              f"{goal_verdict(ratios['p50_over_bare_ms']['runs'], lambda v: v <= 0.5)}); "
               f"above three bare servers in series: {ratios['p50_over_chain_ms']['median']:.3f} ms "
               f"(runs: {', '.join(f'{v:.3f}' for v in ratios['p50_over_chain_ms']['runs'])}). The chain itself is "
               f"{ratios['chain_p50_over_bare_ms']['median']:.3f} ms above one bare server.",
@@ -322,10 +345,12 @@ def flame_graphs(mesh: Mesh, out: pathlib.Path, seconds: float, rate: float) -> 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=8.0, help="rough length of each 64-caller phase")
+    parser.add_argument("--seconds", type=float, default=8.0, help="length of each 64-caller phase")
     parser.add_argument("--flame", action="store_true", help="also record py-spy flame graphs of every service")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    seed_argument(parser)
     args = parser.parse_args()
+    seed = chosen_seed(args.seed)
     models = ROOT / "build" / "models"
     logs = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-fastpath-"))
     bare, bare_address = start_bare(ROOT, echo=True)
@@ -344,17 +369,20 @@ def main() -> int:
             run_ghz(bare_address, mlp_template("warm"), 2000, CALLERS, timeout_s=30)
             run_ghz(chain[0][1], mlp_template("warm"), 2000, CALLERS, timeout_s=30)
             run_ghz(flood.router, ghz_unique_template("warm"), 500, CALLERS, timeout_s=30)
-            rates: dict[str, float] = {}
             chained = ([process.pid for process, _ in chain], chain[0][1])
-            runs = [one_run(run + 1, meshes, (bare.pid, bare_address), chained, flood, args.seconds, rates)
-                    for run in range(args.runs)]
-            flames = flame_graphs(one, args.out, args.seconds, rates["mesh"]) if args.flame else []
+            runs, orders = [], []
+            for run in range(args.runs):
+                result, order = one_run(run + 1, meshes, (bare.pid, bare_address), chained, flood, args.seconds, seed)
+                runs.append(result)
+                orders.append(order)
+            flames = flame_graphs(one, args.out, args.seconds, runs[-1]["mesh"]["rps"]) if args.flame else []
     finally:
         for process in [bare, *(process for process, _ in chain)]:
             process.kill()
             process.wait()
     report = {"machine": machine(), "command": "python -m bench.fastpath " + " ".join(sys.argv[1:]),
-              "runs": len(runs), "date": time.strftime("%Y-%m-%d"), "summary": summarise(runs),
+              "runs": len(runs), "seed": seed, "orders": orders, "date": time.strftime("%Y-%m-%d"),
+              "summary": summarise(runs),
               "flame_graphs": flames, "raw": runs}
     write(args.out, "fastpath", report, markdown(report), plot)
     return 0

@@ -29,7 +29,8 @@ import time
 
 from bench.bare import REFUSE
 from bench.bare import start as start_bare
-from bench.report import cpu_times, machine, process_cpu_s, progress, pyplot, save_figure, steal_share, write
+from bench.report import (chosen_seed, cpu_times, machine, phase_order, process_cpu_s, progress, pyplot, save_figure,
+                          seed_argument, steal_share, write)
 from bench.workload import ghz_unique_template, run_ghz
 from services.launcher.mesh import Mesh
 
@@ -104,7 +105,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each measurement")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    seed_argument(parser)
     args = parser.parse_args()
+    seed = chosen_seed(args.seed)
     bare, bare_address = start_bare(ROOT)
     try:
         with Mesh(models=ROOT / "build" / "models", cache=False,
@@ -114,21 +117,23 @@ def main() -> int:
                     "router_refused": (mesh.router, router_pid, "no-such-model")}
             for target, (address, pid, model) in plan.items():  # warm each path once
                 measure(address, pid, model, 100, 1)
-            runs = []
+            runs, orders = [], []
             for run in range(args.runs):
                 result = {target: {} for target in TARGETS}
-                for rate in RATES:
-                    for target in TARGETS:
-                        address, pid, model = plan[target]
-                        cell = result[target][str(rate)] = measure(address, pid, model, rate, args.seconds)
-                        progress(f"run {run + 1}/{args.runs}: {target} at {rate}/s: "
-                                 f"{cell['cpu_us_per_call']:.0f} µs CPU per call, p50 {cell['p50_ms']:.2f} ms, "
-                                 f"p99 {cell['p99_ms']:.2f} ms, {cell['codes']}")
+                order = phase_order([(rate, target) for rate in RATES for target in TARGETS], run, seed)
+                orders.append([f"{target}@{rate}" for rate, target in order])
+                for rate, target in order:
+                    address, pid, model = plan[target]
+                    cell = result[target][str(rate)] = measure(address, pid, model, rate, args.seconds)
+                    progress(f"run {run + 1}/{args.runs}: {target} at {rate}/s: "
+                             f"{cell['cpu_us_per_call']:.0f} µs CPU per call, p50 {cell['p50_ms']:.2f} ms, "
+                             f"p99 {cell['p99_ms']:.2f} ms, {cell['codes']}")
                 runs.append(result)
     finally:
         bare.kill()
         bare.wait()
     report = summarise(runs)
+    report.update(seed=seed, orders=orders)
     write(args.out, "hop", report, markdown(report), plot)
     return 0
 

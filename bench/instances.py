@@ -43,7 +43,7 @@ def resident_mib(pid: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=6.0, help="rough length of each measurement")
+    parser.add_argument("--seconds", type=float, default=6.0, help="length of each measurement")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-instances-"))
@@ -59,10 +59,10 @@ def main() -> int:
         for run in range(args.runs):
             r = {name: {} for name in meshes}
             for callers in CALLERS:
-                total = max(int(args.seconds * (40 if callers == 1 else 170)), callers * 4)
                 order = list(meshes.items()) if run % 2 == 0 else list(reversed(meshes.items()))
                 for name, mesh in order:  # alternate who goes first, so drift favours neither
-                    r[name][callers] = ghz(mesh.router, f"i{run}c{callers}{name[:3]}", total, callers)
+                    r[name][callers] = ghz(mesh.router, f"i{run}c{callers}{name[:3]}", 0, callers,
+                                           seconds=args.seconds)
             runs.append(r)
             progress(f"run {run + 1}/{args.runs}: " + "; ".join(
                 f"{callers} callers {r[names[0]][callers]['rps']:.0f} vs {r[names[1]][callers]['rps']:.0f}/s"

@@ -1,5 +1,5 @@
 """The mesh beside two peer servers, PyTriton and Ray Serve, on the same
-workload in one run.
+workload in one run, each peer in the mesh's own model layout and in the other.
 
 The three servers, all up for the whole run on this one machine, all on
 ONNX Runtime (CPU) with the same graph files from build/models:
@@ -8,48 +8,51 @@ ONNX Runtime (CPU) with the same graph files from build/models:
   model server, redis-server), its batcher set to the peers' batching (max
   batch 32 rows, 2 ms queue delay; its own default delay is 5 ms);
 - PyTriton (bench/peers/pytriton_server.py): Triton Inference Server's gRPC
-  front end and dynamic batcher (max batch 32, 2 ms), one instance of each
-  model; the model is a Python callable in PyTriton's process, which Triton's
-  Python-backend stub reaches over ZeroMQ and shared memory, so every batch
-  crosses two process boundaries;
-- Ray Serve (bench/peers/ray_server.py): its gRPC proxy and one replica per
-  model batching with @serve.batch (max batch 32, 2 ms, one batch at a time).
-  Ray binds every interface, so it runs in a network namespace of its own that
-  has only loopback, made for the run and deleted after it, and the ghz that
-  drives it runs in the same namespace.
+  front end and dynamic batcher (max batch 32, 2 ms); the model is a Python
+  callable in PyTriton's process, which Triton's Python-backend stub reaches
+  over ZeroMQ and shared memory, so every batch crosses two process boundaries;
+- Ray Serve (bench/peers/ray_server.py): its gRPC proxy and replicas batching
+  with @serve.batch (max batch 32, 2 ms, one batch at a time per replica). Ray
+  binds every interface, so it runs in a network namespace of its own that has
+  only loopback, made for the run and deleted after it, and the ghz that drives
+  it runs in the same namespace.
 
-The workload, the same for all three: ghz at 64 callers (closed loop, over 4
+Layouts. The mesh runs minilm on one one-thread ONNX Runtime session per core
+("split": minilm's two instances, the VIP one lent to standard batches once no
+VIP batch came for 10 s, as here none does) and mlp on one session with a
+thread per core ("shared"). Each peer serves each model in both layouts at
+once, under two names (PyTriton: two models; Ray: two applications), and
+every layout is measured: the peer in the mesh's layout is the equal-terms
+comparison, and the better of its two layouts is the peer at its best.
+
+The workload, the same for all: ghz at 64 callers (closed loop, over 4
 connections, 30 s deadline) sends ModelInfer to `mlp` (INPUT0 FP32 [1, 64],
 256 distinct bytes on every call) and to `minilm` (one short text, distinct on
 every call, EMBEDDING FP32 [1, 384] back), for --seconds per phase. Each run
-has every phase once, interleaved: for each model, the mesh, then PyTriton,
-then Ray. The report gives medians over runs of requests/s, p50, p99 and the
-CPU each server's processes spent per request (from /proc: every process in
-the server's tree), errors summed over runs, and each peer's requests/s over
-the mesh's, a ratio taken within each run. Before the runs every server is
-warmed up (the mesh past its cache's automatic bypass) and asked for the same
-mlp input and the same text: their answers must agree with the mesh's.
+has every phase (model × server × layout) once, in an order shuffled by --seed
+(recorded in the report). The report gives medians over runs of requests/s,
+p50, p99 and the CPU each server's processes spent per request (from /proc:
+every process in the server's tree), errors summed over runs, and each
+peer's requests/s over the mesh's, a ratio taken within each run, with its
+spread (min–max). Before the runs every server is warmed up (the mesh past
+its cache's automatic bypass) and asked for the same mlp input and the same
+text in every layout: their answers must agree with the mesh's.
 
     make peers                                  # once: .venv-peers/{pytriton,ray}
     .venv/bin/python -m bench.peers --runs 3    # or: make bench-peers
 
-As root (for the namespace). With the defaults (15 s a phase, 4 s warm-ups)
-three runs take about 5.5 minutes on 2 cores, starting and stopping included;
-`--runs 1 --seconds 3 --warmup-seconds 2` is a one-minute look. Writes
-bench/results/peers.{json,md,png}. Caveats:
+As root (for the namespace). `--runs 1 --seconds 3 --warmup-seconds 2` is a
+short look. Writes bench/results/peers.{json,md,png}. Caveats:
 
 - What differs in the calls: Triton's batching puts a batch dimension in front
   of each sample's shape and a sample may not be empty, so minilm's TEXT goes
   to it as [1, 1] (to the mesh and Ray as [1]); Ray's proxy routes a call by
-  its `application` metadata, which ghz sends to it alone ({"application":
-  "<model>"}). The mesh and Ray answer [1, 384], Triton the same.
-- Where the model runs: the mesh's minilm has two ONNX Runtime sessions of one
-  thread each (one kept for VIP batches, lent to standard ones after 10 s
-  without), its mlp one session, and its model server runs at nice 5; the
-  peers have one session per model with one thread per core, at nice 0. Every
+  its `application` metadata, which ghz sends to it alone. All answer
+  [1, 384].
+- The mesh's model server runs at nice 5, the peers at nice 0; every
   session's threads do not spin.
 - On a 2-core machine ghz takes a large share of the CPU (its own CPU per
-  request is in the report), the same for every server; the two servers not
+  request is in the report), the same for every server; the servers not
   being measured stay resident and idle, and what they spend meanwhile (Ray's
   control plane most) is reported as "idle peers' cores".
 - The mesh does more per call than the peers (priority queues, admission,
@@ -76,7 +79,8 @@ import time
 import numpy as np
 
 from bench.fastpath import ghz_cpu_s, mlp_template
-from bench.report import cpu_times, machine, process_cpu_s, progress, pyplot, save_figure, steal_share, write
+from bench.report import (chosen_seed, cpu_times, machine, phase_order, process_cpu_s, progress, pyplot, save_figure,
+                          seed_argument, span, spread, steal_share, write)
 from bench.workload import GHZ, ghz_unique_template
 from services.launcher.mesh import Mesh, MeshError, Process
 
@@ -91,6 +95,9 @@ LABELS = {"mesh": "infermesh mesh", "pytriton": "PyTriton", "ray": "Ray Serve"}
 MAX_BATCH_SIZE = 32
 MAX_QUEUE_DELAY_MS = 2.0
 CHECK_TEXT = "Hello, my parcel was sent to the wrong address, can you help me?"
+LAYOUTS = ("shared", "split")  # one session with a thread per core; one one-thread session per core
+MESH_LAYOUT = {"mlp": "shared", "minilm": "split"}  # build/models' configs
+LAYOUT_LABELS = {"shared": "1 session × {cores} threads", "split": "{cores} sessions × 1 thread"}
 MLP_MAX_ABS = 1e-4  # the mesh's own golden probe for mlp
 MINILM_MIN_COSINE = 0.999
 
@@ -104,19 +111,36 @@ class Server:
     roots: tuple[int, ...]  # each root's whole process tree counts as the server's
     netns: str | None = None  # the network namespace it is reachable in, if not this one
     text_shape: tuple[int, ...] = (1,)  # minilm's TEXT of one text
-    routed_by_application: bool = False  # Ray's proxy: {"application": model} metadata
+    routed_by_application: bool = False  # Ray's proxy: {"application": name} metadata
+    layouts: tuple[str, ...] = ("",)  # "": the mesh, its own layout; peers serve each of LAYOUTS
 
     def prefix(self) -> list[str]:
         """What runs a command where this server is reachable."""
         return ["ip", "netns", "exec", self.netns] if self.netns else []
 
-    def body(self, model: str, tag: str) -> str:
+    def target(self, model: str, layout: str) -> str:
+        """The name that reaches `model` in `layout`: a model name (PyTriton), an application (Ray)."""
+        return f"{model}_{layout}" if layout else model
+
+    def model_name(self, model: str, layout: str) -> str:
+        return model if self.routed_by_application else self.target(model, layout)
+
+    def metadata(self, model: str, layout: str) -> list[tuple[str, str]]:
+        return [("application", self.target(model, layout))] if self.routed_by_application else []
+
+    def body(self, model: str, layout: str, tag: str) -> str:
         """ghz's -d template for `model`, distinct on every call."""
+        name = self.model_name(model, layout)
         if model == "mlp":
-            return mlp_template(tag)
-        body = json.loads(ghz_unique_template(tag))
+            return mlp_template(tag, name)
+        body = json.loads(ghz_unique_template(tag, name))
         body["inputs"][0]["shape"] = list(self.text_shape)
         return json.dumps(body)
+
+
+def cell_key(server: str, layout: str) -> str:
+    """A report cell: "mesh", or "<peer>/<layout>"."""
+    return f"{server}/{layout}" if layout else server
 
 
 # -- processes ------------------------------------------------------------------
@@ -249,25 +273,25 @@ def package_version(venv: str, package: str) -> str:
 
 # -- load -----------------------------------------------------------------------
 
-def ghz(server: Server, model: str, tag: str, seconds: float) -> dict:
+def ghz(server: Server, model: str, layout: str, tag: str, seconds: float) -> dict:
     """ghz's JSON report of `seconds` of ModelInfer calls from CALLERS callers.
     bench.workload.run_ghz cannot run in a namespace, name a .proto (Triton and
     Ray's proxy have no reflection here) or send Ray's routing metadata."""
     argv = [*server.prefix(), str(GHZ), "--insecure", "--proto", str(PROTO), "--import-paths", str(PROTO.parent.parent),
-            "--call", "inference.GRPCInferenceService.ModelInfer", "-d", server.body(model, tag),
+            "--call", "inference.GRPCInferenceService.ModelInfer", "-d", server.body(model, layout, tag),
             "--duration", f"{seconds:g}s", "--duration-stop", "ignore", "--concurrency", str(CALLERS),
             "--connections", str(min(CALLERS, 4)), "--timeout", "30s", "--format", "json"]
     if server.routed_by_application:
-        argv += ["-m", json.dumps({"application": model})]
+        argv += ["-m", json.dumps(dict(server.metadata(model, layout)))]
     return json.loads(subprocess.run([*argv, server.address], capture_output=True, text=True, check=True,
                                      timeout=seconds + 120).stdout)
 
 
-def phase(server: Server, model: str, tag: str, seconds: float, servers: list[Server]) -> dict:
+def phase(server: Server, model: str, layout: str, tag: str, seconds: float, servers: list[Server]) -> dict:
     """One ghz phase against `server`, with the CPU every server's processes spent."""
     before = {s.name: tree_cpu_s(s.roots) for s in servers}
     ghz_before, machine_before = ghz_cpu_s(), cpu_times()
-    report = ghz(server, model, tag, seconds)
+    report = ghz(server, model, layout, tag, seconds)
     ghz_after, machine_after = ghz_cpu_s(), cpu_times()
     after = {s.name: tree_cpu_s(s.roots) for s in servers}
     spent = {name: spent_between(before[name], after[name]) for name in before}
@@ -285,8 +309,8 @@ def phase(server: Server, model: str, tag: str, seconds: float, servers: list[Se
 
 # -- the answers check --------------------------------------------------------------
 
-def answers(address: str, application: bool, text_shape: tuple[int, ...]) -> dict[str, list[float]]:
-    """One server's answers to one mlp input and one text (the check's calls)."""
+def answers(server: Server) -> dict[str, dict[str, list[float]]]:
+    """One server's answers, in each of its layouts, to one mlp input and one text (the check's calls)."""
     import grpc
     from inference import grpc_predict_v2_pb2 as pb
     from inference import grpc_predict_v2_pb2_grpc as pb_grpc
@@ -297,33 +321,33 @@ def answers(address: str, application: bool, text_shape: tuple[int, ...]) -> dic
         return list(response.outputs[0].contents.fp32_contents)
 
     found = {}
-    with grpc.insecure_channel(address) as channel:
+    with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        mlp = pb.ModelInferRequest(model_name="mlp")
-        mlp.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 64])
-        mlp.raw_input_contents.append(np.linspace(-1, 1, 64, dtype="<f4").tobytes())
-        minilm = pb.ModelInferRequest(model_name="minilm")
-        minilm.inputs.add(name="TEXT", datatype="BYTES", shape=list(text_shape)).contents.bytes_contents.append(
-            CHECK_TEXT.encode())
-        for model, request in (("mlp", mlp), ("minilm", minilm)):
-            metadata = [("application", model)] if application else None
-            found[model] = output(stub.ModelInfer(request, timeout=30, metadata=metadata))
+        for layout in server.layouts:
+            mlp = pb.ModelInferRequest(model_name=server.model_name("mlp", layout))
+            mlp.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 64])
+            mlp.raw_input_contents.append(np.linspace(-1, 1, 64, dtype="<f4").tobytes())
+            minilm = pb.ModelInferRequest(model_name=server.model_name("minilm", layout))
+            minilm.inputs.add(name="TEXT", datatype="BYTES", shape=list(server.text_shape)).contents.bytes_contents.append(
+                CHECK_TEXT.encode())
+            found[cell_key(server.name, layout)] = {
+                model: output(stub.ModelInfer(request, timeout=30, metadata=server.metadata(model, layout) or None))
+                for model, request in (("mlp", mlp), ("minilm", minilm))}
     return found
 
 
 def check_answers(servers: list[Server]) -> dict:
-    """Every server's answers beside the mesh's: mlp's largest difference and
-    minilm's cosine. Raises unless they agree (the same graph must answer)."""
+    """Every server's answers, in every layout, beside the mesh's: mlp's largest
+    difference and minilm's cosine. Raises unless they agree (the same graph must answer)."""
     found = {}
     for server in servers:
         if server.netns:  # reached from inside its namespace, by this module run there
-            argv = [*server.prefix(), sys.executable, "-m", "bench.peers", "--answers", server.address,
-                    "--text-shape", ",".join(map(str, server.text_shape)),
-                    *(["--application"] if server.routed_by_application else [])]
-            found[server.name] = json.loads(subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
-                                                           check=True, timeout=120).stdout)
+            argv = [*server.prefix(), sys.executable, "-m", "bench.peers", "--answers",
+                    json.dumps(dataclasses.asdict(server))]
+            found.update(json.loads(subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True,
+                                                   timeout=120).stdout))
         else:
-            found[server.name] = answers(server.address, server.routed_by_application, server.text_shape)
+            found.update(answers(server))
     mesh = {model: np.array(values) for model, values in found.pop("mesh").items()}
     agreement = {}
     for name, got in found.items():
@@ -342,19 +366,26 @@ def check_answers(servers: list[Server]) -> dict:
 
 # -- the run --------------------------------------------------------------------
 
-def one_run(run: int, servers: list[Server], seconds: float) -> dict:
+def phases(servers: list[Server]) -> list[tuple[str, Server, str]]:
+    """Every (model, server, layout) measured in a run."""
+    return [(model, server, layout) for model in MODELS for server in servers for layout in server.layouts]
+
+
+def one_run(run: int, servers: list[Server], seconds: float, seed: int) -> tuple[dict, list[str]]:
+    """One run's cells, and the order they were measured in."""
     result: dict = {model: {} for model in MODELS}
-    for model in MODELS:
-        for server in servers:
-            cell = result[model][server.name] = phase(server, model, f"r{run}{server.name}", seconds, servers)
-            progress(f"run {run}: {model} via {server.name}: {cell['rps']:.0f}/s, p50 {cell['p50_ms'] or 0:.2f} ms, "
-                     f"p99 {cell['p99_ms'] or 0:.2f} ms, errors {cell['errors']}, CPU µs per request: server "
-                     f"{cell['cpu_us']:.0f}, ghz {cell['ghz_cpu_us']:.0f}; idle peers {cell['idle_peers_cores']:.2f} "
-                     f"cores{'; ' + '; '.join(cell['error_samples']) if cell['errors'] else ''}")
-    return result
+    order = phase_order(phases(servers), run, seed)
+    for model, server, layout in order:
+        key = cell_key(server.name, layout)
+        cell = result[model][key] = phase(server, model, layout, f"r{run}{key}", seconds, servers)
+        progress(f"run {run + 1}: {model} via {key}: {cell['rps']:.0f}/s, p50 {cell['p50_ms'] or 0:.2f} ms, "
+                 f"p99 {cell['p99_ms'] or 0:.2f} ms, errors {cell['errors']}, CPU µs per request: server "
+                 f"{cell['cpu_us']:.0f}, ghz {cell['ghz_cpu_us']:.0f}; idle peers {cell['idle_peers_cores']:.2f} "
+                 f"cores{'; ' + '; '.join(cell['error_samples']) if cell['errors'] else ''}")
+    return result, [f"{model}:{cell_key(server.name, layout)}" for model, server, layout in order]
 
 
-def measure(args, work: pathlib.Path, stack: contextlib.ExitStack) -> dict:
+def measure(args, seed: int, work: pathlib.Path, stack: contextlib.ExitStack) -> dict:
     logs = work / "logs"
     logs.mkdir()
     netns = stack.enter_context(network_namespace(f"infermesh-peers-{os.getpid()}"))
@@ -369,20 +400,32 @@ def measure(args, work: pathlib.Path, stack: contextlib.ExitStack) -> dict:
     mesh = stack.enter_context(Mesh(models=ROOT / "build" / "models", log_dir=logs / "mesh", batcher_args=batching))
     servers = [Server("mesh", mesh.router, tuple(p.popen.pid for p in mesh.processes.values()))]
     triton_address = pytriton.wait_ready(300)["grpc"]
-    servers.append(Server("pytriton", triton_address, (pytriton.popen.pid,), text_shape=(1, 1)))
+    servers.append(Server("pytriton", triton_address, (pytriton.popen.pid,), text_shape=(1, 1), layouts=LAYOUTS))
     ray_address = ray.wait_ready(300)["grpc"]
-    servers.append(Server("ray", ray_address, (ray.popen.pid,), netns=netns, routed_by_application=True))
+    servers.append(Server("ray", ray_address, (ray.popen.pid,), netns=netns, routed_by_application=True,
+                          layouts=LAYOUTS))
     progress(f"all up in {time.monotonic() - started:.0f}s: mesh {mesh.router}, PyTriton {triton_address}, "
              f"Ray Serve {ray_address} (namespace {netns}); warming up")
-    for model in MODELS:
-        for server in servers:  # the mesh's mlp phase must pass its cache's bypass window (500 lookups)
-            cell = phase(server, model, f"warm{server.name}", args.warmup_seconds, servers)
-            progress(f"  warm-up {model} via {server.name}: {cell['rps']:.0f}/s, errors {cell['errors']}")
+    for model, server, layout in phases(servers):  # the mesh's mlp phase must pass its cache's bypass window
+        cell = phase(server, model, layout, f"warm{server.name}{layout}", args.warmup_seconds, servers)
+        progress(f"  warm-up {model} via {cell_key(server.name, layout)}: {cell['rps']:.0f}/s, errors {cell['errors']}")
     agreement = check_answers(servers)
     progress("answers agree with the mesh's: " + "; ".join(
         f"{name} mlp |Δ| ≤ {a['mlp_max_abs']:.1e}, minilm cosine {a['minilm_cosine']:.6f}" for name, a in agreement.items()))
-    runs = [one_run(run + 1, servers, args.seconds) for run in range(args.runs)]
-    return {"agreement": agreement, "runs": runs}
+    runs, orders = [], []
+    for run in range(args.runs):
+        result, order = one_run(run, servers, args.seconds, seed)
+        runs.append(result)
+        orders.append(order)
+    return {"agreement": agreement, "runs": runs, "orders": orders}
+
+
+PEER_NAMES = ("pytriton", "ray")
+
+
+def cells() -> list[str]:
+    """Every cell of a model's table, in the report's order."""
+    return ["mesh", *(cell_key(peer, layout) for peer in PEER_NAMES for layout in LAYOUTS)]
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -390,21 +433,29 @@ def summarise(runs: list[dict]) -> dict:
     summary: dict = {}
     for model in MODELS:
         summary[model] = {}
-        for name in SERVERS:
-            cells = [r[model][name] for r in runs]
-            summary[model][name] = {
-                "rps": med(c["rps"] for c in cells),
-                "rps_over_mesh": med(c["rps"] / r[model]["mesh"]["rps"] for c, r in zip(cells, runs)),
-                "rps_over_mesh_runs": [c["rps"] / r[model]["mesh"]["rps"] for c, r in zip(cells, runs)],
-                "p50_ms": _median_of(c["p50_ms"] for c in cells),
-                "p99_ms": _median_of(c["p99_ms"] for c in cells),
-                "errors": sum(c["errors"] for c in cells),
-                "calls": sum(c["calls"] for c in cells),
-                "cpu_us": med(c["cpu_us"] for c in cells),
-                "ghz_cpu_us": med(c["ghz_cpu_us"] for c in cells),
-                "idle_peers_cores": med(c["idle_peers_cores"] for c in cells),
+        for key in cells():
+            found = [r[model][key] for r in runs]
+            ratios = [c["rps"] / r[model]["mesh"]["rps"] for c, r in zip(found, runs)]
+            summary[model][key] = {
+                "rps": med(c["rps"] for c in found),
+                "rps_over_mesh": spread(ratios),
+                "p50_ms": _median_of(c["p50_ms"] for c in found),
+                "p99_ms": _median_of(c["p99_ms"] for c in found),
+                "errors": sum(c["errors"] for c in found),
+                "calls": sum(c["calls"] for c in found),
+                "cpu_us": med(c["cpu_us"] for c in found),
+                "ghz_cpu_us": med(c["ghz_cpu_us"] for c in found),
+                "idle_peers_cores": med(c["idle_peers_cores"] for c in found),
             }
-    steals = [c["steal"] for r in runs for cells in r.values() for c in cells.values() if c["steal"] is not None]
+        for peer in PEER_NAMES:
+            equal = cell_key(peer, MESH_LAYOUT[model])
+            best = [max(r[model][cell_key(peer, layout)]["rps"] for layout in LAYOUTS) / r[model]["mesh"]["rps"]
+                    for r in runs]
+            summary[model][peer] = {"equal_layout": equal, "equal_over_mesh": summary[model][equal]["rps_over_mesh"],
+                                    "best_over_mesh": spread(best),
+                                    "best_layouts": [max(LAYOUTS, key=lambda lay: r[model][cell_key(peer, lay)]["rps"])
+                                                     for r in runs]}
+    steals = [c["steal"] for r in runs for by_cell in r.values() for c in by_cell.values() if c["steal"] is not None]
     summary["steal_median"] = med(steals) if steals else None
     summary["steal_max"] = max(steals) if steals else None
     return summary
@@ -419,43 +470,69 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}"
 
 
+def label(key: str, model: str, cores: int) -> str:
+    """A cell's row name: the server and its layout, marked where it is the mesh's."""
+    if key == "mesh":
+        return f"{LABELS['mesh']} ({LAYOUT_LABELS[MESH_LAYOUT[model]].format(cores=cores)})"
+    peer, layout = key.split("/")
+    same = " = the mesh's" if layout == MESH_LAYOUT[model] else ""
+    return f"{LABELS[peer]}, {LAYOUT_LABELS[layout].format(cores=cores)}{same}"
+
+
+def verdict(ratios: dict) -> str:
+    """Whether a peer's throughput is above or below the mesh's in every run, or either way."""
+    if ratios["min"] > 1:
+        return "more than the mesh in every run"
+    if ratios["max"] < 1:
+        return "less than the mesh in every run"
+    return "either side of the mesh across runs"
+
+
 def markdown(report: dict) -> str:
     s = report["summary"]
     settings = report["settings"]
+    cores = settings.get("cores", 2)
     steal = ("" if s["steal_median"] is None else
              f" The hypervisor took {s['steal_median']:.0%} of the CPU at the median phase (at most {s['steal_max']:.0%}).")
     lines = [f"Machine: {report['machine']}. Command: `{report['command']}`. Medians of {report['runs']} runs on "
-             f"{report['date']}, {settings['seconds']:g} s a phase, phases interleaved (for each model: mesh, PyTriton, "
-             f"Ray); ratios are taken within each run.{steal}", "",
+             f"{report['date']}, {settings['seconds']:g} s a phase; each run's phases in an order shuffled with seed "
+             f"{report['seed']}; ratios are taken within each run, their spread (min–max over runs) in brackets.{steal}",
+             "",
              f"Versions: PyTriton {report['versions']['pytriton']} (with its Triton Inference Server), Ray {report['versions']['ray']}, ONNX Runtime "
              f"{report['versions']['onnxruntime']} (CPU) in every server. Batching: max {settings['max_batch_size']} "
              f"rows, {settings['max_queue_delay_ms']:g} ms queue delay in all three.", ""]
     for model, what in (("mlp", "INPUT0 FP32 [1, 64], distinct on every call"),
                         ("minilm", "one short text, distinct on every call; TEXT [1] to the mesh and Ray, [1, 1] to Triton")):
         lines += [f"**{model}** ({what}), ghz at {CALLERS} callers (closed loop)", "",
-                  "| server | requests/s | × mesh | p50 ms | p99 ms | errors | server CPU µs per request | "
-                  "ghz CPU µs per request | idle peers' cores |",
+                  "| server, model layout | requests/s | × mesh (min–max) | p50 ms | p99 ms | errors | "
+                  "server CPU µs per request | ghz CPU µs per request | idle peers' cores |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        for name in SERVERS:
-            cell = s[model][name]
-            ratio = "1.00" if name == "mesh" else (f"{cell['rps_over_mesh']:.2f} (runs: "
-                                                   f"{', '.join(f'{v:.2f}' for v in cell['rps_over_mesh_runs'])})")
-            lines.append(f"| {LABELS[name]} | {cell['rps']:.0f} | {ratio} | {_ms(cell['p50_ms'])} | "
+        for key in cells():
+            cell = s[model][key]
+            ratio = "1.00" if key == "mesh" else span(cell["rps_over_mesh"])
+            lines.append(f"| {label(key, model, cores)} | {cell['rps']:.0f} | {ratio} | {_ms(cell['p50_ms'])} | "
                          f"{_ms(cell['p99_ms'])} | {cell['errors']} of {cell['calls']} | {cell['cpu_us']:.0f} | "
                          f"{cell['ghz_cpu_us']:.0f} | {cell['idle_peers_cores']:.2f} |")
         lines.append("")
+        for peer in PEER_NAMES:
+            p = s[model][peer]
+            lines.append(f"- {LABELS[peer]} on equal terms (the mesh's layout): × {span(p['equal_over_mesh'])}, "
+                         f"{verdict(p['equal_over_mesh'])}; at its best layout in each run "
+                         f"({', '.join(p['best_layouts'])}): × {span(p['best_over_mesh'])}, {verdict(p['best_over_mesh'])}.")
+        lines.append("")
     agreement = report["agreement"]
-    lines += ["- Every server answered the same mlp input and text as the mesh before the runs: " + "; ".join(
-                  f"{LABELS[name]} mlp within {a['mlp_max_abs']:.1e}, minilm cosine {a['minilm_cosine']:.6f}"
-                  for name, a in agreement.items()) + ".",
+    lines += ["- Every server, in every layout, answered the same mlp input and text as the mesh before the runs: "
+              + "; ".join(f"{name} mlp within {a['mlp_max_abs']:.1e}, minilm cosine {a['minilm_cosine']:.6f}"
+                          for name, a in agreement.items()) + ".",
               "- Server CPU is every process of the server's tree (mesh: router, cache, batcher, model server, "
               "redis-server; PyTriton: its Python process, tritonserver and the Python-backend stubs; Ray: the "
               "driver, GCS, raylet, agents, controller, proxy and replicas), from /proc. Idle peers' cores: what "
-              "the two servers not under load spent meanwhile, in cores.",
+              "the servers not under load spent meanwhile, in cores.",
               "- The mesh's minilm runs on two one-thread ONNX Runtime sessions (one kept for VIP batches, lent "
-              "after 10 s without) at nice 5, behind priority queues, admission control and a cache whose bypass "
-              "engages on distinct inputs; the peers run one session per model with one thread per core. PyTriton's "
-              "callable runs in its own Python process, reached from Triton's Python-backend stub over ZeroMQ and "
+              "after 10 s without, as here) at nice 5, behind priority queues, admission control and a cache whose "
+              "bypass engages on distinct inputs; its mlp on one session with a thread per core. Each peer serves both "
+              "layouts of each model side by side (PyTriton as two models, Ray as two applications). PyTriton's "
+              "callables run in its own Python process, reached from Triton's Python-backend stub over ZeroMQ and "
               "shared memory; Ray runs in a network namespace of its own (loopback only), ghz beside it, its "
               "proxy routing by `application` metadata.", ""]
     return "\n".join(lines)
@@ -467,56 +544,66 @@ COLOURS = {"mesh": "#4c72b0", "pytriton": "#76b900", "ray": "#e4a33a"}
 def plot(report: dict, path: pathlib.Path) -> None:
     plt = pyplot()
     s = report["summary"]
-    fig, panels = plt.subplots(1, 3, figsize=(13, 4))
-    width = 0.26
+    keys = cells()
+    fig, panels = plt.subplots(1, 3, figsize=(14, 4.2))
+    width = 0.8 / len(keys)
     x = np.arange(len(MODELS))
-    for i, name in enumerate(SERVERS):
-        offset = (i - 1) * width
-        for panel, key in zip(panels, ("rps", "p99_ms", "cpu_us")):
-            bars = panel.bar(x + offset, [s[m][name][key] or 0 for m in MODELS], width, color=COLOURS[name],
-                             label=LABELS[name] if panel is panels[0] else None)
-            panel.bar_label(bars, fmt="%.0f", fontsize=7)
-        panels[1].scatter(x + offset, [s[m][name]["p50_ms"] or 0 for m in MODELS], color="black", marker="_", s=200,
-                          zorder=3, label="p50" if i == len(SERVERS) - 1 else None)
-    # The models differ by tens of times in every figure: log axes keep both readable.
-    for panel, (ylabel, title) in zip(panels, (("requests / s", f"throughput at {CALLERS} callers"),
+    for i, key in enumerate(keys):
+        offset = (i - (len(keys) - 1) / 2) * width
+        server, _, layout = key.partition("/")
+        hatch = "//" if layout == "split" else None
+        for panel, field in zip(panels, ("rps", "p99_ms", "cpu_us")):
+            bars = panel.bar(x + offset, [s[m][key][field] or 0 for m in MODELS], width, color=COLOURS[server],
+                             hatch=hatch, edgecolor="white", label=key if panel is panels[0] else None)
+            panel.bar_label(bars, fmt="%.0f", fontsize=6)
+        if "rps_over_mesh" in s[MODELS[0]][key] and key != "mesh":  # the spread of the ratio, as a range on the bar
+            for j, model in enumerate(MODELS):
+                r = s[model][key]["rps_over_mesh"]
+                mesh_rps = s[model]["mesh"]["rps"]
+                panels[0].vlines(x[j] + offset, r["min"] * mesh_rps, r["max"] * mesh_rps, color="black", linewidth=1)
+        panels[1].scatter(x + offset, [s[m][key]["p50_ms"] or 0 for m in MODELS], color="black", marker="_", s=80,
+                          zorder=3, label="p50" if i == len(keys) - 1 else None)
+    for panel, (ylabel, title) in zip(panels, (("requests / s", f"throughput at {CALLERS} callers (runs' range)"),
                                                ("ms", "p99 (bars) and p50 (marks)"),
                                                ("CPU µs per request", "server CPU per request"))):
         panel.set_xticks(x, MODELS)
         panel.set(ylabel=ylabel, title=title, yscale="log")
-    panels[0].legend(fontsize=8)
+    panels[0].legend(fontsize=7, title="hatched: one one-thread session per core", title_fontsize=6)
     panels[1].legend(fontsize=7)
-    save_figure(fig, path, report, "the mesh beside PyTriton and Ray Serve")
+    save_figure(fig, path, report, "the mesh beside PyTriton and Ray Serve, each in both model layouts")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=15.0, help="length of each measured phase")
-    parser.add_argument("--warmup-seconds", type=float, default=4.0, help="length of each server's warm-up per model")
+    parser.add_argument("--warmup-seconds", type=float, default=4.0, help="length of each warm-up phase")
     parser.add_argument("--max-queue-delay-ms", type=float, default=MAX_QUEUE_DELAY_MS,
                         help="every server's batching delay")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs (and Ray's session files)")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    seed_argument(parser)
     # How the answers check reaches Ray inside its namespace: this module, run there.
-    parser.add_argument("--answers", metavar="ADDRESS", help=argparse.SUPPRESS)
-    parser.add_argument("--text-shape", default="1", help=argparse.SUPPRESS)
-    parser.add_argument("--application", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--answers", metavar="SERVER", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.answers:
-        print(json.dumps(answers(args.answers, args.application, tuple(int(d) for d in args.text_shape.split(",")))))
+        fields = json.loads(args.answers)
+        fields.update(roots=tuple(fields["roots"]), text_shape=tuple(fields["text_shape"]),
+                      layouts=tuple(fields["layouts"]))
+        print(json.dumps(answers(Server(**fields))))
         return 0
     # Stopped by SIGTERM as by Ctrl-C: the servers stop, the namespace and temporary files go.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     if os.geteuid() != 0:
         raise SystemExit("bench.peers makes a network namespace for Ray Serve: run it as root")
+    seed = chosen_seed(args.seed)
     versions = {"pytriton": package_version("pytriton", "nvidia-pytriton"), "ray": package_version("ray", "ray"),
                 "onnxruntime": package_version("ray", "onnxruntime")}
     work = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-peers-"))
     started = time.monotonic()
     try:
         with contextlib.ExitStack() as stack:
-            measured = measure(args, work, stack)
+            measured = measure(args, seed, work, stack)
             progress("stopping the servers")
     except KeyboardInterrupt:
         progress("interrupted: every server stopped, the namespace deleted")
@@ -530,9 +617,11 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
     progress(f"done in {time.monotonic() - started:.0f}s")
     report = {"machine": machine(), "command": "python -m bench.peers " + " ".join(sys.argv[1:]),
-              "runs": args.runs, "date": time.strftime("%Y-%m-%d"), "versions": versions,
+              "runs": args.runs, "seed": seed, "orders": measured["orders"], "date": time.strftime("%Y-%m-%d"),
+              "versions": versions,
               "settings": {"seconds": args.seconds, "warmup_seconds": args.warmup_seconds, "callers": CALLERS,
                            "max_batch_size": MAX_BATCH_SIZE, "max_queue_delay_ms": args.max_queue_delay_ms,
+                           "cores": len(os.sched_getaffinity(0)), "mesh_layout": MESH_LAYOUT,
                            "mesh_defaults": "batcher max batch 32, 5 ms delay; minilm 2 instances of 1 thread "
                                             "(1 reserved for VIP); model server at nice 5"},
               "agreement": measured["agreement"], "summary": summarise(measured["runs"]), "raw": measured["runs"]}

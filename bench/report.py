@@ -91,3 +91,59 @@ def bucket_quantile(before: dict, after: dict, name: str, q: float, **labels) ->
         return float("nan")
     total = cumulative[-1][1]
     return next(bound for bound, count in cumulative if count >= q * total)
+
+
+# -- method: phase order, spread, goals --------------------------------------------
+
+
+def seed_argument(parser) -> None:
+    """--seed: the seed of every run's phase order (drawn and recorded when not given)."""
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the phases' order in each run (default: drawn, and written to the report)")
+
+
+def chosen_seed(seed: int | None) -> int:
+    """The seed given, or a fresh one; the report records it so the orders can be replayed."""
+    import secrets
+
+    return seed if seed is not None else secrets.randbelow(1_000_000)
+
+
+def phase_order(phases, run: int, seed: int) -> list:
+    """The phases of run `run` in an order shuffled by (seed, run): no phase always
+    goes first, or always after another, so a drift of the machine during a run
+    (a neighbour's load, caches warming, memory filling) falls on every side
+    alike; the same seed gives the same orders."""
+    import random
+
+    order = list(phases)
+    random.Random(f"{seed}:{run}").shuffle(order)
+    return order
+
+
+def spread(values) -> dict:
+    """The median, the least and the greatest of per-run values, and the values themselves."""
+    import statistics
+
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None, "min": None, "max": None, "runs": []}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": list(values)}
+
+
+def span(s: dict, fmt: str = "{:.2f}") -> str:
+    """A spread as 'median (min–max)'."""
+    if s["median"] is None:
+        return "–"
+    return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}–{fmt.format(s['max'])})"
+
+
+def goal_verdict(values, met: Callable[[float], bool]) -> str:
+    """'met' only when every run meets the goal, 'not met' when none does, else
+    'within the noise' (the spread across runs does not allow a verdict)."""
+    outcomes = [met(v) for v in values if v is not None]
+    if outcomes and all(outcomes):
+        return "met"
+    if not any(outcomes):
+        return "not met"
+    return f"within the noise ({sum(outcomes)} of {len(outcomes)} runs meet it)"

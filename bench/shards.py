@@ -21,7 +21,7 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from bench.report import machine, progress, pyplot, write
+from bench.report import chosen_seed, machine, phase_order, progress, pyplot, seed_argument, write
 from bench.workload import texts
 from services.model_server.shards import ShardedSession, read_manifest
 
@@ -79,6 +79,7 @@ def _time(model, feeds, seconds: float) -> tuple[float, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
+    seed_argument(parser)
     parser.add_argument("--seconds", type=float, default=3.0, help="per measurement")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
@@ -102,16 +103,18 @@ def main() -> int:
         got = models[degree].run(["sentence_embedding"], batch)[0]
         report["degrees"][degree] = {"bytes_per_shard": held, "largest_shard_share": max(held) / sum(held),
                                      "max_abs_diff_vs_degree_1": float(np.abs(got - reference).max())}
+    seed = chosen_seed(args.seed)
+    report["seed"] = seed
     for run in range(args.runs):
         result = {}
-        for degree in DEGREES:
+        for degree in phase_order(DEGREES, run, seed):  # no degree always first
             latency, _ = _time(models[degree], one, args.seconds)
             per_batch, _ = _time(models[degree], batch, args.seconds)
             result[degree] = {"latency_ms_batch1": 1000 * latency, "sentences_per_s_batch32": 32 / per_batch}
         report["runs"].append(result)
         progress(f"run {run + 1}/{args.runs}: " + "; ".join(
             f"degree {d}: {r['latency_ms_batch1']:.1f} ms at batch 1, {r['sentences_per_s_batch32']:.0f}/s at batch 32"
-            for d, r in result.items()))
+            for d, r in sorted(result.items())))
     for degree in DEGREES:
         for key in ("latency_ms_batch1", "sentences_per_s_batch32"):
             report["degrees"][degree][key] = statistics.median(r[degree][key] for r in report["runs"])

@@ -10,7 +10,14 @@ baseline.
 Writes bench/results/throughput.{json,md,png}. Every text is unique (ghz
 renders it per call from a template), so the cache never answers: this
 measures the model path; the mesh runs with its defaults, so the router's
-automatic bypass soon stops paying for lookups that never hit.
+automatic bypass soon stops paying for lookups that never hit (the warm-up
+engages it, so every run starts from that state).
+
+Equal work: in-process ORT embeds exactly the texts ghz sends the mesh
+(bench.workload.ghz_texts renders the template's format for the same request
+numbers), padded to the longest text of each batch as the model server pads.
+Each phase lasts --seconds (ghz runs by duration), and the phases of a run go
+in an order shuffled by --seed (recorded in the report).
 """
 
 import argparse
@@ -23,8 +30,9 @@ import threading
 import time
 
 
-from bench.report import machine, progress, pyplot, save_figure, write
-from bench.workload import InProcessMinilm, ghz_unique_template, run_ghz, texts
+from bench.report import (chosen_seed, goal_verdict, machine, phase_order, progress, pyplot, save_figure, seed_argument,
+                          span, spread, write)
+from bench.workload import InProcessMinilm, ghz_texts, ghz_unique_template, run_ghz
 from services.launcher.mesh import Mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -36,13 +44,17 @@ MODEL = ROOT / "build" / "models" / "minilm" / "1"
 CORES = len(os.sched_getaffinity(0))
 
 
-def in_process_throughput(batch_sizes: list[int], seconds: float, seed: int, sessions: int = 1) -> dict[int, float]:
+GOAL = 0.85  # the mesh at 64 callers, as a share of in-process ORT at its best layout
+
+
+def in_process_throughput(batch_sizes: list[int], seconds: float, tag: str, sessions: int = 1) -> dict[int, float]:
     """Sentences per second of bare ORT (same graph, same tokenizer, padding
-    to the longest text of each batch): one session with an intra-op thread
-    per core, or `sessions` one-thread sessions run side by side by as many
-    threads (ORT releases the GIL while it runs)."""
+    to the longest text of each batch) on the texts ghz would send under
+    `tag`: one session with an intra-op thread per core, or `sessions`
+    one-thread sessions run side by side by as many threads (ORT releases the
+    GIL while it runs)."""
     models = [InProcessMinilm(MODEL, threads=None if sessions == 1 else 1) for _ in range(sessions)]
-    pool = texts(20000, seed)
+    pool = ghz_texts(tag, 4000)  # request numbers as a run's phases reach them: one to four digits
     layout = "one session" if sessions == 1 else f"{sessions} one-thread sessions"
     results = {}
     for batch in batch_sizes:
@@ -50,9 +62,9 @@ def in_process_throughput(batch_sizes: list[int], seconds: float, seed: int, ses
         started = time.perf_counter()
 
         def drive(index: int) -> None:
-            offset = index * 9500
+            offset = index * len(pool) // sessions
             while time.perf_counter() - started < seconds:
-                start = (offset + done[index]) % 19000
+                start = (offset + done[index]) % (len(pool) - batch)
                 models[index].embed(pool[start:start + batch])
                 done[index] += batch
 
@@ -66,48 +78,59 @@ def in_process_throughput(batch_sizes: list[int], seconds: float, seed: int, ses
     return results
 
 
-def ghz_run(router: str, concurrency: int, total: int, seed: int) -> dict:
-    """ghz with a one-message template whose text differs on every call."""
-    report = run_ghz(router, ghz_unique_template(f"run{seed}"), total, concurrency)
+def ghz_run(router: str, concurrency: int, seconds: float, tag: str) -> dict:
+    """`seconds` of ghz with a one-message template whose text differs on every call."""
+    report = run_ghz(router, ghz_unique_template(tag), 0, concurrency, seconds=seconds)
     latency = {p["percentage"]: p["latency"] / 1e6 for p in report["latencyDistribution"]}
     ok = report["statusCodeDistribution"].get("OK", 0)
-    return {"rps": report["rps"], "p50_ms": latency[50], "p99_ms": latency[99], "ok": ok, "count": report["count"]}
+    return {"rps": report["rps"], "p50_ms": latency[50], "p99_ms": latency[99], "ok": ok, "count": report["count"],
+            "seconds": report["total"] / 1e9}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported")
     parser.add_argument("--concurrency", default="1,16,64")
-    parser.add_argument("--seconds", type=float, default=8.0, help="rough length of each measurement")
+    parser.add_argument("--seconds", type=float, default=8.0, help="length of each mesh phase (ORT: per batch size)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    seed_argument(parser)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    seed = chosen_seed(args.seed)
+    phases = ["ort", "ort_sessions", *(f"mesh{c}" for c in levels)]
 
-    runs = []
+    runs, orders = [], []
     with Mesh(models=ROOT / "build" / "models", log_dir=tempfile.mkdtemp(prefix="infermesh-bench-")) as mesh:
-        progress(f"mesh up, router {mesh.router}; warming up")
-        ghz_run(mesh.router, 16, 300, seed=999)
+        progress(f"mesh up, router {mesh.router}; warming up (seed {seed})")
+        ghz_run(mesh.router, 16, 3.0, "warm")
         for run in range(args.runs):
-            # In-process ORT is measured in the same run, between mesh phases,
+            # In-process ORT is measured in the same run, among the mesh phases,
             # while the idle mesh processes stay resident, as they would.
-            progress(f"run {run + 1}/{args.runs}: in-process ONNX Runtime")
-            ort_rates = in_process_throughput([1, 8, 16, 32, 64], args.seconds / 2, seed=5000 + run)
-            ort_sessions = in_process_throughput([1, 8, 16, 32], args.seconds / 2, seed=6000 + run, sessions=CORES)
-            mesh_rates = {}
-            for c in levels:
-                # Size each measurement from the previous rate so it lasts about args.seconds.
-                guess = max(50, int(args.seconds * (mesh_rates[levels[levels.index(c) - 1]]["rps"] if mesh_rates else 150)))
-                result = ghz_run(mesh.router, c, max(guess, 2 * c), seed=100 * run + c)
-                mesh_rates[c] = result
-                progress(f"  mesh concurrency {c:3d}: {result['rps']:7.1f} req/s  p50 {result['p50_ms']:6.2f} ms  "
-                         f"p99 {result['p99_ms']:6.2f} ms  ok {result['ok']}/{result['count']}")
-            runs.append({"ort": ort_rates, "ort_sessions": ort_sessions, "mesh": mesh_rates})
+            order = phase_order(phases, run, seed)
+            orders.append(order)
+            progress(f"run {run + 1}/{args.runs}: {', '.join(order)}")
+            result: dict = {"mesh": {}}
+            for phase in order:
+                tag = f"run{run}{phase}"
+                if phase == "ort":
+                    result["ort"] = in_process_throughput([1, 8, 16, 32, 64], args.seconds / 2, tag)
+                elif phase == "ort_sessions":
+                    result["ort_sessions"] = in_process_throughput([1, 8, 16, 32], args.seconds / 2, tag,
+                                                                   sessions=CORES)
+                else:
+                    c = int(phase.removeprefix("mesh"))
+                    cell = result["mesh"][c] = ghz_run(mesh.router, c, args.seconds, tag)
+                    progress(f"  mesh concurrency {c:3d}: {cell['rps']:7.1f} req/s  p50 {cell['p50_ms']:6.2f} ms  "
+                             f"p99 {cell['p99_ms']:6.2f} ms  ok {cell['ok']}/{cell['count']} in {cell['seconds']:.1f} s")
+            runs.append(result)
 
     summary = summarise(runs, levels)
     report = {
         "machine": machine(),
         "command": "python -m bench.throughput " + " ".join(sys.argv[1:]),
         "runs": args.runs,
+        "seed": seed,
+        "orders": orders,
         "date": time.strftime("%Y-%m-%d"),
         "summary": summary,
         "raw": runs,
@@ -116,12 +139,13 @@ def main() -> int:
     return 0
 
 
+def _best(r: dict) -> float:
+    """The best in-process rate of a run, either layout."""
+    return max(*r["ort"].values(), *r.get("ort_sessions", {}).values())
+
+
 def summarise(runs: list[dict], levels: list[int]) -> dict:
     med = statistics.median
-
-    def best(r: dict) -> float:  # the best in-process rate of a run, either layout
-        return max(*r["ort"].values(), *r.get("ort_sessions", {}).values())
-
     out = {
         "ort_batch1_per_s": med(r["ort"][1] for r in runs),
         "ort_best_per_s": med(max(r["ort"].values()) for r in runs),
@@ -132,17 +156,21 @@ def summarise(runs: list[dict], levels: list[int]) -> dict:
         out["sessions"] = CORES
         out["ort_sessions_per_s"] = med(max(r["ort_sessions"].values()) for r in runs)
         out["ort_sessions_batch"] = statistics.mode(max(r["ort_sessions"], key=r["ort_sessions"].get) for r in runs)
-    out["baseline_per_s"] = med(best(r) for r in runs)
+    out["baseline_per_s"] = med(_best(r) for r in runs)
     for c in levels:
+        ratios = [r["mesh"][c]["rps"] / _best(r) for r in runs]  # within each run
         out["mesh"][c] = {
             "rps": med(r["mesh"][c]["rps"] for r in runs),
             "p50_ms": med(r["mesh"][c]["p50_ms"] for r in runs),
             "p99_ms": med(r["mesh"][c]["p99_ms"] for r in runs),
             "errors": sum(r["mesh"][c]["count"] - r["mesh"][c]["ok"] for r in runs),
-            # The ratios are taken within each run, then the median over runs.
-            "ratio_to_ort_best": med(r["mesh"][c]["rps"] / best(r) for r in runs),
+            "ratio_to_ort_best": med(ratios),
+            "ratio_to_ort_best_spread": spread(ratios),
             "ratio_to_one_session": med(r["mesh"][c]["rps"] / max(r["ort"].values()) for r in runs),
         }
+    if 64 in levels:
+        out["goal"] = {"ratio": GOAL, "verdict": goal_verdict(out["mesh"][64]["ratio_to_ort_best_spread"]["runs"],
+                                                              lambda v: v >= GOAL)}
     return out
 
 
@@ -151,7 +179,9 @@ def markdown(report: dict, levels: list[int]) -> str:
     baseline = s.get("baseline_per_s", s["ort_best_per_s"])
     lines = [
         f"Machine: {report['machine']}. Command: `{report['command']}`. "
-        f"Medians of {report['runs']} runs on {report['date']}; ratios are taken within each run.",
+        f"Medians of {report['runs']} runs on {report['date']}, each run's phases in an order shuffled with seed "
+        f"{report.get('seed', '?')}; ratios are taken within each run, their spread (min–max over runs) in brackets. Both "
+        "sides embed the same texts (those ghz renders), padded to the longest of each batch.",
         "",
         "| path | concurrency | sentences/s | p50 ms | p99 ms | vs in-process ORT (best) | vs one session (best batch) |",
         "|---|---|---|---|---|---|---|",
@@ -167,11 +197,15 @@ def markdown(report: dict, levels: list[int]) -> str:
     for c in levels:
         m = s["mesh"][str(c)] if str(c) in s["mesh"] else s["mesh"][c]
         lines.append(f"| mesh (ghz → router → cache → batcher → model_server) | {c} | {m['rps']:.0f} | "
-                     f"{m['p50_ms']:.2f} | {m['p99_ms']:.2f} | {m['ratio_to_ort_best']:.2f} | "
+                     f"{m['p50_ms']:.2f} | {m['p99_ms']:.2f} | "
+                     f"{span(m['ratio_to_ort_best_spread']) if 'ratio_to_ort_best_spread' in m else format(m['ratio_to_ort_best'], '.2f')} | "
                      f"{m.get('ratio_to_one_session', m['ratio_to_ort_best']):.2f} |")
     errors = sum((s["mesh"][c]["errors"]) for c in s["mesh"])
     lines.append("")
     lines.append(f"Failed requests over all mesh runs: {errors}.")
+    if "goal" in s:
+        lines.append(f"Goal: the mesh at 64 callers ≥ {s['goal']['ratio']:.2f} of in-process ORT at its best layout: "
+                     f"{s['goal']['verdict']}.")
     return "\n".join(lines) + "\n"
 
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from bench.batching import ghz, in_process
-from bench.report import machine, progress, pyplot, save_figure, write
+from bench.report import chosen_seed, machine, phase_order, progress, pyplot, save_figure, seed_argument, write
 from services.launcher.mesh import Mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -42,7 +42,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--phase-seconds", type=float, default=8.0)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    seed_argument(parser)
     args = parser.parse_args()
+    seed = chosen_seed(args.seed)
     work = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-tidal-"))
     per_row = in_process(3.0, seed=1, sizes=IN_PROCESS_SIZES, threads=1)
     progress("in-process, one thread: " + ", ".join(f"{rows}: {rate:.0f}" for rows, rate in per_row.items())
@@ -54,14 +56,18 @@ def main() -> int:
         for mesh in meshes.values():
             mesh.start()
             ghz(mesh.router, "warm", 300, 16)
-        saturation = ghz(meshes["fixed"].router, "saturation", int(args.phase_seconds * 160), CALLERS)["rps"]
+        saturation = ghz(meshes["fixed"].router, "saturation", 0, CALLERS, seconds=args.phase_seconds)["rps"]
         low = saturation / 7
         progress(f"meshes up; saturation {saturation:.0f} req/s, low tide {low:.0f} req/s")
+        orders = []
         for run in range(args.runs):
             result = {}
-            for policy, mesh in meshes.items():
-                result[policy] = {"saturation": ghz(mesh.router, f"{policy}{run}saturation",
-                                                    int(args.phase_seconds * 160), CALLERS)}
+            order = phase_order(list(meshes), run, seed)  # the ramp itself stays in order: low, high, low
+            orders.append(order)
+            for policy in order:
+                mesh = meshes[policy]
+                result[policy] = {"saturation": ghz(mesh.router, f"{policy}{run}saturation", 0, CALLERS,
+                                                    seconds=args.phase_seconds)}
                 for phase, factor in PHASES:
                     rate = low * factor
                     result[policy][phase] = ghz(mesh.router, f"{policy}{run}{phase}", int(rate * args.phase_seconds),
@@ -74,7 +80,7 @@ def main() -> int:
             mesh.stop()
     report = {
         "machine": machine(),
-        "command": "python -m bench.tidal " + " ".join(sys.argv[1:]), "runs": args.runs,
+        "command": "python -m bench.tidal " + " ".join(sys.argv[1:]), "runs": args.runs, "seed": seed, "orders": orders,
         "date": time.strftime("%Y-%m-%d"), "saturation_rps": saturation, "low_rps": low,
         "in_process_rows_per_s": per_row,
         "summary": {p: {ph: {k: statistics.median(r[p][ph][k] for r in runs) for k in ("rps", "p50_ms", "p99_ms")}

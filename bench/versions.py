@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from bench.report import machine, progress, pyplot, write
+from bench.report import chosen_seed, machine, phase_order, progress, pyplot, seed_argument, write
 from services.model_server import build_variants as bv
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -88,6 +88,7 @@ def _broken_probe(src: pathlib.Path, tok_path: pathlib.Path, golden: dict, scale
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported")
+    seed_argument(parser)
     parser.add_argument("--models", type=pathlib.Path, default=ROOT / "build" / "models")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
@@ -130,13 +131,16 @@ def main() -> int:
     # Throughput: the same sentences in their held-out (hash) order, every variant in each run.
     b1_texts, b32_texts = heldout[:128], heldout[128:128 + 640]
     speeds = {name: {"1": [], "32": []} for name in sessions}
+    seed = chosen_seed(args.seed)
     for run in range(args.runs):
         progress(f"run {run + 1}/{args.runs}: throughput at batch 1 and 32")
-        for name, sess in sessions.items():
+        for name in phase_order(sessions, run, seed):  # no variant always first
+            sess = sessions[name]
             speeds[name]["1"].append(_throughput(sess, tok, b1_texts, 1))
             speeds[name]["32"].append(_throughput(sess, tok, b32_texts, 32))
     for name in sessions:
         variants[name]["sentences_per_s"] = {b: statistics.median(v) for b, v in speeds[name].items()}
+        variants[name]["sentences_per_s_runs"] = speeds[name]
         variants[name]["speedup_vs_v1"] = {b: variants[name]["sentences_per_s"][b] / statistics.median(speeds["v1 fp32"][b])
                                            for b in ("1", "32")}
 
@@ -144,7 +148,7 @@ def main() -> int:
     broken = {f"v1 + {s:g} std weight noise": _broken_probe(paths["v1 fp32"], tok_path, golden, s, scratch / "broken.onnx")
               for s in (0.1, 1.0)}
 
-    report = {"machine": machine(), "runs": args.runs, "heldout_sentences": len(heldout),
+    report = {"machine": machine(), "runs": args.runs, "seed": seed, "heldout_sentences": len(heldout),
               "golden_min_cosine": min_cos, "broken_golden_worst_row_cosine": broken, "variants": variants}
     write(args.out, "versions", report, _markdown(report), _plot)
     return 0
@@ -191,11 +195,10 @@ def _markdown(r: dict) -> str:
         "v2's recipe: `quant_pre_process` (ONNX shape inference; symbolic inference cannot follow the dynamo "
         "graph), then `quantize_dynamic` with per-channel int8 weights for every weight MatMul and the embedding "
         "Gathers, activations quantised per batch (uint8). Per-channel scales remove most of naive INT8's error "
-        "at the same speed; keeping FFN-down or the last layer in fp32 buys a little quality (see the table) "
-        "for a larger file and, for FFN-down, a clear loss of speed; reduce_range only loses precision. "
-        "Differences of ~10% in speed between the per-channel variants are within this machine's noise. Weight-only 8-bit MatMulNBits "
-        "(block 32, accuracy_level 4), tried during the design, kept cosine 0.9997 but ran 0.85× v1 at batch 32 "
-        "and left the 47 MB embedding table in fp32.",
+        "without losing speed; keeping FFN-down or the last layer in fp32 buys a little quality (see the table) "
+        "for a larger file and, for FFN-down, a loss of speed; reduce_range only loses precision.",
+        "",
+        _speed_spread(v),
         "",
         "## Golden probe",
         "",
@@ -204,7 +207,7 @@ def _markdown(r: dict) -> str:
         + ". Broken copies of v1 (worst row; the probe fails when any row is below): "
         + ", ".join(f"{n} {c:.4f}" for n, c in r["broken_golden_worst_row_cosine"].items()) + ".",
         "minilm-lite has its own threshold (build_repository.LITE_GOLDEN_MIN, worst row shown in the table): "
-        "the golden texts include languages and code it barely models; with 1 std weight noise its rows fall to ~0.1.",
+        "the golden texts include languages and code it barely models.",
         "",
         "## minilm-lite",
         "",
@@ -219,6 +222,19 @@ def _markdown(r: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _speed_spread(v: dict) -> str:
+    """Each variant's sentences/s across runs (min–max), or a line saying the report kept none:
+    without the spread, a difference in speed cannot be told from this machine's noise."""
+    if not all("sentences_per_s_runs" in x for x in v.values()):
+        return ("This report keeps only the median speeds, not each run's, so it cannot tell how much of a "
+                "difference in speed between two variants is noise.")
+    spans = "; ".join(
+        f"{name} {min(x['sentences_per_s_runs']['1']):.0f}–{max(x['sentences_per_s_runs']['1']):.0f} / "
+        f"{min(x['sentences_per_s_runs']['32']):.0f}–{max(x['sentences_per_s_runs']['32']):.0f}"
+        for name, x in v.items())
+    return f"Sentences/s across runs (min–max, batch 1 / batch 32): {spans}."
 
 
 def _plot(r: dict, path: pathlib.Path) -> None:

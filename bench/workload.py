@@ -65,13 +65,16 @@ def _link_or_copy(source: str, target: str) -> None:
 
 
 def run_ghz(address: str, data: str, total: int, concurrency: int, rps: float = 0, timeout_s: float | None = None,
-            vip: bool = False) -> dict:
+            vip: bool = False, seconds: float | None = None) -> dict:
     """ghz's JSON report of `total` unary ModelInfer calls with body `data` (a -d
-    template): `concurrency` workers over up to 4 connections, at `rps` per second
-    if given, as a VIP caller if asked (x-user-tier metadata)."""
+    template), or with `seconds` of them (a closed loop lasts what was asked,
+    whatever the rate; calls still in flight at the end are not counted):
+    `concurrency` workers over up to 4 connections, at `rps` per second if
+    given, as a VIP caller if asked (x-user-tier metadata)."""
     argv = [str(GHZ), "--insecure", "--call", "inference.GRPCInferenceService.ModelInfer", "-d", data,
-            "--total", str(total), "--concurrency", str(concurrency), "--connections", str(min(concurrency, 4)),
-            "--format", "json"]
+            "--concurrency", str(concurrency), "--connections", str(min(concurrency, 4)), "--format", "json"]
+    argv += (["--duration", f"{seconds:g}s", "--duration-stop", "ignore"] if seconds is not None
+             else ["--total", str(total)])
     if timeout_s is not None:
         argv += ["--timeout", f"{timeout_s:g}s"]
     if rps:
@@ -82,15 +85,28 @@ def run_ghz(address: str, data: str, total: int, concurrency: int, rps: float = 
                                      timeout=900).stdout)
 
 
+# The text of every call of the unique-text workloads, with the request number and
+# ghz's worker id: ghz renders it per call (ghz_unique_template), and the in-process
+# baselines embed the same texts (ghz_texts), so both sides do the same work.
+UNIQUE_TEXT = "Hello, my order %d has not arrived yet, what should I do? (case {tag}-%s)"
+
+
 def ghz_unique_template(tag: str, model: str = "minilm") -> str:
-    """A ghz -d body whose text differs on every call (sprig's b64enc over ghz's
-    request number and worker id). One small message that ghz renders per call:
-    a data file of many messages costs ghz ~1 ms of CPU per call per thousand
-    messages, which on a small machine is taken from the mesh being measured."""
-    text = (f"{{{{ printf `Hello, my order %d has not arrived yet, what should I do? (case {tag}-%s)` "
-            f".RequestNumber .WorkerID | b64enc }}}}")
+    """A ghz -d body whose text (UNIQUE_TEXT) differs on every call (sprig's b64enc
+    over ghz's request number and worker id). One small message that ghz renders
+    per call: a data file of many messages costs ghz CPU per call in proportion to
+    its size, which on a small machine is taken from the mesh being measured."""
+    text = f"{{{{ printf `{UNIQUE_TEXT.format(tag=tag)}` .RequestNumber .WorkerID | b64enc }}}}"
     return json.dumps({"model_name": model, "inputs": [
         {"name": "TEXT", "datatype": "BYTES", "shape": [1], "contents": {"bytes_contents": [text]}}]})
+
+
+def ghz_texts(tag: str, count: int, callers: int = 64, connections: int = 4, start: int = 0) -> list[str]:
+    """The texts ghz_unique_template renders for request numbers start..start+count-1
+    under `callers` workers over `connections` connections (ghz names worker w
+    "g<w>c<w mod connections>"; request n goes to worker n mod callers)."""
+    fmt = UNIQUE_TEXT.format(tag=tag)
+    return [fmt % (n, f"g{n % callers}c{n % callers % connections}") for n in range(start, start + count)]
 
 
 class InProcessMinilm:

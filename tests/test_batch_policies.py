@@ -7,6 +7,8 @@ from services.batcher.policy import (
 )
 from services.common.latency import LatencyProfile
 
+pytestmark = pytest.mark.unit
+
 VIP, STANDARD = 1, 0
 
 

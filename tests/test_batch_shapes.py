@@ -9,6 +9,7 @@ import json
 import numpy as np
 import onnx
 import prometheus_client
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from services.batcher.core import Batcher
@@ -35,6 +36,7 @@ def wide(width: int, value: float = 1.0):
     return [from_numpy("X", np.full((1, width), value, dtype=np.float32))]
 
 
+@pytest.mark.unit
 async def test_a_request_of_another_shape_ends_the_batch_and_leads_the_next_in_fifo_order():
     backend = ShapeBackend(max_batch=8)
     batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=200, max_queue_size=100)
@@ -77,6 +79,7 @@ def _batches(outcome: str) -> float:
         "infermesh_model_batches_total", {"model": "rowsum", "outcome": outcome}) or 0.0
 
 
+@pytest.mark.service
 async def test_requests_of_different_widths_sent_together_are_each_answered_by_the_model(tmp_path):
     repository = _row_sum_repository(tmp_path)
     manager = ModelManager(str(repository), "cpu", 1, probe_interval_s=0)

@@ -12,6 +12,8 @@ from services.common.latency import CAUTIOUS_DEVIATIONS, MovingTime
 from services.common.tensors import from_numpy, to_numpy
 from tests.conftest import settle
 
+pytestmark = pytest.mark.unit
+
 
 class GatedBackend:
     """Records each batch and holds it until the test opens the gate. It runs

@@ -23,6 +23,7 @@ def served():
         thread.join()
 
 
+@pytest.mark.service
 def test_quantiles_count_only_what_happened_between_the_two_scrapes(served):
     histogram, url = served
     for _ in range(100):
@@ -39,6 +40,7 @@ def test_quantiles_count_only_what_happened_between_the_two_scrapes(served):
     assert math.isnan(bucket_quantile(after, after, "t_seconds", 0.99, code="OK"))
 
 
+@pytest.mark.unit
 def test_steal_is_the_hypervisors_share_of_the_cpu_time_between_two_readings(tmp_path):
     stat = tmp_path / "stat"
     stat.write_text("cpu  100 0 50 800 0 0 0 50 0 0\ncpu0 1 2 3\n")
@@ -49,6 +51,7 @@ def test_steal_is_the_hypervisors_share_of_the_cpu_time_between_two_readings(tmp
     assert cpu_times(tmp_path / "missing") is None and steal_share(None, before) is None
 
 
+@pytest.mark.unit
 def test_this_machines_cpu_times_read_and_only_grow():
     before = cpu_times()  # Linux, as every test here that reads /proc
     assert before is not None, "this machine's /proc/stat could not be read"

@@ -22,13 +22,14 @@ from services.launcher.mesh import Mesh
 from services.router.breaker import HALF_OPEN_STEPS, Breaker, BreakerPolicy, FailureSamples, State
 from services.router.config import RouterConfig
 from services.router.core import Catalog, InferRequest, Router
-from tests.conftest import metric
+from tests.conftest import metric, until
 from tests.oip import output_array, text_request
 from tests.test_router_validation import MINILM
 
 POLICY = BreakerPolicy(open_error_rate=0.05, recover_error_rate=0.01, window_s=10.0, min_requests=20, open_s=5.0)
 
 
+@pytest.mark.unit
 def test_it_opens_past_five_percent_failures_and_not_before_enough_answers():
     breaker = Breaker(POLICY)
     for i in range(19):
@@ -42,6 +43,7 @@ def test_it_opens_past_five_percent_failures_and_not_before_enough_answers():
     assert not breaker.allows(2.0)
 
 
+@pytest.mark.unit
 def test_old_answers_leave_the_window():
     breaker = Breaker(POLICY)
     for _ in range(100):
@@ -51,6 +53,7 @@ def test_old_answers_leave_the_window():
     assert states[-1] is State.OPEN
 
 
+@pytest.mark.unit
 def test_after_open_s_it_probes_a_growing_share_and_closes_below_one_percent():
     breaker = Breaker(POLICY, rng=random.Random(5))
     for _ in range(20):
@@ -67,6 +70,7 @@ def test_after_open_s_it_probes_a_growing_share_and_closes_below_one_percent():
     assert changed is State.CLOSED and breaker.allows(now)
 
 
+@pytest.mark.unit
 def test_a_failing_probe_step_opens_it_again():
     breaker = Breaker(POLICY)
     for _ in range(20):
@@ -115,6 +119,7 @@ async def _fail(router: Router, count: int, timeout_s: float | None = None) -> N
             await router.infer(texts_request(f"failing {i}", timeout_s))
 
 
+@pytest.mark.unit
 async def test_a_callers_own_short_deadline_never_opens_the_breaker():
     """The issue's attack: many requests with a tiny deadline time out; the next
     ordinary request, anyone's, is still answered by minilm itself."""
@@ -128,6 +133,7 @@ async def test_a_callers_own_short_deadline_never_opens_the_breaker():
     assert router._breakers["minilm"].state is State.CLOSED  # noqa: SLF001
 
 
+@pytest.mark.unit
 async def test_a_deadline_exceeded_with_an_ample_budget_is_the_models_failure():
     batcher = FailingModel(errors.DeadlineExceeded("the model did not answer in time"))
     router = breaker_router(batcher)
@@ -136,6 +142,7 @@ async def test_a_deadline_exceeded_with_an_ample_budget_is_the_models_failure():
     assert result.degraded.startswith("fallback minilm-lite/") and batcher.calls[-1] == "minilm-lite"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("error", [
     errors.InvalidArgument("input 'TEXT' is wrong"), errors.ResourceExhausted("queue full", retry_after_ms=50),
     errors.NotFound("no such version"), errors.Cancelled("the caller went away"),
@@ -156,6 +163,7 @@ async def test_failures_that_are_not_the_models_are_not_recorded_either_way(erro
     assert result.degraded.startswith("fallback minilm-lite/")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("code", ["UNAVAILABLE", "INTERNAL", "UNKNOWN"])
 async def test_the_models_own_failures_open_the_breaker(code):
     error = errors.Internal("the model failed") if code != "UNAVAILABLE" else errors.Unavailable("no replica")
@@ -166,6 +174,7 @@ async def test_the_models_own_failures_open_the_breaker(code):
     assert result.degraded.startswith("fallback minilm-lite/")
 
 
+@pytest.mark.unit
 def test_a_config_below_its_bounds_is_refused():
     with pytest.raises(ValueError, match="failure_samples_content must be off, redacted or full, got 'all'"):
         RouterConfig(failure_samples_content="all")
@@ -189,6 +198,7 @@ async def _sample_lines(tmp_path, content: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.unit
 async def test_redacted_samples_hold_shapes_and_keyed_hashes_never_the_text(tmp_path):
     lines = await _sample_lines(tmp_path, "redacted")
     assert len(lines) == 4 and SECRET not in (tmp_path / "redacted.jsonl").read_text()
@@ -203,11 +213,13 @@ async def test_redacted_samples_hold_shapes_and_keyed_hashes_never_the_text(tmp_
         tensor["text_hashes"], "the hash is keyed per process (here: per FailureSamples), not a bare digest"
 
 
+@pytest.mark.unit
 async def test_full_samples_hold_texts_cut_short_and_off_writes_nothing(tmp_path):
     assert (await _sample_lines(tmp_path, "full"))[-1]["inputs"][0]["texts"] == [SECRET]
     assert await _sample_lines(tmp_path, "off") == [] and not (tmp_path / "off.jsonl").exists()
 
 
+@pytest.mark.unit
 async def test_the_samples_file_is_bounded_and_rotated_once(tmp_path):
     path = tmp_path / "samples.jsonl"
     samples = FailureSamples(str(path), per_minute=10_000, max_bytes=4096)
@@ -220,6 +232,7 @@ async def test_the_samples_file_is_bounded_and_rotated_once(tmp_path):
     assert newest and newest[-1]["inputs"][0]["shape"] == [1]
 
 
+@pytest.mark.e2e
 async def test_tiny_deadlines_through_the_mesh_leave_the_breaker_closed(mesh):
     """The issue's attack end to end: 60 requests with a tiny deadline and
     cache_bypass, then ordinary requests from anyone, answered by minilm."""
@@ -238,6 +251,7 @@ async def test_tiny_deadlines_through_the_mesh_leave_the_breaker_closed(mesh):
     assert metric(mesh.router_metrics, "infermesh_router_breaker_state", model="minilm") == 0
 
 
+@pytest.mark.e2e
 async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(model_repository, tmp_path,
                                                                              reference_embeddings):
     with Mesh(models=model_repository, log_dir=tmp_path, l2_path=tmp_path / "l2",
@@ -248,12 +262,21 @@ async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(mode
                 grpc.aio.insecure_channel(mesh.processes["model_server"].info["grpc"]) as control_channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             control = pb_grpc.GRPCInferenceServiceStub(control_channel)
+
+            def router_sees(model: str, ready: bool):
+                """Whether the router's catalog, which comes from the batcher's, has `model` ready or not."""
+                async def check() -> bool:
+                    return (await stub.ModelReady(pb.ModelReadyRequest(name=model))).ready == ready
+                return until(check, f"the router seeing {model} {'ready' if ready else 'without a ready version'}")
+
             known = "a sentence answered before the outage"
-            await stub.ModelInfer(text_request([known]), timeout=60)  # now in the cache
-            await asyncio.sleep(0.3)  # the store lands
+            stored_before = metric(mesh.metrics_url("cache"), "infermesh_cache_stored_bytes_total", level="l1")
+            await stub.ModelInfer(text_request([known]), timeout=60)
+            await until(lambda: metric(mesh.metrics_url("cache"), "infermesh_cache_stored_bytes_total", level="l1")
+                        > stored_before, "the answer stored in the cache")
 
             await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm"), timeout=30)
-            await asyncio.sleep(0.6)  # router and batcher see minilm without a ready version
+            await router_sees("minilm", ready=False)
             results = []
             for _ in range(40):
                 try:
@@ -274,7 +297,7 @@ async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(mode
 
             # With the fallback gone too, the caller hears why, as a retryable status.
             await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm-lite"), timeout=30)
-            await asyncio.sleep(0.6)
+            await router_sees("minilm-lite", ready=False)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await stub.ModelInfer(text_request([f"no fallback {uuid.uuid4().hex}"]), timeout=30)
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -282,7 +305,8 @@ async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(mode
             await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="minilm-lite"), timeout=60)
 
             await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="minilm"), timeout=120)
-            await asyncio.sleep(1.5)  # ready again, and the breaker's open time is over
+            await router_sees("minilm-lite", ready=True)  # the fallback, while the breaker is open
+            await router_sees("minilm", ready=True)
             # Half-open: 10%, then 25%, then 50% of requests try minilm, each step needing 10 good answers.
             # Bounded by time, not rounds: degraded answers come fast, and a step that saw a failure
             # reopens the breaker for a second, so on a slow machine rounds can run out first.

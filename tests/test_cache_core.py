@@ -17,6 +17,8 @@ from services.common import errors
 from services.common.tensors import TensorData, from_numpy
 from services.launcher.mesh import Mesh
 
+pytestmark = pytest.mark.service
+
 EMBEDDING = [from_numpy("EMBEDDING", np.linspace(-1, 1, 384, dtype=np.float32).reshape(1, 384))]
 NAMESPACE = "core-test"
 

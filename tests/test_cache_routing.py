@@ -6,13 +6,17 @@ import uuid
 
 import grpc
 import pytest
+import redis
 from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.launcher.mesh import Mesh
-from tests.conftest import metric
+from services.router.core import SINGLE_FLIGHT_LINGER_S
+from tests.conftest import metric, wait_until
 from tests.oip import output_array, text_request
+
+pytestmark = pytest.mark.e2e
 
 
 def rows_run(mesh) -> float:
@@ -70,12 +74,16 @@ def test_near_cache_then_bypass_for_unique_work_then_recovery(model_repository, 
         # What the cache service itself saw: lookups it answered, bytes it stored.
         cache_traffic = lambda: (metric(m.metrics_url("cache"), "infermesh_cache_lookups_total"),  # noqa: E731
                                  metric(m.metrics_url("cache"), "infermesh_cache_stored_bytes_total"))
+        stored = redis.Redis.from_url(m.redis_url)
+        results_in_redis = lambda: sum(1 for _ in stored.scan_iter("infermesh:v1:minilm:g*"))  # noqa: E731
         with grpc.insecure_channel(m.router) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             # A repeat within the near cache's TTL never leaves the router.
             repeat = text_request([f"asked twice {uuid.uuid4().hex}"])
             first = stub.ModelInfer(repeat, timeout=30)
-            time.sleep(0.1)  # past single-flight's linger
+            # Past single-flight's linger, a timer that a busy router may run late; well within
+            # the near cache's 1 s. A wait for time itself: the linger is no state one can see.
+            time.sleep(SINGLE_FLIGHT_LINGER_S + 0.25)
             lookups_before, near_before = lookups(), metric(m.router_metrics, "infermesh_router_cache_lookups_total",
                                                              result="near_hit")
             assert stub.ModelInfer(repeat, timeout=30).raw_output_contents == first.raw_output_contents
@@ -84,19 +92,21 @@ def test_near_cache_then_bypass_for_unique_work_then_recovery(model_repository, 
             for i in range(19):  # with the repeat's miss above, 20 lookups: one window, one hit
                 stub.ModelInfer(text_request([f"unique {i} {uuid.uuid4().hex}"]), timeout=30)
             assert gauge() == 1
-            time.sleep(0.5)  # the stores of the window's misses land
+            # The stores of the window's misses land, all but the last's: its lookup turned the bypass on.
+            wait_until(lambda: results_in_redis() == 19, "the window's misses stored")
             before, traffic_before = lookups(), cache_traffic()
             for i in range(40):
                 stub.ModelInfer(text_request([f"still unique {i} {uuid.uuid4().hex}"]), timeout=30)
-            time.sleep(0.5)
+            time.sleep(0.5)  # nothing may come of them: time for a store that should not be to land
             assert lookups() == before  # while bypassed, the cache sees nothing of the model
             assert cache_traffic() == traffic_before
             # The workload turns repetitive: the router sees the repeats itself, and the bypass lifts.
             deadline = time.monotonic() + 60
             while gauge() == 1 and time.monotonic() < deadline:
                 response = stub.ModelInfer(text_request(["the one popular question"]), timeout=30)
-                time.sleep(0.06)  # past single-flight's linger, so each request is a new flight
+                time.sleep(SINGLE_FLIGHT_LINGER_S + 0.01)  # past single-flight's linger, so each request is a new flight
             assert gauge() == 0
             stub.ModelInfer(text_request(["the one popular question"]), timeout=30)
             assert lookups() > before  # looking up again
             assert output_array(response, "EMBEDDING").shape == (1, 384)
+        stored.close()

@@ -14,6 +14,8 @@ from services.common.tensors import TensorData, from_numpy
 from services.launcher.mesh import Mesh
 from tests.conftest import metric
 
+pytestmark = pytest.mark.service
+
 TOKEN = "test-admin-token"
 
 

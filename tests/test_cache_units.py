@@ -13,6 +13,8 @@ from services.common.tensors import TensorData, from_numpy, to_numpy
 from services.router.bypass import AdaptiveBypass
 from services.router.nearcache import NearCache
 
+pytestmark = pytest.mark.unit
+
 
 def embedding_tensor(rows: int = 2) -> TensorData:
     vectors = np.random.default_rng(rows).standard_normal((rows, 384)).astype(np.float32)

@@ -5,10 +5,13 @@ import gc
 import weakref
 
 import prometheus_client
+import pytest
 
 from services.common import collector
 from services.model_server.core import ModelManager
 from tests.test_model_repository import repo  # noqa: F401 - the mlp repository fixture
+
+pytestmark = pytest.mark.unit
 
 
 def sample(name: str, **labels) -> float:

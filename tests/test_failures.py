@@ -12,7 +12,7 @@ from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.launcher.mesh import Mesh
-from tests.conftest import metric
+from tests.conftest import metric, wait_until
 from tests.oip import output_array, text_request
 
 
@@ -23,6 +23,7 @@ def uncached_mesh(model_repository, tmp_path):
         yield mesh
 
 
+@pytest.mark.e2e
 def test_model_server_gone_means_unavailable_and_not_ready(uncached_mesh):
     with grpc.insecure_channel(uncached_mesh.router) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -52,18 +53,25 @@ def test_model_server_gone_means_unavailable_and_not_ready(uncached_mesh):
     assert sorted(uncached_mesh.dead()) == ["model_server"]
 
 
+@pytest.mark.e2e
 def test_a_batcher_too_busy_to_answer_a_catalog_poll_keeps_its_models_offered(uncached_mesh):
     """A stopped batcher (SIGSTOP: what a starved process looks like from outside)
     misses the router's catalog polls; for a moment that must not withdraw every
     model, only a run of misses does. The requests sent meanwhile are answered."""
     batcher = uncached_mesh.processes["batcher"].popen
+    router_log = uncached_mesh.log_dir / "router.log"
+
+    def missed_polls() -> int:
+        return router_log.read_text().count("batcher did not list models")
+
     with grpc.insecure_channel(uncached_mesh.router) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         assert output_array(stub.ModelInfer(text_request(["before"])), "EMBEDDING").shape == (1, 384)
+        missed_before = missed_polls()
         batcher.send_signal(signal.SIGSTOP)
         try:
             pending = stub.ModelInfer.future(text_request(["while stopped"]), timeout=30)
-            time.sleep(1.5)  # one poll (1 s timeout) missed
+            wait_until(lambda: missed_polls() > missed_before, "the router missing a catalog poll (1 s timeout)")
             assert stub.ModelReady(pb.ModelReadyRequest(name="minilm")).ready
         finally:
             batcher.send_signal(signal.SIGCONT)
@@ -85,6 +93,7 @@ def tiny_queues(model_repository, tmp_path):
         yield mesh
 
 
+@pytest.mark.e2e
 async def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint_and_vip_still_gets_in(tiny_queues):
     async with grpc.aio.insecure_channel(tiny_queues.router) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -112,6 +121,7 @@ async def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint_and_vip
     assert rejections >= 1 and rejections + shed == len(rejected)
 
 
+@pytest.mark.unit
 def test_internal_hops_try_to_reconnect_at_least_every_two_seconds():
     """gRPC's own reconnect back-off grows to 120 s: a router whose batcher was
     down for 45 s served again only 24 s after the batcher was back (a scratch
@@ -120,6 +130,7 @@ def test_internal_hops_try_to_reconnect_at_least_every_two_seconds():
     assert dict(client_options())["grpc.max_reconnect_backoff_ms"] <= 2000
 
 
+@pytest.mark.unit
 def test_servers_take_the_keepalive_pings_our_clients_send():
     """The server option had a name gRPC does not know, so its default (one ping
     a 5 minutes without data) held, and an idle router's streams to the cache

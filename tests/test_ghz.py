@@ -3,7 +3,11 @@
 import json
 import subprocess
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.e2e
 
 
 def test_ghz_thousand_requests_without_errors(mesh, ghz_binary):

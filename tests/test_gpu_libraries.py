@@ -7,6 +7,10 @@ would quietly run on the CPU."""
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.service
+
 PROBE = """
 import ctypes, pathlib, onnxruntime as ort
 {preload}

@@ -33,6 +33,7 @@ def _resource(api, doc):
     return api.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.name for p in OVERLAYS])
 def test_the_api_server_accepts_every_resource_of_every_overlay(kube, overlay):
     api = kube.client()
@@ -48,6 +49,7 @@ def test_the_api_server_accepts_every_resource_of_every_overlay(kube, overlay):
         assert created.metadata.name == doc["metadata"]["name"]
 
 
+@pytest.mark.e2e
 def test_the_api_server_rejects_what_istio_forbids(kube):
     """The same server refuses a broken VirtualService: the dry runs above mean something."""
     from kubernetes.dynamic.exceptions import UnprocessibleEntityError
@@ -85,6 +87,7 @@ def live_service(api, namespace):
         name="model-server", namespace=namespace).to_dict()
 
 
+@pytest.mark.e2e
 def test_set_weights_and_rollback_change_the_live_virtual_service_and_the_file(kube, live):
     api, namespace, policy = live
     done = meshctl(kube, namespace, policy, "set-weights", "model-server", "blue=90", "green=10")
@@ -123,6 +126,7 @@ def metrics_page():
         thread.join()
 
 
+@pytest.mark.e2e
 def test_a_live_change_that_fails_leaves_the_file_as_it_was(kube, live):
     api, namespace, policy = live
     service = live_service(api, namespace)
@@ -135,6 +139,7 @@ def test_a_live_change_that_fails_leaves_the_file_as_it_was(kube, live):
     assert policy.read_text() == before
 
 
+@pytest.mark.e2e
 def test_a_patch_computed_from_a_stale_copy_is_refused(kube, live):
     api, namespace, _ = live
     cluster = Cluster(namespace, kubeconfig=str(kube.kubeconfig))
@@ -147,6 +152,7 @@ def test_a_patch_computed_from_a_stale_copy_is_refused(kube, live):
     assert cluster.weights("model-server") == {"blue": 50, "green": 50}
 
 
+@pytest.mark.service
 def test_apply_without_a_cluster_says_so(tmp_path):
     policy = tmp_path / "p.yaml"
     shutil.copy(POLICY, policy)
@@ -156,6 +162,7 @@ def test_apply_without_a_cluster_says_so(tmp_path):
     assert core.weights(policy, "model-server") == {"blue": 100, "green": 0}
 
 
+@pytest.mark.e2e
 def test_a_rollout_in_a_cluster_is_refused_before_it_changes_anything(kube, live):
     """The batcher behind Istio has no per-subset figures: a rollout judged on them
     would roll back every time, so meshctl says so instead of starting one."""
@@ -166,6 +173,7 @@ def test_a_rollout_in_a_cluster_is_refused_before_it_changes_anything(kube, live
     assert core.weights(policy, "model-server") == {"blue": 100, "green": 0}
 
 
+@pytest.mark.e2e
 def test_a_rollback_in_the_cluster_goes_back_to_the_live_objects_previous_weights(kube, live):
     """Another operator changed the live weights from another copy of the file:
     rollback --apply undoes that change, not this file's older one."""
@@ -178,6 +186,7 @@ def test_a_rollback_in_the_cluster_goes_back_to_the_live_objects_previous_weight
     assert core.weights(policy, "model-server") == {"blue": 90, "green": 10}
 
 
+@pytest.mark.e2e
 def test_meshctl_in_a_pod_with_its_service_account_may_patch_weights_and_nothing_else(kube, live, tmp_path):
     """mesh/kubernetes/base/meshctl-rbac.yaml, under the API server's RBAC: a token
     of the infermesh-meshctl service account can shift the weights, and cannot

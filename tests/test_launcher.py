@@ -13,11 +13,14 @@ import time
 import urllib.request
 
 import grpc
+import pytest
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from tests.conftest import ROOT, scrape
+from tests.conftest import ROOT, metric, scrape, wait_until
 from tests.oip import output_array, text_request
+
+pytestmark = pytest.mark.e2e
 
 
 def free_port() -> int:
@@ -39,6 +42,10 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def names_of(pids) -> set[str]:
+    return {open(f"/proc/{pid}/cmdline").read().replace("\0", " ") for pid in pids}
+
+
 def test_launcher_serves_then_drains_and_stops_everything(model_repository, redis_binary, tmp_path):
     port, metrics_port = free_port(), free_port()
     run_file = tmp_path / "mesh.json"
@@ -52,7 +59,7 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
         assert line.startswith("infermesh ready: router gRPC 127.0.0.1:%d" % port), line
         assert f"http://127.0.0.1:{metrics_port}/metrics" in line
         children = descendants(launcher.pid)
-        names = {open(f"/proc/{c}/cmdline").read().replace("\0", " ") for c in children}
+        names = names_of(children)
         assert len(children) == 5, names  # redis, model_server, batcher, cache, router
         assert any("redis-server" in n for n in names)
 
@@ -85,14 +92,19 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
             outgoing.put(text_request(["before the drain"], request_id="s1"))
             assert next(stream).infer_response.id == "s1"
             stream_ended = concurrent.futures.ThreadPoolExecutor(1).submit(lambda: (list(stream), time.monotonic()))
-            # Long texts keep these in flight for a while; the drain must finish them.
-            futures = [stub.ModelInfer.future(text_request([f"in flight {i} " + "word " * 250] * 8), timeout=60)
-                       for i in range(6)]
-            time.sleep(0.1)
-            launcher.send_signal(signal.SIGTERM)
-            signalled = time.monotonic()
-            for future in futures:
-                assert output_array(future.result(), "EMBEDDING").shape == (8, 384)
+            # The model server is held while a request reaches it, so the request is in flight
+            # when the drain begins, however busy the machine; the drain must finish it.
+            model_server = next(c for c in children if "services.model_server" in open(f"/proc/{c}/cmdline").read())
+            os.kill(model_server, signal.SIGSTOP)
+            try:
+                in_flight = stub.ModelInfer.future(text_request([f"in flight {i}" for i in range(8)]), timeout=60)
+                wait_until(lambda: metric(running["metrics"]["batcher"], "infermesh_batcher_inflight_batches") >= 1,
+                           "the request's batch sent to the model server")
+                launcher.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+            finally:
+                os.kill(model_server, signal.SIGCONT)
+            assert output_array(in_flight.result(), "EMBEDDING").shape == (8, 384)
             rest, ended_at = stream_ended.result(timeout=30)
             assert rest == [] and stream.code() == grpc.StatusCode.OK
             assert ended_at - signalled < 5, "the idle stream was held until the grace ran out"

@@ -29,6 +29,7 @@ def production():
     return manifests.render(manifests.OVERLAYS / "production")
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.name for p in OVERLAYS])
 def test_every_overlay_passes_every_check(overlay, istio):
     docs = manifests.render(overlay)
@@ -38,12 +39,14 @@ def test_every_overlay_passes_every_check(overlay, istio):
     assert manifests.problems(docs, istio) == []
 
 
+@pytest.mark.service
 def test_the_base_and_the_istio_folder_render_on_their_own(istio):
     for path in (manifests.ROOT / "mesh" / "kubernetes" / "base", manifests.ROOT / "mesh" / "istio"):
         docs = manifests.render(path)
         assert docs and all(not istio.knows(d) or istio.problems(d) == [] for d in docs)
 
 
+@pytest.mark.unit
 def test_the_batcher_applies_the_same_model_server_policy_outside_kubernetes():
     services, rules = traffic.load_policy_files(POLICY)
     (service,), (rule,) = services, rules
@@ -151,6 +154,7 @@ MISTAKES = {
 }
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_each_check_catches_its_mistake(mistake, production, istio):
     docs = copy.deepcopy(production)
@@ -165,6 +169,7 @@ def test_each_check_catches_its_mistake(mistake, production, istio):
     assert any(expected in p for p in found), "\n".join(found)
 
 
+@pytest.mark.service
 def test_a_namespace_given_by_an_overlay_must_carry_its_principals_along(istio, tmp_path):
     overlay = tmp_path / "elsewhere"
     overlay.mkdir()
@@ -175,10 +180,11 @@ def test_a_namespace_given_by_an_overlay_must_carry_its_principals_along(istio, 
                "'serving'" in p for p in found), found
 
 
+@pytest.mark.service
 def test_a_release_goes_to_green_alone_then_to_blue_and_the_vip_pool(tmp_path):
-    """Each pool has an image name of its own, so the README's blue-green steps
-    move one pool at a time; the other services keep theirs."""
-    shutil.copytree(manifests.ROOT / "mesh", tmp_path / "mesh")  # edited in place, as the README does
+    """Each pool has an image name of its own, so the blue-green steps of
+    docs/kubernetes.md move one pool at a time; the other services keep theirs."""
+    shutil.copytree(manifests.ROOT / "mesh", tmp_path / "mesh")  # edited in place, as docs/kubernetes.md does
     overlay = tmp_path / "mesh" / "kubernetes" / "overlays" / "production"
 
     def images():
@@ -205,6 +211,7 @@ def test_a_release_goes_to_green_alone_then_to_blue_and_the_vip_pool(tmp_path):
         f"model-server-{pool}": "registry.example/infermesh:1.1" for pool in ("blue", "green", "vip")}
 
 
+@pytest.mark.service
 def test_each_sidecar_carries_connections_until_its_service_has_drained(production):
     """Istio's sidecar stops 5 s after SIGTERM unless told otherwise; our services
     drain for up to their drain grace (10 s, the cache 5 s), within the pod's grace."""
@@ -217,6 +224,7 @@ def test_each_sidecar_carries_connections_until_its_service_has_drained(producti
         assert drain_grace_s.get(name, 10) < sidecar_s < pod["spec"]["terminationGracePeriodSeconds"], name
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.name for p in OVERLAYS])
 def test_a_router_that_keeps_failure_samples_keeps_them_redacted(overlay):
     """Callers' texts stay out of a pod's disk: wherever a router is given a

@@ -22,6 +22,7 @@ def policy(tmp_path) -> pathlib.Path:
     return path
 
 
+@pytest.mark.unit
 def test_set_weights_changes_only_the_weights_and_records_the_old_ones(policy):
     before = policy.read_text().splitlines()
     assert meshctl.main(["--file", str(policy), "set-weights", "model-server", "blue=90", "green=10"]) == 0
@@ -35,6 +36,7 @@ def test_set_weights_changes_only_the_weights_and_records_the_old_ones(policy):
     assert core.previous_weights(policy, "model-server") == {"blue": 100, "green": 0}
 
 
+@pytest.mark.unit
 def test_promote_and_rollback(policy):
     assert meshctl.main(["--file", str(policy), "set-weights", "model-server", "blue=50", "green=50"]) == 0
     assert meshctl.main(["--file", str(policy), "promote", "model-server", "green"]) == 0
@@ -43,6 +45,7 @@ def test_promote_and_rollback(policy):
     assert core.weights(policy, "model-server") == {"blue": 50, "green": 50}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("args, complaint", [
     (["set-weights", "model-server", "blue=90"], "give a weight for each of them"),
     (["set-weights", "model-server", "blue=0", "green=0"], "not all 0"),
@@ -59,6 +62,7 @@ def test_bad_requests_change_nothing(policy, capsys, args, complaint):
     assert policy.read_text() == before
 
 
+@pytest.mark.unit
 def test_judge_fails_an_interval_without_evidence_and_one_over_its_thresholds():
     def scrape(total, ok, buckets):
         samples = {("infermesh_batcher_upstream_requests_total", (("code", "OK"), ("subset", "green"))): ok,
@@ -79,6 +83,7 @@ def test_judge_fails_an_interval_without_evidence_and_one_over_its_thresholds():
     assert "need >= 99.00%" in core.judge(start, failing, "green", checks)[1]
 
 
+@pytest.mark.unit
 def test_a_rollout_whose_metrics_cannot_be_read_rolls_back_instead_of_stopping_half_way(policy, capsys):
     done = meshctl.main(["--file", str(policy), "rollout", "model-server", "green", "--step", "10",
                          "--interval-s", "0", "--metrics", "http://127.0.0.1:1/metrics"])
@@ -89,6 +94,7 @@ def test_a_rollout_whose_metrics_cannot_be_read_rolls_back_instead_of_stopping_h
     assert core.weights(policy, "model-server") == {"blue": 100, "green": 0}
 
 
+@pytest.mark.unit
 def test_a_live_weight_patch_reaches_every_split_route_by_position_even_equal_ones():
     def split() -> dict:
         return {"name": "blue-green", "route": [{"destination": {"host": "model-server", "subset": "blue"}, "weight": 100},
@@ -105,6 +111,7 @@ def test_a_live_weight_patch_reaches_every_split_route_by_position_even_equal_on
         ("/spec/http/2/route/0/weight", 90), ("/spec/http/2/route/1/weight", 10)]
 
 
+@pytest.mark.service
 def test_a_weight_given_to_a_subset_with_no_ready_replica_is_warned_of(policy, capsys):
     """make run has no green replica: shifting traffic there fails its share of batches."""
     text = ('infermesh_batcher_subset_ready_replicas{subset="blue"} 1.0\n'

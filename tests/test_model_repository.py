@@ -32,7 +32,7 @@ from services.model_server.core import ControlMode, ModelManager
 from services.model_server.repository import LEND_RESERVED_AFTER_S, ConfigError, load_config
 from services.model_server.server import Readiness, build_server
 
-from tests.conftest import MODELS, settle
+from tests.conftest import MODELS, settle, until
 
 ROWS = np.random.default_rng(7).standard_normal((4, 64), dtype=np.float32)
 
@@ -137,6 +137,7 @@ def _loads(outcome: str) -> float:
 # ---------------------------------------------------------------- configs
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fields, complaint", [
     ({"versoin_policy": {}}, "unknown field(s) ['versoin_policy']"),
     # An unknown field is an error at every level, so a typo cannot pass silently.
@@ -191,6 +192,7 @@ def test_every_malformed_config_field_is_named(repo, fields, complaint):
     assert complaint in str(raised.value)
 
 
+@pytest.mark.unit
 def test_version_policies_pick_versions(repo):
     for version in (2, 3):
         _add_version(repo / "mlp", version)
@@ -203,6 +205,7 @@ def test_version_policies_pick_versions(repo):
 # ---------------------------------------------------------------- loads and swaps
 
 
+@pytest.mark.service
 async def test_a_new_version_swaps_in_under_load_without_a_failed_request(repo):
     async with model_server(repo) as ms:
         assert await ms.ready() and await ms.health_of("mlp") == health_pb2.HealthCheckResponse.SERVING
@@ -218,10 +221,10 @@ async def test_a_new_version_swaps_in_under_load_without_a_failed_request(repo):
                 seen.append((after_swap, version))
 
         callers = [asyncio.create_task(caller()) for _ in range(8)]
-        await asyncio.sleep(0.2)
+        await until(lambda: len(seen) >= 16, "answers before the swap")
         await ms.load()
         swapped.set()
-        await asyncio.sleep(0.2)
+        await until(lambda: sum(after for after, _ in seen) >= 16, "answers after the swap")
         stop.set()
         await asyncio.gather(*callers)  # any failed request raises here
         assert seen[0] == (False, "1")
@@ -234,6 +237,7 @@ async def test_a_new_version_swaps_in_under_load_without_a_failed_request(repo):
         assert not await ms.ready(version="1")
 
 
+@pytest.mark.service
 async def test_rollback_to_the_standby_version_is_instant_and_grace_ends_it(repo):
     async with model_server(repo, rollback_grace_s=3.0) as ms:
         _add_version(repo / "mlp", 2)
@@ -251,6 +255,7 @@ async def test_rollback_to_the_standby_version_is_instant_and_grace_ends_it(repo
         assert ms.manager.models()[0][1] == ["1"], "the standby outlived its grace period"
 
 
+@pytest.mark.service
 async def test_a_version_that_fails_verification_never_gets_traffic(repo):
     async with model_server(repo) as ms:
         _add_version(repo / "mlp", 2, scale=1.5)
@@ -265,6 +270,7 @@ async def test_a_version_that_fails_verification_never_gets_traffic(repo):
         assert any(e[2] == "UNAVAILABLE" and "fails its golden probe" in e[3] for e in await ms.index())
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("damage, code, complaint", [
     ("corrupt", grpc.StatusCode.FAILED_PRECONDITION, "ONNX Runtime cannot load it"),
     ("missing", grpc.StatusCode.FAILED_PRECONDITION, "missing model.onnx"),
@@ -327,6 +333,7 @@ def _shard_set(folder: pathlib.Path) -> dict:
             "shards": shards}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("damage, complaint", [
     (lambda m: m.pop("shards"), "missing field 'shards'"),
     (lambda m: m.update(shards={"0": {}, "1": {}}), "field 'shards' must be list"),
@@ -351,6 +358,7 @@ def test_a_damaged_shard_manifest_is_refused_by_field(tmp_path, damage, complain
     assert str(tmp_path / "manifest.json") in str(raised.value) and complaint in str(raised.value)
 
 
+@pytest.mark.service
 async def test_a_model_whose_shard_manifest_is_damaged_is_left_unloaded_and_the_server_starts(repo):
     """It was a KeyError: the load RPC answered with no reason and a server
     loading the model at startup died."""
@@ -368,6 +376,7 @@ async def test_a_model_whose_shard_manifest_is_damaged_is_left_unloaded_and_the_
         assert "tp2/manifest.json: missing field 'shards'" in raised.value.details()
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("stage", ["config", "version"])
 async def test_an_unforeseen_error_in_a_load_fails_that_model_alone(repo, monkeypatch, stage):
     """Whatever a load raises, no check having foreseen it, it is that model's
@@ -398,6 +407,7 @@ async def test_an_unforeseen_error_in_a_load_fails_that_model_alone(repo, monkey
         assert not await ms.ready() and (await ms.oip.ServerReady(oip.ServerReadyRequest())).ready
 
 
+@pytest.mark.service
 async def test_a_version_replaced_in_place_gets_a_new_revision(repo):
     async with model_server(repo) as ms:
         listed = await ms.models.ListModels(model_server_pb2.ListModelsRequest())
@@ -411,6 +421,7 @@ async def test_a_version_replaced_in_place_gets_a_new_revision(repo):
         assert (await ms.execute())[0] == "1"
 
 
+@pytest.mark.service
 async def test_a_reload_that_changes_the_answers_changes_the_revision_and_one_that_does_not_keeps_it(
         tmp_path, model_repository):
     """The router keys its cache by the revision: a config-only reload that
@@ -441,6 +452,7 @@ async def test_a_reload_that_changes_the_answers_changes_the_revision_and_one_th
         assert truncated_revision not in ("", revision)  # ... so the cache key changes with it
 
 
+@pytest.mark.service
 async def test_unknown_models_and_parameters_are_refused(repo):
     async with model_server(repo) as ms:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -453,6 +465,7 @@ async def test_unknown_models_and_parameters_are_refused(repo):
         assert "'file:1/model.onnx' is not supported" in raised.value.details()
 
 
+@pytest.mark.service
 async def test_unloading_a_version_in_use_lets_running_batches_finish(repo):
     async with model_server(repo) as ms:
         loaded = ms.manager.resolve("mlp", "")
@@ -478,6 +491,7 @@ async def test_unloading_a_version_in_use_lets_running_batches_finish(repo):
         assert (await ms.execute())[0] == "1"
 
 
+@pytest.mark.service
 async def test_the_correctness_probe_withdraws_readiness_on_drift(repo):
     async with model_server(repo) as ms:
         golden_file = repo / "mlp" / "golden.json"
@@ -531,6 +545,7 @@ def _mlp(value: float, rows: int) -> list:
     return [from_numpy("INPUT0", np.full((rows, 64), value, dtype=np.float32), "FP32")]
 
 
+@pytest.mark.service
 async def test_a_batch_arriving_during_the_probe_waits_for_one_probe_row_not_the_whole_probe(repo, monkeypatch):
     """Execution is not preemptive, so the golden probe runs a row at a time at
     the lowest priority: a caller's batch that arrives while it runs goes next."""
@@ -548,6 +563,7 @@ async def test_a_batch_arriving_during_the_probe_waits_for_one_probe_row_not_the
         assert await ms.ready()  # and the probe, run in pieces, still passes
 
 
+@pytest.mark.service
 async def test_poll_mode_follows_the_repository_and_refuses_rpc_control(repo):
     async with model_server(repo, control_mode=ControlMode.POLL) as ms:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -569,6 +585,7 @@ async def test_poll_mode_follows_the_repository_and_refuses_rpc_control(repo):
         assert (await ms.execute())[0] == "2"
 
 
+@pytest.mark.service
 async def test_control_mode_none_refuses_changes(repo):
     async with model_server(repo, control_mode=ControlMode.NONE) as ms:
         for call in (ms.load(), ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="mlp"))):
@@ -578,6 +595,7 @@ async def test_control_mode_none_refuses_changes(repo):
             assert "model control mode is 'none'" in raised.value.details()
 
 
+@pytest.mark.service
 async def test_a_version_with_two_instances_answers_correctly_under_concurrency(repo):
     _config(repo / "mlp", instances={"count": 2})
     async with model_server(repo) as ms:
@@ -588,6 +606,7 @@ async def test_a_version_with_two_instances_answers_correctly_under_concurrency(
         assert all(np.allclose(out, want, atol=1e-5) for _, out in results)
 
 
+@pytest.mark.service
 async def test_tritonclient_drives_the_repository_rpcs(repo):
     _add_version(repo / "mlp", 2)
     _config(repo / "mlp", version_policy={"specific": {"versions": [1]}})
@@ -609,6 +628,7 @@ async def test_tritonclient_drives_the_repository_rpcs(repo):
     assert seen["ready_after_unload"] is False
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("damage", ["corrupt-file", "bad-config"])
 @pytest.mark.parametrize("startup", [("*",), ("mlp",)], ids=["failed-at-startup-too", "by-request-only"])
 async def test_a_failed_load_of_a_model_that_never_served_leaves_the_server_ready(repo, damage, startup):
@@ -645,6 +665,7 @@ async def test_a_failed_load_of_a_model_that_never_served_leaves_the_server_read
         assert await server_ready()
 
 
+@pytest.mark.service
 async def test_a_batch_that_would_wait_past_its_deadline_is_refused_before_it(repo, monkeypatch):
     """Refused with RESOURCE_EXHAUSTED (HTTP 429 to Envoy: no failure of the
     replica) instead of left to time out (504: counted, and a busy replica ejected)."""
@@ -668,6 +689,7 @@ async def test_a_batch_that_would_wait_past_its_deadline_is_refused_before_it(re
         assert (await running.execute())[0] == "1"  # the gate is free and serving again
 
 
+@pytest.mark.service
 async def test_run_times_are_estimated_per_batch_size(repo):
     async with model_server(repo) as running:
         loaded = running.manager.resolve("mlp", "")
@@ -678,6 +700,7 @@ async def test_run_times_are_estimated_per_batch_size(repo):
         assert loaded.estimate_s(2) == 0.02
 
 
+@pytest.mark.service
 async def test_a_large_batch_is_judged_by_its_own_size_not_by_the_average_batch(repo):
     """Many quick one-row VIP batches pull the average down; a large batch
     behind a running one is still refused at once when its own size says so."""
@@ -695,6 +718,7 @@ async def test_a_large_batch_is_judged_by_its_own_size_not_by_the_average_batch(
         assert f"a batch of {len(ROWS)} takes about 500 ms" in refused.value.details()
 
 
+@pytest.mark.service
 async def test_a_batch_is_refused_at_its_turn_when_batches_now_take_longer_than_it_has_left(repo, monkeypatch):
     """The batch ahead ran far past its estimate and taught the profile so: the
     batch that waited for it is refused when its turn comes, not run late; so is
@@ -723,6 +747,7 @@ async def test_a_batch_is_refused_at_its_turn_when_batches_now_take_longer_than_
         assert order == [(3.0, 4)]
 
 
+@pytest.mark.service
 async def test_a_batch_that_finishes_after_its_deadline_is_counted_late(repo, monkeypatch):
     """The estimates behind the deadline checks were too optimistic: operators see it."""
     async with model_server(repo) as ms:
@@ -739,6 +764,7 @@ async def test_a_batch_that_finishes_after_its_deadline_is_counted_late(repo, mo
         assert metrics.LATE.labels("mlp")._value.get() == late_before + 1  # noqa: SLF001
 
 
+@pytest.mark.service
 async def test_a_batch_with_no_time_for_the_queue_ahead_is_refused_at_once(repo):
     async with model_server(repo) as running:
         loaded = running.manager.resolve("mlp", "")
@@ -755,6 +781,7 @@ async def test_a_batch_with_no_time_for_the_queue_ahead_is_refused_at_once(repo)
         assert 200 <= hint <= 300, hint
 
 
+@pytest.mark.service
 async def test_while_vip_batches_come_a_standard_batch_runs_in_slices_and_a_vip_batch_goes_between(repo, monkeypatch):
     """A VIP batch waits for one slice of the running standard batch, not all of it;
     a standard batch that came later does not cut in; the answer is the whole batch's."""
@@ -780,6 +807,7 @@ async def test_while_vip_batches_come_a_standard_batch_runs_in_slices_and_a_vip_
         assert metrics.STEPPED_ASIDE.labels("mlp")._value.get() == aside_before + 1  # noqa: SLF001
 
 
+@pytest.mark.service
 async def test_a_sliced_batch_whose_rest_could_not_finish_in_time_is_refused_before_its_deadline(repo, monkeypatch):
     """Its first slice ran long (here: held 150 ms of its 250): the second, by the
     profile that slice taught, would end past the deadline, so the batch is refused
@@ -802,6 +830,7 @@ async def test_a_sliced_batch_whose_rest_could_not_finish_in_time_is_refused_bef
         assert metrics.SHED.labels("mlp")._value.get() == shed_before + 1  # noqa: SLF001
 
 
+@pytest.mark.service
 async def test_without_vip_batches_lately_a_standard_batch_runs_whole(repo, monkeypatch):
     async with model_server(repo, slice_s=0.025) as ms:
         loaded = ms.manager.resolve("mlp", "")
@@ -812,6 +841,7 @@ async def test_without_vip_batches_lately_a_standard_batch_runs_whole(repo, monk
         assert order == [(3.0, 4)]
 
 
+@pytest.mark.service
 async def test_a_vip_batch_is_refused_only_if_the_slice_running_leaves_it_no_time(repo, monkeypatch):
     """Behind a sliced standard batch a VIP batch waits for one slice, not for all the
     batch has left: the deadline check counts only that slice."""
@@ -831,6 +861,7 @@ async def test_a_vip_batch_is_refused_only_if_the_slice_running_leaves_it_no_tim
         assert order == [(3.0, 2), (9.0, 1), (3.0, 2)]
 
 
+@pytest.mark.service
 async def test_an_instance_reserved_for_vip_runs_a_vip_batch_while_standard_batches_wait(repo, monkeypatch):
     """Two instances, the second for VIP only: a standard batch holds the first, a second
     standard batch waits though the VIP instance is free, and a VIP batch runs at once."""
@@ -851,6 +882,7 @@ async def test_an_instance_reserved_for_vip_runs_a_vip_batch_while_standard_batc
         assert loaded.gate.usable(0) == 1 and loaded.gate.usable(1) == 2
 
 
+@pytest.mark.service
 async def test_a_reserved_instance_is_lent_to_standard_batches_when_the_config_says_so(repo, monkeypatch):
     """lend_reserved_after_s 0: a standard batch runs on the VIP instance while the
     general one is busy, and the loan is counted (null, in the test above: it never does)."""
@@ -873,6 +905,7 @@ async def test_a_reserved_instance_is_lent_to_standard_batches_when_the_config_s
     assert load_config(repo / "mlp").instances.lend_reserved_after_s == LEND_RESERVED_AFTER_S
 
 
+@pytest.mark.service
 async def test_a_batch_too_short_to_be_worth_a_thread_hop_runs_on_the_event_loop(repo, monkeypatch):
     """A CPU batch the profile says runs within INLINE_RUN_S runs where the
     request is handled (the hand-off to the instance's thread and back costs
@@ -913,6 +946,7 @@ class _SlowHandOff(concurrent.futures.ThreadPoolExecutor):
         return super().submit(late)
 
 
+@pytest.mark.service
 async def test_a_short_batch_that_once_went_to_a_slow_thread_comes_back_to_the_event_loop(repo, monkeypatch):
     """Whether a batch runs on the event loop is judged by what runs took
     themselves, not by the hand-off to the instance's thread: a batch that went

@@ -8,6 +8,8 @@ import pytest
 from services.model_server.execution import NoTurn, PriorityGate
 from tests.conftest import settle
 
+pytestmark = pytest.mark.unit
+
 
 async def test_waiting_batches_run_vip_first_then_in_order():
     gate = PriorityGate()

@@ -14,6 +14,8 @@ from onnx import numpy_helper
 from services.model_server import build_variants
 from services.model_server.build_repository import EMBED_DIM, REQUIRED_FILES
 
+pytestmark = pytest.mark.unit
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TEXTS = ["Can I change the delivery address of order 4411?", "", "Das Paket ist beschädigt angekommen.",
          "battery drains fast after the update " * 40]

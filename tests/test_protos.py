@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 from google.protobuf import descriptor_pb2
 
 from tools.gen_stubs import generate
@@ -13,6 +14,7 @@ from tools.gen_stubs import generate
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.unit
 def test_generated_stubs_match_the_protos(tmp_path):
     generate(tmp_path)
     fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
@@ -45,6 +47,7 @@ def _methods(file_proto) -> dict[str, tuple]:
     }
 
 
+@pytest.mark.service
 def test_public_api_is_wire_compatible_with_tritonclient():
     from inference import grpc_predict_v2_pb2 as ours
 

@@ -29,7 +29,7 @@ from services.launcher.mesh import MODEL_SERVER_NICE, Mesh, Process
 from services.model_server.config import ModelServerConfig
 from services.model_server.core import ModelManager
 from services.model_server.server import build_server
-from tests.conftest import metric
+from tests.conftest import metric, until
 from tests.oip import output_array, text_request
 from tests.test_model_repository import _config, repo  # noqa: F401 - the mlp repository fixture
 
@@ -44,6 +44,7 @@ def two_replicas(model_repository, tmp_path):
         yield mesh
 
 
+@pytest.mark.e2e
 def test_each_replica_runs_at_its_own_cpu_priority(two_replicas):
     """The launcher's per-replica niceness (bench/batching.py runs a standard pool
     at a lower priority than the VIP pool this way)."""
@@ -56,6 +57,7 @@ def test_each_replica_runs_at_its_own_cpu_priority(two_replicas):
         assert [int(g.split("nice")[1]) for g in groups] == [0, 3]
 
 
+@pytest.mark.e2e
 def test_by_default_the_model_server_runs_below_the_router_and_the_batcher(mesh):
     """The light hops in front of the model get a core first when they need one."""
     def niceness(name: str) -> int:
@@ -67,6 +69,7 @@ def test_by_default_the_model_server_runs_below_the_router_and_the_batcher(mesh)
         assert int(group.split("nice")[1]) == MODEL_SERVER_NICE
 
 
+@pytest.mark.e2e
 def test_local_replicas_split_the_cores_between_them(two_replicas):
     """As pods split a node's cores by their CPU requests: each taking them all,
     two model servers' ONNX Runtime threads would outnumber the cores."""
@@ -81,6 +84,7 @@ def batches_run(mesh, name: str) -> float:
     return metric(mesh.metrics_url(name), "infermesh_model_batches_total", model="minilm", outcome="ok")
 
 
+@pytest.mark.e2e
 async def test_both_replicas_get_work_and_one_dying_loses_nothing(two_replicas):
     mesh = two_replicas
     async with grpc.aio.insecure_channel(mesh.router) as channel:
@@ -93,8 +97,10 @@ async def test_both_replicas_get_work_and_one_dying_loses_nothing(two_replicas):
         # Long texts keep both replicas busy; then one of them dies mid-batch.
         calls = [asyncio.ensure_future(stub.ModelInfer(text_request([f"{uuid.uuid4().hex} " + "long words " * 120] * 2),
                                                        timeout=120)) for _ in range(40)]
-        await asyncio.sleep(0.5)
-        victim = mesh.processes["model_server-1"].popen
+        victim = mesh.processes["model_server-1"]
+        await until(lambda: metric(mesh.metrics_url("batcher"), "infermesh_batcher_inflight_batches",
+                                   replica=victim.info["grpc"]) >= 1, "a batch in flight on the replica to kill")
+        victim = victim.popen
         victim.send_signal(signal.SIGKILL)
         victim.wait()
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -142,6 +148,7 @@ async def busy_mlp_server(repository):
         await manager.close()
 
 
+@pytest.mark.service
 async def test_a_busy_replicas_refusal_goes_once_elsewhere_else_reaches_the_caller_with_its_hint(repo):
     async with busy_mlp_server(repo) as busy, mlp_server(repo) as free:
         alone = ReplicaSet((f"127.0.0.1:{busy}",), 4, 60.0, 1 << 24)
@@ -160,6 +167,7 @@ async def test_a_busy_replicas_refusal_goes_once_elsewhere_else_reaches_the_call
         await pair.close()
 
 
+@pytest.mark.service
 async def test_grpcs_own_resource_exhausted_is_not_a_busy_replica_and_is_not_retried(repo):
     """A batch over a model server's message limit fails there with gRPC's own
     RESOURCE_EXHAUSTED (no retry hint): another replica would refuse it too."""
@@ -184,6 +192,7 @@ async def test_grpcs_own_resource_exhausted_is_not_a_busy_replica_and_is_not_ret
         await manager.close()
 
 
+@pytest.mark.service
 async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_of_batches(repo):
     """The batcher's slots are counted over all replicas; a subset (here: the
     blue one, a single replica) must still get no more than its own bound,
@@ -201,14 +210,14 @@ async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_
         async with loaded.gate.turn(0):  # the model is busy: the first batch waits at the server
             first = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0))
             second = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0))
-            await asyncio.wait_for(until(lambda: replicas._room_waiters), 10)  # noqa: SLF001
+            await until(lambda: replicas._room_waiters, "a batch waiting for room", timeout_s=10)  # noqa: SLF001
             assert replica.inflight == 1  # the second waits here, not in the server's queue
             with pytest.raises(errors.ResourceExhausted, match=r"had as many batches in flight as it may \(1\) until this "
                                                                "batch could no longer finish before its deadline"):
                 await replicas.execute("mlp", "", mlp_batch(), [], 0.2)
             # A VIP batch has a slot of its own: it goes to the server's VIP-first gate.
             vip = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0, priority=1))
-            await asyncio.wait_for(until(lambda: replica.inflight == 2), 10)
+            await until(lambda: replica.inflight == 2, "two batches in flight", timeout_s=10)
         assert [(await call)[0] for call in (first, second, vip)] == ["1", "1", "1"]
         assert replica.inflight == 0
     finally:
@@ -217,6 +226,7 @@ async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_
         await manager.close()
 
 
+@pytest.mark.service
 async def test_under_a_traffic_policy_each_tier_counts_the_slots_its_route_reaches(repo, tmp_path):
     """Two blue replicas, a green one at weight 0 and a VIP pool: standard
     batches get the blue ones' slots, less an ejected one; VIP batches get the
@@ -269,6 +279,7 @@ def subset_policy(blue_5xx_errors: int) -> str:
     return yaml.safe_dump_all(docs)
 
 
+@pytest.mark.service
 async def test_a_subsets_own_outlier_detection_and_its_panic_threshold_apply_to_that_subset_alone(repo, tmp_path):
     """Blue's own outlierDetection ejects on the first failure and panics below
     half its replicas healthy, when batches go to every blue replica again;
@@ -304,11 +315,7 @@ async def test_a_subsets_own_outlier_detection_and_its_panic_threshold_apply_to_
         await manager.close()
 
 
-async def until(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0.01)
-
-
+@pytest.mark.service
 async def test_a_replica_is_sent_as_many_batches_as_its_instances_can_start(repo):
     """Three instances, one for VIP only: the model server says so in ListModels,
     and the batcher sends two standard batches at once (not its configured one),
@@ -331,10 +338,10 @@ async def test_a_replica_is_sent_as_many_batches_as_its_instances_can_start(repo
                 await held.enter_async_context(gate.turn(1))
             one_row = [from_numpy("INPUT0", np.ones((1, 64), dtype=np.float32), "FP32")]
             standard = [asyncio.ensure_future(batcher.submit("mlp", "", one_row, [])) for _ in range(3)]
-            await asyncio.wait_for(until(lambda: gate.waiting == 2), 10)
+            await until(lambda: gate.waiting == 2, "two batches waiting", timeout_s=10)
             assert replica.running[("mlp", STANDARD)] == 2 and batcher.queue_length() == 1
             vip = asyncio.ensure_future(batcher.submit("mlp", "", one_row, [], priority=VIP))
-            await asyncio.wait_for(until(lambda: gate.waiting == 3), 10)
+            await until(lambda: gate.waiting == 3, "three batches waiting", timeout_s=10)
             assert replica.running[("mlp", VIP)] == 1 and batcher.queue_length() == 1
         assert len(await asyncio.gather(*standard, vip)) == 4
     finally:
@@ -344,6 +351,7 @@ async def test_a_replica_is_sent_as_many_batches_as_its_instances_can_start(repo
         await manager.close()
 
 
+@pytest.mark.service
 async def test_while_the_vip_instance_is_lent_out_standard_batches_may_use_it_until_vip_work_comes(repo):
     """Lent out (here at once): the standard slots count the VIP instance, until
     this batcher sends a VIP batch, which ends the loan at the model server; the
@@ -375,6 +383,7 @@ def metric_value(name: str, **labels) -> float:
     return prometheus_client.REGISTRY.get_sample_value(name, labels) or 0.0
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("behind_mesh", [True, False], ids=["behind a mesh", "own replicas"])
 async def test_a_failed_batch_marks_the_address_unready_only_when_the_batcher_balances_itself(repo, behind_mesh):
     async with mlp_server(repo) as port:
@@ -393,6 +402,7 @@ async def test_a_failed_batch_marks_the_address_unready_only_when_the_batcher_ba
         await replicas.close()
 
 
+@pytest.mark.service
 async def test_a_models_own_unavailable_goes_once_elsewhere_else_reaches_the_caller_and_the_replica_serves_on(repo):
     """A model whose version drifted since the last poll is the model server's
     UNAVAILABLE for that model alone: the batch is tried once on another
@@ -433,6 +443,7 @@ async def test_a_models_own_unavailable_goes_once_elsewhere_else_reaches_the_cal
             await manager.close()
 
 
+@pytest.mark.unit
 def test_a_status_our_server_sent_is_no_transport_failure_whatever_its_message_quotes():
     def unavailable(details: str, *trailers) -> grpc.aio.AioRpcError:
         return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers),
@@ -444,6 +455,7 @@ def test_a_status_our_server_sent_is_no_transport_failure_whatever_its_message_q
     assert not _transport_failure(unavailable("model 'mlp' has no ready version: {}"))
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("behind_mesh", [True, False], ids=["behind a mesh", "own replicas"])
 async def test_behind_a_mesh_the_catalog_outlives_a_missed_poll_but_not_a_run_of_them(repo, behind_mesh):
     async with mlp_server(repo) as port:
@@ -458,6 +470,7 @@ async def test_behind_a_mesh_the_catalog_outlives_a_missed_poll_but_not_a_run_of
     await replicas.close()
 
 
+@pytest.mark.service
 async def test_a_replica_too_busy_to_answer_its_poll_stays_in_service(repo, tmp_path):
     """A model server whose poll times out (here: stopped with SIGSTOP, as a
     starved process looks from outside) is not dead: it keeps its place and
@@ -495,6 +508,7 @@ async def test_a_replica_too_busy_to_answer_its_poll_stays_in_service(repo, tmp_
         server.stop(10)
 
 
+@pytest.mark.unit
 def test_behind_a_mesh_the_catalog_is_what_recent_polls_saw():
     def poll(*versions: str) -> dict:
         info = tensor_pb2.ModelInfo(name="minilm", versions=list(versions), ready_versions=list(versions))
@@ -509,6 +523,7 @@ def test_behind_a_mesh_the_catalog_is_what_recent_polls_saw():
     assert _merge_polls(history) == {}
 
 
+@pytest.mark.unit
 def test_behind_a_mesh_the_batcher_applies_no_traffic_policy_of_its_own():
     from services.batcher.config import BatcherConfig
 
@@ -517,6 +532,7 @@ def test_behind_a_mesh_the_batcher_applies_no_traffic_policy_of_its_own():
                       traffic_policy="mesh/istio/model-server-traffic.yaml")
 
 
+@pytest.mark.service
 async def test_behind_a_mesh_vip_batches_have_room_of_their_own(repo):
     """Behind one Service address the mesh may send VIP batches to a pool of
     their own: a standard surge filling its bound must not leave VIP work one

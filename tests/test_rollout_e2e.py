@@ -6,6 +6,7 @@ client-visible errors only from the first step."""
 import asyncio
 import json
 import pathlib
+import re
 import shutil
 import sys
 import uuid
@@ -17,9 +18,11 @@ from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.launcher.mesh import Mesh
 from services.meshctl import core
-from tests.conftest import metric
+from tests.conftest import metric, until
 from tests.faulty import faulty_repository
 from tests.oip import text_request
+
+pytestmark = pytest.mark.e2e
 
 POLICY = pathlib.Path(__file__).resolve().parent.parent / "mesh" / "istio" / "model-server-traffic.yaml"
 # Each weight is judged this long: at 10% and a few dozen batches a second it
@@ -41,17 +44,29 @@ def blue_green(request, model_repository, tmp_path):
         yield mesh, policy
 
 
+def follows(mesh, policy) -> bool:
+    """Whether the batcher's latest applied policy (it logs each) has the file's weights now."""
+    applied = [line for line in (mesh.log_dir / "batcher.log").read_text().splitlines()
+               if "traffic policy for model-server:" in line]
+    weights = core.weights(policy, "model-server")
+    return bool(applied) and all(re.search(rf"\b{subset}={weight}\b", applied[-1]) for subset, weight in weights.items())
+
+
+def rollout_text() -> str:
+    return (f"rollout {uuid.uuid4().hex}: where is my parcel? It was due on Monday, the tracking page has "
+            "said 'in transit' for a week, and nobody answers the phone or the emails I have sent. "
+            "Could you tell me where it is, when it will arrive, and whom I should ask about a refund?")
+
+
 async def rollout_under_load(mesh, policy, step: int) -> tuple[int, list, list]:
-    """Runs meshctl rollout while 8 callers send texts; returns its exit code, the answers and the errors."""
+    """Runs meshctl rollout while 8 callers send texts, until the batcher follows
+    the file meshctl left; returns its exit code, the answers and the errors."""
     answers, failures, stop = [], [], asyncio.Event()
 
     async def caller(stub):
         while not stop.is_set():
             try:
-                text = (f"rollout {uuid.uuid4().hex}: where is my parcel? It was due on Monday, the tracking page has "
-                        "said 'in transit' for a week, and nobody answers the phone or the emails I have sent. "
-                        "Could you tell me where it is, when it will arrive, and whom I should ask about a refund?")
-                answers.append(await stub.ModelInfer(text_request([text]), timeout=30))
+                answers.append(await stub.ModelInfer(text_request([rollout_text()]), timeout=30))
             except grpc.aio.AioRpcError as exc:
                 failures.append(exc.code())
 
@@ -63,7 +78,7 @@ async def rollout_under_load(mesh, policy, step: int) -> tuple[int, list, list]:
             "--step", str(step), "--max-weight", "50", "--interval-s", INTERVAL_S, "--max-p99-ms", "5000",
             "--metrics", mesh.metrics_url("batcher"), stdout=asyncio.subprocess.PIPE)
         out, _ = await process.communicate()
-        await asyncio.sleep(0.6)  # the batcher follows the last edit
+        await until(lambda: follows(mesh, policy), "the batcher applying the file meshctl left")
         stop.set()
         await asyncio.gather(*callers)
     print(out.decode())
@@ -88,16 +103,24 @@ async def test_a_healthy_version_2_is_rolled_out_and_promoted(blue_green):
     code, answers, failures = await rollout_under_load(mesh, policy, step=25)
     assert code == 0 and not failures
     assert core.weights(policy, "model-server") == {"blue": 0, "green": 100}
-    assert answers[-1].model_version == "2"  # green's INT8 version answers now
     assert {a.model_version for a in answers} == {"1", "2"}
+    async with grpc.aio.insecure_channel(mesh.router) as channel:  # green's INT8 version answers now
+        now = await pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(text_request([rollout_text()]), timeout=30)
+    assert now.model_version == "2"
 
 
 async def test_a_green_that_cannot_serve_is_rolled_back_by_itself(blue_green):
     mesh, policy = blue_green
+
+    def polls_of_green() -> float:
+        return metric(mesh.metrics_url("model_server-1"), "infermesh_grpc_requests_total", method="ListModels")
+
     async with grpc.aio.insecure_channel(mesh.processes["model_server-1"].info["grpc"]) as channel:
         control = pb_grpc.GRPCInferenceServiceStub(channel)
         await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm"), timeout=30)
-    await asyncio.sleep(0.5)
+    # The batcher knows: it has polled green since (two answers, so the first has surely been read).
+    polled = polls_of_green()
+    await until(lambda: polls_of_green() >= polled + 2, "the batcher polling green after the unload")
     code, answers, failures = await rollout_under_load(mesh, policy, step=10)
     assert code == 1
     assert core.weights(policy, "model-server") == {"blue": 100, "green": 0}

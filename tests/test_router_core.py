@@ -10,7 +10,10 @@ import pytest
 from services.common import errors
 from services.common.tensors import from_numpy
 from services.router.core import Catalog, InferRequest, Router
+from tests.conftest import until
 from tests.test_router_validation import MLP
+
+pytestmark = pytest.mark.unit
 
 
 class SlowBatcher:
@@ -33,6 +36,11 @@ def make_router(batcher) -> Router:
     return Router(catalog, batcher, cache=None)
 
 
+async def flying(batcher) -> None:
+    """Until the first caller's computation has reached the batcher."""
+    await until(lambda: batcher.calls, "the first request at the batcher", interval_s=0)
+
+
 def request(timeout_s=None, tier=0) -> InferRequest:
     return InferRequest("mlp", "", "", [from_numpy("INPUT0", np.zeros((1, 64), np.float32))], [], tier, timeout_s)
 
@@ -48,7 +56,7 @@ async def test_a_caller_with_time_left_outlives_the_first_callers_short_deadline
     batcher = SlowBatcher(0.2)
     router = make_router(batcher)
     short = asyncio.create_task(router.infer(request(timeout_s=0.05)))
-    await asyncio.sleep(0.01)
+    await flying(batcher)
     patient = asyncio.create_task(router.infer(request(timeout_s=5)))
     with pytest.raises(errors.DeadlineExceeded):
         await short
@@ -68,7 +76,7 @@ async def test_a_caller_that_joins_waits_no_longer_than_its_own_deadline():
     batcher = SlowBatcher(1.0)
     router = make_router(batcher)
     patient = asyncio.create_task(router.infer(request(timeout_s=5)))
-    await asyncio.sleep(0.01)
+    await flying(batcher)
     started = asyncio.get_running_loop().time()
     with pytest.raises(errors.DeadlineExceeded, match="while an identical request's computation"):
         await router.infer(request(timeout_s=0.2))
@@ -97,7 +105,7 @@ async def test_a_joiner_with_time_left_retries_after_the_first_callers_deadline_
     batcher = AdmittingBatcher()
     router = make_router(batcher)
     impatient = asyncio.create_task(router.infer(request(timeout_s=0.1)))
-    await asyncio.sleep(0.005)
+    await flying(batcher)
     result = await router.infer(request(timeout_s=5))  # joined the impatient flight, then ran its own
     assert result.outputs[0].shape == (1, 64)
     with pytest.raises(errors.ResourceExhausted, match="would not finish"):
@@ -126,7 +134,7 @@ async def test_the_shared_computation_stops_only_when_every_caller_left():
     router = make_router(batcher)
     first = asyncio.create_task(router.infer(request(timeout_s=5)))
     second = asyncio.create_task(router.infer(request(timeout_s=5)))
-    await asyncio.sleep(0.02)
+    await flying(batcher)  # and the second caller has joined it, having run before the flight began
     first.cancel()
     assert (await second).outputs[0].shape == (1, 64)
     assert len(batcher.calls) == 1

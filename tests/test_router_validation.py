@@ -14,6 +14,8 @@ from services.router.oip import request_from_proto
 from services.router.server import _stream_error
 from tests.oip import pack_texts, tensor_request, text_request
 
+pytestmark = pytest.mark.unit
+
 MINILM = ModelSignature("minilm", ("1",), ("1",), "onnxruntime_onnx", (Spec("TEXT", "BYTES", (-1,)),),
                         (Spec("EMBEDDING", "FP32", (-1, 384)),), 64)
 MLP = ModelSignature("mlp", ("2", "1"), ("2", "1"), "onnxruntime_onnx", (Spec("INPUT0", "FP32", (-1, 64)),),

@@ -7,12 +7,15 @@ import sys
 
 import grpc
 import numpy as np
+import pytest
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.launcher.mesh import Mesh
 from tests.conftest import ROOT, metric
 from tests.oip import output_array, tensor_request
 from tests.test_launcher import free_port
+
+pytestmark = pytest.mark.e2e
 
 
 def served(mesh: Mesh, name: str) -> float:

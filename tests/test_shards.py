@@ -57,6 +57,7 @@ def feeds(version_dir) -> dict[str, np.ndarray]:
             "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64)}
 
 
+@pytest.mark.unit
 def test_degrees_that_do_not_divide_are_refused():
     shape = BertShape(hidden=384, heads=12, layers=6, intermediate=1536, vocab=30522)
     with pytest.raises(ShardError, match="degree 5 does not divide the 12 attention heads"):
@@ -67,6 +68,7 @@ def test_degrees_that_do_not_divide_are_refused():
     shape.check_degree(4)  # 12 heads and 1536 divide by 4; the vocabulary is padded instead
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("degree", [2, 4])
 def test_shards_equal_the_whole_model_on_a_padded_batch(version_dir, feeds, degree):
     (whole,) = _session(version_dir / "model.onnx").run(["sentence_embedding"], feeds)
@@ -82,6 +84,7 @@ def test_shards_equal_the_whole_model_on_a_padded_batch(version_dir, feeds, degr
     assert np.abs(one - whole[2:3]).max() <= 1e-4
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("degree", [2, 4])
 def test_each_shard_holds_about_a_share_of_the_weights(version_dir, degree):
     manifest = read_manifest(version_dir / f"tp{degree}", degree)
@@ -97,6 +100,7 @@ def test_each_shard_holds_about_a_share_of_the_weights(version_dir, degree):
     assert len(manifest["all_reduce_after"]) == 13  # embeddings, then attention and FFN of six layers
 
 
+@pytest.mark.unit
 def test_a_damaged_shard_set_is_refused(version_dir, tmp_path):
     import shutil
 
@@ -125,6 +129,7 @@ def _minilm_repo(tmp_path: pathlib.Path, model_repository: pathlib.Path, **field
     return tmp_path / "repo"
 
 
+@pytest.mark.service
 async def test_the_model_server_runs_a_sharded_version_and_withdraws_it_when_a_shard_fails(
         tmp_path, model_repository, version_dir, feeds):
     from infermesh.model_server.v1 import model_server_pb2
@@ -156,6 +161,7 @@ async def test_the_model_server_runs_a_sharded_version_and_withdraws_it_when_a_s
         assert any(e[:3] == ("minilm", "1", "UNAVAILABLE") and "shard 1" in e[3] for e in await ms.index())
 
 
+@pytest.mark.e2e
 async def test_router_and_batcher_see_one_model_served_by_four_shards(tmp_path, model_repository, reference_embeddings):
     repo = _minilm_repo(tmp_path, model_repository, tp_degree=4)
     with Mesh(models=repo, cache=False, log_dir=tmp_path) as mesh:

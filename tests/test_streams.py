@@ -12,6 +12,7 @@ from infermesh.common.v1.tensor_pb2 import Tensor
 from services.batcher.server import FRAMING
 from services.common.streams import Framing, StreamMux, answer_concurrently, framed
 from services.router.clients import submit_framing
+from tests.conftest import settle, until
 
 
 class Echo(batcher_pb2_grpc.BatcherServicer):
@@ -38,6 +39,7 @@ class Echo(batcher_pb2_grpc.BatcherServicer):
         self.ended += 1
 
 
+@pytest.mark.service
 async def test_a_stream_past_its_age_takes_no_new_requests_and_ends_once_it_has_answered():
     """Behind a mesh a stream stays on the pod it first reached: replacing it
     after an age lets replicas added since get their share, and the requests
@@ -56,16 +58,12 @@ async def test_a_stream_past_its_age_takes_no_new_requests_and_ends_once_it_has_
 
         assert (await submit("fast")).version == "fast"
         slow = asyncio.create_task(submit("slow"))  # in flight on the first stream
-        await asyncio.sleep(0.3)  # the first stream is now past its age
+        await asyncio.sleep(0.3)  # the first stream is now past its age (0.2 s): the time is the point
         assert (await submit("fast")).version == "fast"  # on a second stream
         assert mux.opened == 2 and servicer.opened == 2 and servicer.ended == 0
         servicer.gates["slow"].set()
         assert (await slow).version == "slow"  # answered on the retired stream, which then ends
-        for _ in range(100):
-            if servicer.ended == 1:
-                break
-            await asyncio.sleep(0.01)
-        assert servicer.ended == 1
+        await until(lambda: servicer.ended == 1, "the retired stream ended")
         await mux.close()
     await server.stop(0)
 
@@ -86,6 +84,7 @@ class Held(batcher_pb2_grpc.BatcherServicer):
                 yield batcher_pb2.SubmitResponse(id=request.id)
 
 
+@pytest.mark.service
 async def test_a_request_waiting_to_be_sent_is_built_then_and_dropped_if_its_caller_left():
     """A request queued behind a stalled stream states the time it has left when
     it is sent, and one whose caller gave up meanwhile is never sent (it would
@@ -107,11 +106,11 @@ async def test_a_request_waiting_to_be_sent_is_built_then_and_dropped_if_its_cal
             return batcher_pb2.SubmitRequest(id=request_id, timeout_ms=int(1000 * (deadline - loop.time())))
 
         first = asyncio.create_task(mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, inputs=[big]), 30))
-        await asyncio.sleep(0.2)  # the big one is on the wire, stalled
+        await settle()  # the big one goes first, and stalls: the server reads nothing yet
         with pytest.raises(TimeoutError):
             await mux.request(lambda i: batcher_pb2.SubmitRequest(id=i), 0.2)  # gives up before it is sent
         third = asyncio.create_task(mux.request(later, 30))
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # the time waited is the point: the third must say what is left when sent
         servicer.hold.set()
         await first
         await third
@@ -166,6 +165,7 @@ async def frames_server():
         await server.stop(0)
 
 
+@pytest.mark.service
 async def test_requests_queued_together_share_a_frame_and_each_gets_its_own_answer():
     """While requests are in flight, those that come within the linger go out
     as one message; answers ready together come back as one."""
@@ -177,7 +177,7 @@ async def test_requests_queued_together_share_a_frame_and_each_gets_its_own_answ
             return mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model=model), 10, urgent=urgent)
 
         held = asyncio.create_task(submit("slow"))  # in flight: the next ones may linger
-        await asyncio.sleep(0.1)
+        await until(lambda: servicer.requests == 1, "the slow request at the server")
         submits = []
         for k in range(20):  # a few milliseconds apart: each alone would be a message of its own
             submits.append(asyncio.create_task(submit(f"m{k}")))
@@ -190,15 +190,16 @@ async def test_requests_queued_together_share_a_frame_and_each_gets_its_own_answ
         await mux.close()
 
 
+@pytest.mark.service
 async def test_an_urgent_request_does_not_wait_out_the_linger():
     async with frames_server() as (servicer, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         mux = StreamMux("frames", batcher_pb2_grpc.BatcherStub(channel).SubmitMany,
                         lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True), framing=submit_framing(30.0))
         held = asyncio.create_task(mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model="slow"), 60))
-        await asyncio.sleep(0.1)
+        await until(lambda: servicer.requests == 1, "the slow request at the server")
         # A standard one lingers (30 s here) for company; an urgent one sends the frame at once.
         lingering = asyncio.create_task(mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model="std"), 60))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # time in which it would have gone out, were it not lingering
         assert not lingering.done()
         urgent = await asyncio.wait_for(
             mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model="vip"), 60, urgent=True), 5)
@@ -208,6 +209,7 @@ async def test_an_urgent_request_does_not_wait_out_the_linger():
         await mux.close()
 
 
+@pytest.mark.unit
 async def test_a_frame_stops_growing_at_its_byte_bound_and_keeps_the_order():
     """What does not fit starts the next frame; nothing is lost or reordered,
     and the end marker still ends the stream after the last frame."""

@@ -11,13 +11,16 @@ import time
 import grpc
 import numpy as np
 import onnxruntime as ort
+import pytest
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.launcher.mesh import Mesh
-from tests.conftest import MODELS
+from tests.conftest import MODELS, until
 from tests.oip import output_array, tensor_request, text_request
 from tests.test_model_repository import ROWS, _add_version, _config, _mlp_outputs, _write_golden
+
+pytestmark = pytest.mark.e2e
 
 
 async def test_a_swap_under_load_through_the_mesh_fails_no_request(tmp_path, model_repository):
@@ -50,13 +53,13 @@ async def test_a_swap_under_load_through_the_mesh_fails_no_request(tmp_path, mod
                     seen.append((started, phase(), response.model_version))
 
             callers = [asyncio.create_task(caller(i)) for i in range(16)]
-            await asyncio.sleep(1.0)
+            await until(lambda: len(seen) > 50, "answers before the load")
             loading.set()
             override = json.dumps({"version_policy": {"specific": {"versions": [2]}}})
             await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(
                 model_name="mlp", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}), timeout=60)
             swapped.set()
-            await asyncio.sleep(1.5)
+            await until(lambda: sum(started == "after" for started, _, _ in seen) > 50, "answers after the load")
             stop.set()
             await asyncio.gather(*callers)  # a failed request raises here
         assert not mesh.dead()

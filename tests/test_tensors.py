@@ -9,6 +9,8 @@ from services.common.tensors import (
     to_numpy,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_bytes_elements_round_trip_including_empty_and_non_latin():
     items = [b"", "héllo wörld".encode(), "你好".encode(), b"\x00\xff"]

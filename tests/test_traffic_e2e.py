@@ -14,8 +14,10 @@ import pytest
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.launcher.mesh import Mesh
-from tests.conftest import metric
+from tests.conftest import metric, until
 from tests.oip import text_request
+
+pytestmark = pytest.mark.e2e
 
 POLICY = pathlib.Path(__file__).resolve().parent.parent / "mesh" / "istio" / "model-server-traffic.yaml"
 
@@ -36,6 +38,14 @@ def blue_green(model_repository, tmp_path):
               model_server_labels=("version=blue,pool=vip", "version=green"),
               batcher_args=("--replica-poll-s", "0.2", "--max-batch-size", "1", "--traffic-policy", str(policy))) as mesh:
         yield mesh, policy
+
+
+def policy_log(mesh, what: str) -> int:
+    """How often the batcher's log says `what` about its traffic policy."""
+    return (mesh.log_dir / "batcher.log").read_text().count(what)
+
+
+RELOADED, REFUSED = "traffic policy for model-server:", "traffic policy not reloaded"
 
 
 def batches(mesh, name: str) -> float:
@@ -66,19 +76,20 @@ async def test_batches_split_by_weight_and_follow_an_edited_file(blue_green):
     assert int(rows["blue"][3]) == blue and rows["blue"][4] == "100.00%" and rows["blue"][5].startswith("<=")
 
     # The operator's tool moves the traffic; the running batcher follows the file.
+    reloads = policy_log(mesh, RELOADED)
     subprocess.run([sys.executable, "-m", "services.meshctl", "--file", str(policy), "promote", "model-server",
                     "green"], check=True, capture_output=True)
-    await asyncio.sleep(1.0)  # the batcher reads changed files on its next replica poll (0.2 s)
+    # It reads changed files on its next replica poll (0.2 s), and logs the policy it applies.
+    await until(lambda: policy_log(mesh, RELOADED) > reloads, "the batcher applying the promoted policy")
     blue_before = batches(mesh, "model_server-0")
     await send(mesh, 100)
     assert batches(mesh, "model_server-0") == blue_before  # every batch went to green
 
     policy.write_text("this: [is not, a policy")  # a broken edit: the last good policy stays
-    await asyncio.sleep(1.0)
+    await until(lambda: policy_log(mesh, REFUSED) > 0, "the batcher refusing the broken edit")
     await send(mesh, 50)
     assert batches(mesh, "model_server-0") == blue_before
     assert not mesh.dead()
-    assert "traffic policy not reloaded" in (mesh.log_dir / "batcher.log").read_text()
 
 
 async def test_vip_batches_run_on_the_vip_pool_and_standard_ones_never_do(model_repository, tmp_path):

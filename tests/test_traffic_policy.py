@@ -9,6 +9,8 @@ import yaml
 from services.common.traffic import (OutlierDetector, OutlierPolicy, PolicyError, backoff_s, load_policy_files,
                                      parse_destination_rule, parse_duration, parse_virtual_service)
 
+pytestmark = pytest.mark.unit
+
 VIRTUAL_SERVICE = """
 apiVersion: networking.istio.io/v1
 kind: VirtualService

@@ -5,6 +5,9 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.e2e
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -13,11 +13,14 @@ hands every batch to this one and takes the answer back (ZeroMQ for control,
 shared memory for the tensors). Triton's batching needs a batch dimension in
 front of each request's sample shape, and a sample's dims may not be empty:
 minilm takes TEXT BYTES [N, 1] here (the mesh takes [N]) and answers
-EMBEDDING FP32 [N, 384]. One model instance each (one callable), ONNX Runtime
-with one intra-op thread per core. Every port binds 127.0.0.1.
+EMBEDDING FP32 [N, 384]. Each model is served in two layouts, under two names:
+`<model>_shared`, one instance (one callable) whose ONNX Runtime session has an
+intra-op thread per core, and `<model>_split`, one instance per core (a list of
+callables: PyTriton's multi-instance binding), each session with one thread.
+Every port binds 127.0.0.1.
 
-Prints one JSON line {"ready": true, ...} on stdout once Triton says both
-models are ready (everything else, Triton's log included, goes to stderr), then
+Prints one JSON line {"ready": true, ...} on stdout once Triton says every
+model is ready (everything else, Triton's log included, goes to stderr), then
 serves until SIGTERM or SIGINT and stops Triton, which removes its workspace
 and shared memory.
 """
@@ -106,18 +109,26 @@ def main() -> int:
                                  metrics_address="127.0.0.1", metrics_port=args.metrics_port,
                                  allow_gpu_metrics=False)
     grpc_address = f"127.0.0.1:{args.grpc_port}"
+    cores = len(os.sched_getaffinity(0)) or 1
+    layouts = {"shared": (1, args.intra_op_threads), "split": (cores, 1)}  # name -> (instances, threads each)
+    signatures = {
+        "minilm": (minilm_callable, [Tensor(name="TEXT", dtype=bytes, shape=(1,))],
+                   [Tensor(name="EMBEDDING", dtype=np.float32, shape=(384,))]),
+        "mlp": (mlp_callable, [Tensor(name="INPUT0", dtype=np.float32, shape=(64,))],
+                [Tensor(name="OUTPUT0", dtype=np.float32, shape=(64,))]),
+    }
+    names = tuple(f"{model}_{layout}" for model in signatures for layout in layouts)
     try:
-        with tempfile.TemporaryDirectory(prefix="infermesh-pytriton-") as workspace, \
+        # PyTriton's ZeroMQ sockets live in the workspace, and a Unix socket's path may not pass
+        # 107 bytes: a short folder in /tmp, whatever TMPDIR says, keeps every model's socket within.
+        with tempfile.TemporaryDirectory(prefix="pt", dir="/tmp") as workspace, \
                 Triton(config=triton_config, workspace=pathlib.Path(workspace) / "workspace") as triton:
-            triton.bind(model_name="minilm", infer_func=minilm_callable(args.models / "minilm", args.intra_op_threads),
-                        inputs=[Tensor(name="TEXT", dtype=bytes, shape=(1,))],
-                        outputs=[Tensor(name="EMBEDDING", dtype=np.float32, shape=(384,))],
-                        config=model_config)
-            triton.bind(model_name="mlp", infer_func=mlp_callable(args.models / "mlp", args.intra_op_threads),
-                        inputs=[Tensor(name="INPUT0", dtype=np.float32, shape=(64,))],
-                        outputs=[Tensor(name="OUTPUT0", dtype=np.float32, shape=(64,))],
-                        config=model_config)
-            wait_ready(grpc_address, ("minilm", "mlp"), timeout_s=120)
+            for model, (make, inputs, outputs) in signatures.items():
+                for layout, (instances, threads) in layouts.items():
+                    callables = [make(args.models / model, threads) for _ in range(instances)]
+                    triton.bind(model_name=f"{model}_{layout}", infer_func=callables if instances > 1 else callables[0],
+                                inputs=inputs, outputs=outputs, config=model_config)
+            wait_ready(grpc_address, names, timeout_s=180)
             print(json.dumps({"ready": True, "grpc": grpc_address, "pid": os.getpid()}), file=announce, flush=True)
             announce.close()
             triton.serve()  # blocks until SIGINT or SIGTERM (or Triton dies), then stops Triton

@@ -13,11 +13,15 @@ is a Serve application named as the model; the proxy routes a call by its
 application has answered a ModelInfer through the proxy (everything else goes
 to stderr), then serves until SIGTERM or SIGINT and shuts Serve and Ray down.
 
-Each replica takes one CPU of Ray's (two replicas on two cores), batches up to
---max-batch-size calls or --max-queue-delay-ms (one batch at a time per
-replica, Serve's default) and runs them on ONNX Runtime in a thread of its own
-with one intra-op thread per core. Every call of the benchmark carries one
-item, so a batch of calls is a batch of rows.
+Each model is served in two layouts, as two applications: `<model>_shared`,
+one replica whose ONNX Runtime session has an intra-op thread per core, and
+`<model>_split`, one replica per core, each session with one thread. A replica
+batches up to --max-batch-size calls or --max-queue-delay-ms (one batch at a
+time per replica, Serve's default) and runs them on ONNX Runtime in a thread of
+its own. Ray's logical CPUs are not a limit here (each replica asks for a
+share small enough that all of them fit): the cores are shared as the other
+servers share them. Every call of the benchmark carries one item, so a batch of
+calls is a batch of rows.
 """
 
 import argparse
@@ -130,7 +134,7 @@ class MlpDeployment:
 
 
 def probe(address: str, timeout_s: float) -> None:
-    """One ModelInfer per application through the proxy; raises unless both answer."""
+    """One ModelInfer per application through the proxy; raises unless all answer."""
     from inference import grpc_predict_v2_pb2 as pb
     from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
@@ -138,12 +142,13 @@ def probe(address: str, timeout_s: float) -> None:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         request = pb.ModelInferRequest(model_name="minilm")
         request.inputs.add(name="TEXT", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"ready?")
-        answer = stub.ModelInfer(request, timeout=timeout_s, metadata=[("application", "minilm")])
-        assert list(answer.outputs[0].shape) == [1, 384], answer
-        request = pb.ModelInferRequest(model_name="mlp")
-        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 64]).contents.fp32_contents.extend([0.0] * 64)
-        answer = stub.ModelInfer(request, timeout=timeout_s, metadata=[("application", "mlp")])
-        assert list(answer.outputs[0].shape) == [1, 64], answer
+        mlp = pb.ModelInferRequest(model_name="mlp")
+        mlp.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 64]).contents.fp32_contents.extend([0.0] * 64)
+        for layout in ("shared", "split"):
+            answer = stub.ModelInfer(request, timeout=timeout_s, metadata=[("application", f"minilm_{layout}")])
+            assert list(answer.outputs[0].shape) == [1, 384], answer
+            answer = stub.ModelInfer(mlp, timeout=timeout_s, metadata=[("application", f"mlp_{layout}")])
+            assert list(answer.outputs[0].shape) == [1, 64], answer
 
 
 def main() -> int:
@@ -176,10 +181,13 @@ def main() -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.http_port},
                     grpc_options={"port": args.grpc_port, "grpc_servicer_functions": [SERVICER]})
-        options = (args.intra_op_threads, args.max_batch_size, args.max_queue_delay_ms)
-        serve.run(MinilmDeployment.bind(str((args.models / "minilm").resolve()), *options),
-                  name="minilm", route_prefix="/minilm")
-        serve.run(MlpDeployment.bind(str((args.models / "mlp").resolve()), *options), name="mlp", route_prefix="/mlp")
+        cores = len(os.sched_getaffinity(0)) or 1
+        for model, deployment in (("minilm", MinilmDeployment), ("mlp", MlpDeployment)):
+            for layout, replicas, threads in (("shared", 1, args.intra_op_threads), ("split", cores, 1)):
+                app = f"{model}_{layout}"
+                bound = deployment.options(num_replicas=replicas, ray_actor_options={"num_cpus": 0.1}).bind(
+                    str((args.models / model).resolve()), threads, args.max_batch_size, args.max_queue_delay_ms)
+                serve.run(bound, name=app, route_prefix=f"/{app}")
         address = f"127.0.0.1:{args.grpc_port}"
         probe(address, timeout_s=30)
         print(json.dumps({"ready": True, "grpc": address, "pid": os.getpid()}), file=announce, flush=True)
