@@ -450,6 +450,10 @@ class ModelManager:
             raise errors.NotFound(f"model '{name}' is not loaded; loaded models: {self.loaded_names()}")
         return model.config
 
+    def is_known(self, name: str) -> bool:
+        """Whether `name` is a model of the repository this server has loaded at some time (a bounded set)."""
+        return name in self._models
+
     def loaded_names(self) -> list[str]:
         return sorted(name for name, model in self._models.items() if model.serving)
 
@@ -460,7 +464,7 @@ class ModelManager:
         (so a request already routed when a swap happened still runs)."""
         model = self._models.get(name)
         if model is None or not (model.serving or model.standby):
-            raise errors.NotFound(f"model '{name}' is not loaded; loaded models: {self.loaded_names()}")
+            raise errors.NotFound(f"model {errors.shown(name)} is not loaded; loaded models: {self.loaded_names()}")
         if not version:
             ready = model.ready_versions()
             if not ready:

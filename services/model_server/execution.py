@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 TEXT_FEEDS = ("input_ids", "attention_mask", "token_type_ids")
 HIGHER_PRIORITY_MEMORY_S = 10.0  # how long one batch of a priority makes lower ones run in slices
+MAX_PRIORITIES_SEEN = 16  # priorities remembered (callers send them); past it the longest unseen is forgotten
 OPTIMIZATION = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -494,6 +495,8 @@ class LoadedVersion:
         says take at most slice_s, so that such a batch waits for one slice at
         most instead of the whole batch (execution itself is not preemptive)."""
         self._seen_at[priority] = now
+        if len(self._seen_at) > MAX_PRIORITIES_SEEN:
+            del self._seen_at[min(self._seen_at, key=self._seen_at.__getitem__)]
         if slice_rows is not None:
             size = slice_rows
         elif self.slice_s > 0 and rows > 1 and any(
