@@ -163,6 +163,40 @@ async def test_failures_that_are_not_the_models_are_not_recorded_either_way(erro
     assert result.degraded.startswith("fallback minilm-lite/")
 
 
+class HeldModel(FailingModel):
+    """Holds every call to minilm until released: the callers go away meanwhile."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.release = asyncio.Event()
+        self.held = 0
+
+    async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+        if model == "minilm" and not self.release.is_set():
+            self.held += 1
+            await self.release.wait()
+        return await super().submit(model, version, inputs, outputs, tier, timeout_s)
+
+
+@pytest.mark.unit
+async def test_callers_that_go_away_are_not_recorded():
+    """Cancelled callers (a client that hung up, a stream closed) say nothing of the model."""
+    batcher = HeldModel()
+    router = breaker_router(batcher)
+    calls = [asyncio.create_task(router.infer(texts_request(f"leaving {i}"))) for i in range(100)]
+    await until(lambda: batcher.held == 100, "every call held at the batcher")
+    for call in calls:
+        call.cancel()
+    await asyncio.gather(*calls, return_exceptions=True)
+    assert all(call.cancelled() for call in calls)
+    assert router._breakers["minilm"].state is State.CLOSED  # noqa: SLF001
+    batcher.release.set()
+    batcher.error = errors.Unavailable("the model server is down")
+    await _fail(router, 19)
+    # 20 of 20 counted answers failed: open. Counted as answers, the 100 would keep it closed.
+    assert (await router.infer(texts_request("while minilm is down"))).degraded.startswith("fallback minilm-lite/")
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("code", ["UNAVAILABLE", "INTERNAL", "UNKNOWN"])
 async def test_the_models_own_failures_open_the_breaker(code):

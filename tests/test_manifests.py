@@ -235,5 +235,21 @@ def test_a_router_that_keeps_failure_samples_keeps_them_redacted(overlay):
     for router in routers:
         for container in router["spec"]["template"]["spec"]["containers"]:
             env = {e["name"]: e.get("value") for e in container.get("env", [])}
-            if env.get("INFERMESH_ROUTER_FAILURE_SAMPLES_PATH"):
-                assert env.get("INFERMESH_ROUTER_FAILURE_SAMPLES_CONTENT") == "redacted", router["metadata"]["name"]
+            path = env.get("INFERMESH_ROUTER_FAILURE_SAMPLES_PATH")
+            if not path:
+                continue
+            assert env.get("INFERMESH_ROUTER_FAILURE_SAMPLES_CONTENT") == "redacted", router["metadata"]["name"]
+            # The file and its rotated copy fit the volume they are written to.
+            mount = max((m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")),
+                        key=lambda m: len(m["mountPath"]))
+            volume = next(v for v in router["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+            max_bytes = int(env["INFERMESH_ROUTER_FAILURE_SAMPLES_MAX_BYTES"])
+            assert 2 * max_bytes <= _quantity_bytes(volume["emptyDir"]["sizeLimit"]), router["metadata"]["name"]
+
+
+def _quantity_bytes(quantity: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9}
+    for unit, factor in units.items():
+        if quantity.endswith(unit):
+            return int(quantity[:-len(unit)]) * factor
+    return int(quantity)
