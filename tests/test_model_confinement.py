@@ -16,7 +16,7 @@ from inference import grpc_predict_v2_pb2 as oip
 from services.model_server.core import MAX_OVERRIDES_BYTES
 from services.model_server.repository import (MAX_GOLDEN_BYTES, MAX_TOKENIZER_BYTES, ConfigError, load_config,
                                               read_bounded)
-from tests.test_model_repository import _config, model_server, repo  # noqa: F401 - the mlp repository fixture
+from tests.test_model_repository import model_server, repo  # noqa: F401 - the mlp repository fixture
 
 ATTACK_TIMEOUT_S = 20  # a load that waits on a FIFO would wait forever: this bounds the test instead
 
