@@ -10,7 +10,9 @@ none), then until the batch is full or the oldest request has waited
 max_queue_delay_ms (no wait at all while none of its batches is running:
 waiting would only leave the model idle), takes what fits and sends it to the
 backend as one batch. A request larger than the batch size runs alone, up to
-the model's own limit. Length-aware batching fills a batch with requests of
+the model's own limit. A batch holds one shape: requests whose dimensions
+past the batch one differ never share one (a request of another shape ends
+the batch being formed, and leads the next). Length-aware batching fills a batch with requests of
 similar text length, so that padding stays small. Every request's future is
 always resolved: with its outputs or with a domain error.
 """
@@ -244,6 +246,7 @@ class Pending:
     weight: float = 1.0
     tag: float = 0.0  # its start tag in its level's fair queueing (FairLevel)
     seq: int = 0  # its arrival there
+    shape: tuple = ()  # (name, dimensions past the batch one) per input: only requests alike share a batch
 
     @property
     def rows(self) -> int:
@@ -475,11 +478,13 @@ class ModelQueue:
         self._running.pop(task, None)
 
     def _take(self, room: int, alone: bool, near_length: float | None = None,
-              levels: tuple[int, ...] = PRIORITIES) -> Pending | None:
-        """The next live request of `levels` that fits in `room` rows (any size
-        when `alone`): a batch's lead by strict priority, the rest from `levels`
-        in the order given; FIFO within a level; expired and cancelled requests
-        are answered and dropped on the way. Given `near_length` (length-aware
+              levels: tuple[int, ...] = PRIORITIES, shape: tuple = ()) -> Pending | None:
+        """The next live request of `levels` that fits in `room` rows and has
+        the batch's `shape` (any size and shape when `alone`): a batch's lead by
+        strict priority, the rest from `levels` in the order given; FIFO within
+        a level (a head that does not fit or is of another shape is not passed
+        over: it leads the next batch); expired and cancelled requests are
+        answered and dropped on the way. Given `near_length` (length-aware
         batching), it is the request of the most similar length among the
         first few that fit, so that short texts are not padded to long ones."""
         now = asyncio.get_running_loop().time()
@@ -501,12 +506,12 @@ class ModelQueue:
                 if not self._live(item, now):
                     queue.popleft()
                     continue
-                if item.rows > room and not alone:
+                if not alone and (item.rows > room or item.shape != shape):
                     break
                 if near_length is None or len(queue) == 1:
                     queue.popleft()
                 else:
-                    item = self._closest(queue, room, near_length, now)
+                    item = self._closest(queue, room, near_length, now, shape)
                     queue.remove(item)
                 self._leave(item)
                 if alone:
@@ -528,12 +533,14 @@ class ModelQueue:
             return False
         return True
 
-    def _closest(self, queue: FairLevel, room: int, length: float, now: float) -> Pending:
-        """Among the first LENGTH_WINDOW live requests that fit, the one nearest
-        `length`; ties go to the older. The head fits, so there is always one."""
+    def _closest(self, queue: FairLevel, room: int, length: float, now: float, shape: tuple) -> Pending:
+        """Among the first LENGTH_WINDOW live requests that fit and have `shape`,
+        the one nearest `length`; ties go to the older. The head fits, so there
+        is always one."""
         best, best_gap = queue[0], abs(queue[0].length - length)
         for item in itertools.islice(queue, 1, LENGTH_WINDOW):
-            if item.rows > room or item.future.done() or (item.deadline is not None and now >= item.deadline):
+            if (item.rows > room or item.shape != shape or item.future.done()
+                    or (item.deadline is not None and now >= item.deadline)):
                 continue
             gap = abs(item.length - length)
             if gap < best_gap:
@@ -608,7 +615,8 @@ class ModelQueue:
         while True:
             near = batch[0].length if batch and self._length_aware else None
             allowed = self._fill_levels(batch[0].priority, levels) if batch else levels
-            item = self._take(size - rows, alone=not batch, near_length=near, levels=allowed)
+            item = self._take(size - rows, alone=not batch, near_length=near, levels=allowed,
+                              shape=batch[0].shape if batch else ())
             if item is not None:
                 if not batch:
                     size, dispatch_by = self._plan(item)
@@ -618,7 +626,7 @@ class ModelQueue:
                     break
                 continue
             if not batch or any(self._queued[level] for level in allowed):
-                break  # nothing waiting, or the next request does not fit
+                break  # nothing waiting, or the next request does not fit or is of another shape
             if self._queued[VIP] and VIP not in allowed:
                 break  # a VIP request this batch will not carry: the batching task is its way out
             remaining = dispatch_by - loop.time()
@@ -896,7 +904,8 @@ class Batcher:
             timeout_s = min(timeout_s, level_timeout) if timeout_s else level_timeout
         length = sum(len(t.data) for t in inputs if t.datatype == "BYTES") / rows
         item = Pending(inputs, outputs, priority, now + timeout_s if timeout_s else None, loop.create_future(), now,
-                       length=length, tenant=tenant, weight=weight)
+                       length=length, shape=tuple((t.name, t.shape[1:]) for t in inputs), tenant=tenant,
+                       weight=weight)
         queue.put(item)
         if item.deadline is not None:
             item.timer = loop.call_at(queue.give_up_at(item), queue.give_up, item)

@@ -32,7 +32,9 @@ class ModelServerServicer(model_server_pb2_grpc.ModelServerServicer):
     async def Execute(self, request, context):
         inputs = tensors_from_proto(request.inputs)
         rows = inputs[0].rows if inputs else 0
-        with metrics.track(request.model, rows) as record:
+        # Only models of the repository become label values: callers cannot grow the series.
+        label = request.model if self._manager.is_known(request.model) else "unknown"
+        with metrics.track(label, rows) as record:
             version, outputs = await self._manager.execute(request.model, request.version, inputs, list(request.outputs),
                                                            priority=request.priority,
                                                            time_left_s=context.time_remaining())

@@ -9,7 +9,6 @@ from grpc_health.v1 import health_pb2
 from services.common import serving
 from services.common.identity import RegistryError
 from services.common.metrics import start_metrics_server
-from services.router.breaker import FailureSamples
 from services.router.bypass import AdaptiveBypass
 from services.router.clients import BatcherClient, CacheClient
 from services.router.config import RouterConfig
@@ -29,13 +28,12 @@ async def serve(config: RouterConfig) -> None:
              if config.cache else None)
     bypass = AdaptiveBypass(config.cache_bypass_window, config.cache_min_hit_rate, config.cache_bypass_memory)
     near = NearCache(config.near_cache_ttl_s, config.near_cache_max_bytes)
-    samples = FailureSamples(config.failure_samples_path) if config.failure_samples_path else None
     try:
         authenticator = Authenticator(settings_from(config))
     except RegistryError as exc:  # before anything listens: a registry that cannot be used stops the start
         sys.exit(f"router: {exc}")
-    router = Router(catalog, batcher, cache, bypass, config.default_timeout_s, near, config.breaker_policy(), samples,
-                    RateLimiter(), authenticator.label)
+    router = Router(catalog, batcher, cache, bypass, config.default_timeout_s, near, config.breaker_policy(),
+                    config.failure_samples(), RateLimiter(), authenticator.label)
     await batcher.start()
     metrics_port = start_metrics_server(config.host, config.metrics_port)
     draining = asyncio.Event()

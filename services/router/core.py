@@ -16,7 +16,7 @@ from typing import Protocol
 from services.common import errors, identity
 from services.common.tensors import NUMPY_DTYPES, TensorData, count_bytes_elements, element_count
 from services.router import metrics
-from services.router.breaker import COUNTED_CODES, Breaker, BreakerPolicy, FailureSamples, State
+from services.router.breaker import Breaker, BreakerPolicy, FailureSamples, State
 from services.router.bypass import AdaptiveBypass
 from services.router.nearcache import NearCache
 from services.router.tenants import RateLimiter
@@ -211,11 +211,13 @@ class Router:
         try:
             result = await self._infer_primary(request)
         except errors.InfermeshError as exc:
-            counted = exc.code_name in COUNTED_CODES
-            changed = breaker.record(loop.time(), failed=counted)
-            self._publish_breaker(sig.name, breaker, changed)
-            if not counted:
+            # Only the model's own failures are recorded: one the caller brought on
+            # itself (a bad request, its own short deadline) or a busy queue says
+            # nothing of the model, and counted as a success it would dilute real failures.
+            budget_s = request.timeout_s if request.timeout_s is not None else self._default_timeout_s
+            if not self._breaker_policy.counts(exc.code_name, budget_s):
                 raise
+            self._publish_breaker(sig.name, breaker, breaker.record(loop.time(), failed=True))
             if self._failure_samples is not None:
                 self._failure_samples.record(sig.name, exc, request)
             if breaker.state is State.CLOSED:
