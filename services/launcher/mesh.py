@@ -2,7 +2,9 @@
 processes, started in dependency order on loopback and stopped in reverse.
 
 Each service prints one JSON line when it serves, with its bound addresses;
-internal services bind port 0, so meshes never collide with each other.
+internal services bind port 0, so meshes never collide with each other. The
+router binds the public host, the others an internal one (loopback unless
+told). With a certificate folder (`make certs`) every hop is mutual TLS.
 """
 
 import ctypes
@@ -17,7 +19,10 @@ import sys
 import tempfile
 import time
 
+import grpc
 import redis
+
+from services.common import tls
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -46,6 +51,11 @@ def _lower_priority(nice: int) -> None:
             autogroup.write(str(nice))
     except OSError:
         pass  # no autogroup scheduling here: the process's niceness is what counts
+
+
+# The certificate (tools.certs) each service serves and presents.
+CERTIFICATES = {"services.router": "router", "services.batcher": "batcher", "services.cache": "cache",
+                "services.model_server": "model-server"}
 
 
 class MeshError(RuntimeError):
@@ -131,9 +141,17 @@ class Mesh:
         model_server_nice: int | tuple[int, ...] = MODEL_SERVER_NICE,
         ready_timeout_s: float = 120.0,
         routers: int = 1,
+        internal_host: str = "127.0.0.1",
+        tls_dir: str | os.PathLike | None = None,
     ):
         self.models = str(models)
-        self.host = host
+        self.host = host  # the router's, public
+        self.internal_host = internal_host  # every other service's
+        # A folder of tools.certs' files: each service serves its own certificate,
+        # asks every caller for one of the folder's CA, and calls the others with its own.
+        self.tls_dir = pathlib.Path(tls_dir) if tls_dir else None
+        if self.tls_dir is not None and not (self.tls_dir / "ca.pem").is_file():
+            raise MeshError(f"{self.tls_dir} has no ca.pem: run 'make certs' (python -m tools.certs --out {self.tls_dir})")
         self.router_port = router_port
         self.metrics_port = metrics_port
         self.redis_url = redis_url
@@ -229,12 +247,33 @@ class Mesh:
         return nice
 
     def _spawn(self, name: str, module: str, args: list[str], nice: int = 0) -> Process:
-        argv = [sys.executable, "-m", module, "--host", self.host, *args]
-        if module != "services.router":
+        public = module == "services.router"
+        argv = [sys.executable, "-m", module, "--host", self.host if public else self.internal_host,
+                *self._tls_args(module), *args]
+        if not public:
             argv += ["--metrics-port", "0"]
         process = Process(name, argv, self.log_dir, self.env, nice=nice)
         self.processes[name] = process
         return process
+
+    def _tls_args(self, module: str) -> list[str]:
+        if self.tls_dir is None:
+            return []
+        identity = CERTIFICATES[module]
+        argv = ["--tls-cert-file", str(self.tls_dir / f"{identity}.pem"),
+                "--tls-key-file", str(self.tls_dir / f"{identity}.key"),
+                "--tls-ca-file", str(self.tls_dir / "ca.pem"), "--tls-require-client-cert"]
+        if module in ("services.router", "services.batcher"):  # they call other services
+            argv.append("--upstream-tls")
+        return argv
+
+    def client_credentials(self, client: str = "admin-dev") -> grpc.ChannelCredentials | None:
+        """What a caller of any service of this mesh presents (`client`'s
+        certificate of the TLS folder); None for a plaintext mesh."""
+        if self.tls_dir is None:
+            return None
+        return tls.channel_credentials(str(self.tls_dir / "ca.pem"), str(self.tls_dir / f"{client}.pem"),
+                                       str(self.tls_dir / f"{client}.key"))
 
     def start_cache(self) -> Process:
         """Spawns the cache service (also to restart it); the caller waits for it."""

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from services.common import tls
 from services.common.config import require
 
 
@@ -42,9 +43,15 @@ class RouterConfig:
     breaker_open_s: float = dataclasses.field(default=5.0, metadata={"help": "how long an open breaker degrades everything before probing"})
     failure_samples_path: str = dataclasses.field(default="", metadata={"help": "JSON-lines file for requests that failed while a breaker counted (empty: none)"})
     drain_grace_s: float = dataclasses.field(default=10.0)
+    tls_cert_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_cert_file"]})
+    tls_key_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_key_file"]})
+    tls_ca_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_ca_file"]})
+    tls_require_client_cert: bool = dataclasses.field(default=False, metadata={"help": tls.TLS_HELP["tls_require_client_cert"]})
+    upstream_tls: bool = dataclasses.field(default=False, metadata={"help": tls.TLS_HELP["upstream_tls"]})
     log_level: str = dataclasses.field(default="info")
 
     def __post_init__(self):
+        tls.check(self)
         require(self.max_request_bytes >= 1024, f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         require(self.default_timeout_s > 0, f"default_timeout_s must be > 0, got {self.default_timeout_s}")
         require(self.batcher_streams >= 1, f"batcher_streams must be >= 1, got {self.batcher_streams}")

@@ -6,7 +6,7 @@ import logging
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from services.common import errors, serving
+from services.common import errors, serving, tls
 from services.common.streams import answer_concurrently
 from services.router.config import RouterConfig
 from services.router.core import Router
@@ -124,6 +124,7 @@ async def build_server(config: RouterConfig, router: Router, port: int | None = 
     servicer = InferenceServicer(router, config.max_stream_inflight, config.max_request_bytes, draining)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
-    bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
+    bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}",
+                     tls.server_credentials(config))
     await server.start()
     return server, bound, health
