@@ -26,8 +26,8 @@ TIERS = ("unit", "service", "e2e")
 
 # INFERMESH_TEST_TLS=1 (make test TLS=1): every mesh the tests start runs on
 # mutual TLS with certificates made for the run, and the tests' channels to
-# its services present the admin-dev certificate. Tools the tests run as
-# programs (ghz, services.cache.admin) still speak plaintext.
+# its services present the admin-dev certificate (as programs the tests run
+# do when given Mesh.client_files()).
 TLS = os.environ.get("INFERMESH_TEST_TLS", "") not in ("", "0")
 
 

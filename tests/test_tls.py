@@ -2,6 +2,8 @@
 and the identities a server reads from a verified client certificate."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -202,3 +204,58 @@ def test_a_client_refuses_a_server_of_another_ca(tls_mesh, cert_dirs):
     impostor_check = tls.channel_credentials(str(other / "ca.pem"), str(other / "admin-dev.pem"),
                                              str(other / "admin-dev.key"))
     assert _refusal(tls_mesh.router, impostor_check).code() == grpc.StatusCode.UNAVAILABLE
+
+
+# ---------------------------------------------------------------- the launcher
+
+
+@pytest.mark.unit
+def test_the_router_binds_the_public_host_and_the_others_the_internal_one(tmp_path):
+    from services.launcher.mesh import Mesh
+
+    (tmp_path / "ca.pem").write_text("")  # the folder's files are the services' to read
+    mesh = Mesh(host="0.0.0.0", internal_host="127.0.0.1", tls_dir=tmp_path)
+
+    def flag(argv, name):
+        return argv[argv.index(name) + 1]
+
+    router, batcher = mesh.argv("services.router", []), mesh.argv("services.batcher", [])
+    cache, model_server = mesh.argv("services.cache", []), mesh.argv("services.model_server", [])
+    assert flag(router, "--host") == "0.0.0.0"
+    assert {flag(argv, "--host") for argv in (batcher, cache, model_server)} == {"127.0.0.1"}
+    assert flag(model_server, "--tls-cert-file") == str(tmp_path / "model-server.pem")
+    assert all("--tls-require-client-cert" in argv for argv in (router, batcher, cache, model_server))
+    assert "--upstream-tls" in router and "--upstream-tls" in batcher and "--upstream-tls" not in cache
+    plain = Mesh(tls_dir=None).argv("services.batcher", [])
+    assert not any(arg.startswith("--tls") or arg == "--upstream-tls" for arg in plain)
+
+
+@pytest.mark.e2e
+def test_make_run_tls_serves_mutual_tls_and_the_admin_tool_follows(model_repository, cert_dirs, tmp_path):
+    """python -m services.launcher --tls-dir, as `make run TLS=1` starts it: the run file
+    says where the certificates are, and services.cache.admin presents the admin's."""
+    ours, _ = cert_dirs
+    run_file = tmp_path / "mesh.json"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "services.launcher", "--models", str(model_repository), "--port", "0",
+         "--metrics-port", "0", "--log-dir", str(tmp_path), "--run-file", str(run_file), "--l2-path", "",
+         "--tls-dir", str(ours)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "INFERMESH_CACHE_ADMIN_TOKEN": "t0ken"})
+    try:
+        line = launcher.stdout.readline()
+        assert "(mutual TLS)" in line, line
+        running = json.loads(run_file.read_text())
+        assert running["tls_dir"] == str(ours)
+        purge = subprocess.run([sys.executable, "-m", "services.cache.admin", "purge", "minilm", "--run-file",
+                                str(run_file), "--token", "t0ken"], capture_output=True, text=True, timeout=60)
+        assert purge.returncode == 0 and "purged model minilm" in purge.stdout, purge.stderr
+        with tls.channel(running["router"], credentials(ours, "tenant-vip-dev")) as channel:
+            response = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(text_request(["via make run"]), timeout=60)
+        assert output_array(response, "EMBEDDING").shape == (1, 384)
+        with pytest.raises(grpc.RpcError) as refused, grpc.insecure_channel(running["cache"]) as channel:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(60) == 0
+        launcher.stdout.close()

@@ -23,8 +23,8 @@ def test_tritonclient_unary_and_stream_match_sentence_transformers(mesh, referen
     texts_path = tmp_path / "texts.json"
     texts_path.write_text(json.dumps(TEXTS))
     out = tmp_path / "out.npz"
-    tls = [str(mesh.tls_dir / name) for name in ("ca.pem", "admin-dev.pem", "admin-dev.key")] if mesh.tls_dir else []
-    subprocess.run([sys.executable, "tests/triton_client_run.py", mesh.router, str(texts_path), str(out), *tls],
+    subprocess.run([sys.executable, "tests/triton_client_run.py", mesh.router, str(texts_path), str(out),
+                    *(mesh.client_files() or ())],
                    check=True, timeout=300)
     got = np.load(out)
     facts = json.loads(str(got["facts"]))

@@ -75,7 +75,8 @@ def main() -> int:
     partial = args.run_file.with_name(args.run_file.name + ".tmp")
     partial.write_text(json.dumps(
         {name: p.info.get("grpc") for name, p in mesh.processes.items() if name != "redis"}
-        | {"redis": mesh.redis_url, "tls_dir": args.tls_dir or None,
+        | ({"tls_dir": args.tls_dir} if args.tls_dir else {})  # services.cache.admin presents its admin-dev certificate
+        | {"redis": mesh.redis_url,
            "metrics": {name: mesh.metrics_url(name) for name in mesh.processes if name != "redis"}},
         indent=1))
     partial.replace(args.run_file)

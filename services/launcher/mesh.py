@@ -246,13 +246,18 @@ class Mesh:
             return nice[index] if index < len(nice) else MODEL_SERVER_NICE
         return nice
 
-    def _spawn(self, name: str, module: str, args: list[str], nice: int = 0) -> Process:
+    def argv(self, module: str, args: list[str]) -> list[str]:
+        """The command line of one of our services: the router binds the public
+        host, the others the internal one; with a TLS folder, its certificates."""
         public = module == "services.router"
         argv = [sys.executable, "-m", module, "--host", self.host if public else self.internal_host,
                 *self._tls_args(module), *args]
         if not public:
             argv += ["--metrics-port", "0"]
-        process = Process(name, argv, self.log_dir, self.env, nice=nice)
+        return argv
+
+    def _spawn(self, name: str, module: str, args: list[str], nice: int = 0) -> Process:
+        process = Process(name, self.argv(module, args), self.log_dir, self.env, nice=nice)
         self.processes[name] = process
         return process
 
@@ -267,13 +272,17 @@ class Mesh:
             argv.append("--upstream-tls")
         return argv
 
-    def client_credentials(self, client: str = "admin-dev") -> grpc.ChannelCredentials | None:
-        """What a caller of any service of this mesh presents (`client`'s
-        certificate of the TLS folder); None for a plaintext mesh."""
+    def client_files(self, client: str = "admin-dev") -> tuple[str, str, str] | None:
+        """The CA, certificate and key files a caller of this mesh uses (`client`'s
+        of the TLS folder, for tools such as ghz); None for a plaintext mesh."""
         if self.tls_dir is None:
             return None
-        return tls.channel_credentials(str(self.tls_dir / "ca.pem"), str(self.tls_dir / f"{client}.pem"),
-                                       str(self.tls_dir / f"{client}.key"))
+        return str(self.tls_dir / "ca.pem"), str(self.tls_dir / f"{client}.pem"), str(self.tls_dir / f"{client}.key")
+
+    def client_credentials(self, client: str = "admin-dev") -> grpc.ChannelCredentials | None:
+        """What a caller of any service of this mesh presents; None for a plaintext mesh."""
+        files = self.client_files(client)
+        return tls.channel_credentials(*files) if files else None
 
     def start_cache(self) -> Process:
         """Spawns the cache service (also to restart it); the caller waits for it."""
