@@ -72,11 +72,14 @@ async def _whoami(port: int, channel_credentials) -> list[str]:
 @pytest.mark.service
 async def test_peer_identities_are_the_verified_certificates_cn_and_sans(cert_dirs):
     ours, _ = cert_dirs
-    certs.sign(ours, "svc-client", dns=["client.example"], ips=["127.0.0.1"])
+    certs.sign(ours, "svc-client", dns=["client.example"], ips=["127.0.0.1"],
+               uris=["spiffe://cluster.local/ns/infermesh/sa/app"])
     server, port = await _identity_server(tls.server_credentials(_Config(ours)))
     try:
         assert await _whoami(port, credentials(ours, "tenant-standard-dev")) == ["tenant-standard-dev"]
-        assert await _whoami(port, credentials(ours, "svc-client")) == ["svc-client", "client.example", "127.0.0.1"]
+        common_name, *alternative = await _whoami(port, credentials(ours, "svc-client"))
+        assert common_name == "svc-client"
+        assert sorted(alternative) == ["127.0.0.1", "client.example", "spiffe://cluster.local/ns/infermesh/sa/app"]
     finally:
         await server.stop(None)
 

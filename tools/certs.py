@@ -62,11 +62,12 @@ def service_names(service: str, namespace: str = NAMESPACE) -> list[str]:
             f"{service}.{namespace}.svc.cluster.local"]
 
 
-def sign(out: pathlib.Path, name: str, dns: list[str] = (), ips: list[str] = (), server: bool = True) -> None:
+def sign(out: pathlib.Path, name: str, dns: list[str] = (), ips: list[str] = (), server: bool = True,
+         uris: list[str] = ()) -> None:
     """out/NAME.pem and out/NAME.key, signed by out/ca.pem: CN NAME, the given
     SANs, for client use and (with `server`) server use."""
     _new_key(out / f"{name}.key")
-    sans = [f"DNS:{d}" for d in dns] + [f"IP:{ip}" for ip in ips]
+    sans = [f"DNS:{d}" for d in dns] + [f"IP:{ip}" for ip in ips] + [f"URI:{u}" for u in uris]
     usage = "serverAuth,clientAuth" if server else "clientAuth"
     with tempfile.TemporaryDirectory() as scratch:
         request, extensions = pathlib.Path(scratch, "request.csr"), pathlib.Path(scratch, "extensions.cnf")
