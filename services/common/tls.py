@@ -14,6 +14,8 @@ import os
 
 import grpc
 
+from services.common.config import require
+
 TLS_HELP = {
     "tls_cert_file": "PEM certificate (chain) this service serves and presents to the services it calls; "
                      "empty: plaintext",
@@ -28,18 +30,16 @@ TLS_HELP = {
 def check(config) -> None:
     """Config check of the TLS fields of any service's config; raises ValueError naming the field."""
     cert, key, ca = config.tls_cert_file, config.tls_key_file, config.tls_ca_file
-    if bool(cert) != bool(key):
-        raise ValueError(f"tls_cert_file and tls_key_file go together, got tls_cert_file={cert!r} "
-                         f"and tls_key_file={key!r}")
-    if config.tls_require_client_cert and not (cert and ca):
-        raise ValueError("tls_require_client_cert needs tls_cert_file, tls_key_file and tls_ca_file, got "
-                         f"tls_cert_file={cert!r}, tls_ca_file={ca!r}")
-    if getattr(config, "upstream_tls", False) and not ca:
-        raise ValueError("upstream_tls needs tls_ca_file to verify the servers called, got tls_ca_file=''")
+    require(bool(cert) == bool(key),
+            f"tls_cert_file and tls_key_file go together, got tls_cert_file={cert!r} and tls_key_file={key!r}")
+    require(not config.tls_require_client_cert or bool(cert and ca),
+            "tls_require_client_cert needs tls_cert_file, tls_key_file and tls_ca_file, got "
+            f"tls_cert_file={cert!r}, tls_ca_file={ca!r}")
+    require(not getattr(config, "upstream_tls", False) or bool(ca),
+            "upstream_tls needs tls_ca_file to verify the servers called, got tls_ca_file=''")
     for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
         path = getattr(config, name)
-        if path and not os.path.isfile(path):
-            raise ValueError(f"{name} {path!r} is not a readable file")
+        require(not path or os.access(path, os.R_OK) and os.path.isfile(path), f"{name} {path!r} is not a readable file")
 
 
 def _read(path: str) -> bytes:
