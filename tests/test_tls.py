@@ -11,7 +11,6 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.common import tls
