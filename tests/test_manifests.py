@@ -35,7 +35,8 @@ def test_every_overlay_passes_every_check(overlay, istio):
     docs = manifests.render(overlay)
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "VirtualService", "DestinationRule", "PeerAuthentication",
-            "AuthorizationPolicy", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ConfigMap"} <= kinds
+            "RequestAuthentication", "AuthorizationPolicy", "HorizontalPodAutoscaler", "PodDisruptionBudget",
+            "ConfigMap"} <= kinds
     assert manifests.problems(docs, istio) == []
 
 
@@ -149,6 +150,38 @@ MISTAKES = {
         lambda d: _find(d, "HorizontalPodAutoscaler", "router")["spec"]["behavior"]["scaleDown"].update(
             stabilizationWindowSeconds=0),
         "a scale-down window under 60 s lets the replica count flap"),
+    "a tenant header a caller can send without a JWT": (
+        lambda d: d.remove(_find(d, "AuthorizationPolicy", "router-identity-headers")),
+        "RequestAuthentication/router writes x-infermesh-jwt-tenant for Deployment/router from verified JWTs, but "
+        "no DENY AuthorizationPolicy refuses a request that carries it without one"),
+    "a DENY rule that refuses only callers with a JWT": (
+        lambda d: _find(d, "AuthorizationPolicy", "router-identity-headers")["spec"]["rules"][0]["from"][0].update(
+            source={"requestPrincipals": ["*"]}),
+        "no DENY AuthorizationPolicy refuses a request that carries it without one"),
+    "a DENY rule on another port than the router's": (
+        lambda d: _find(d, "AuthorizationPolicy", "router-identity-headers")["spec"]["rules"][0]["to"][0].update(
+            operation={"ports": ["8002"]}),
+        "no DENY AuthorizationPolicy refuses a request that carries it without one"),
+    "a DENY rule of HTTP attributes without ports": (
+        lambda d: _find(d, "AuthorizationPolicy", "router-identity-headers")["spec"]["rules"][0].pop("to"),
+        "a DENY rule of HTTP attributes without ports denies all TCP traffic"),
+    "a condition on an attribute Istio does not know": (
+        lambda d: _find(d, "AuthorizationPolicy", "router-identity-headers")["spec"]["rules"][0]["when"][0].update(
+            key="request.header[x-infermesh-jwt-tenant]"),
+        "unknown attribute: request.header[x-infermesh-jwt-tenant]"),
+    "a client-sent x-forwarded-client-cert kept by the router's sidecar": (
+        lambda d: _find(d, "Deployment", "router")["spec"]["template"]["metadata"]["annotations"].update({
+            "proxy.istio.io/config": '{"holdApplicationUntilProxyStarts": true, "terminationDrainDuration": "15s"}'}),
+        "Deployment/router authenticates callers (RequestAuthentication/router) but its sidecar forwards "
+        "x-forwarded-client-cert as APPEND_FORWARD"),
+    "a JWKS URI of a scheme Istio cannot fetch": (
+        lambda d: _find(d, "RequestAuthentication", "router")["spec"]["jwtRules"][0].update(
+            jwksUri="ftp://issuer.example/keys"),
+        "URI scheme of 'ftp://issuer.example/keys' is not supported"),
+    "a claim copied to a header Istio refuses to write": (
+        lambda d: _find(d, "RequestAuthentication", "router")["spec"]["jwtRules"][0]["outputClaimToHeaders"][0].update(
+            header="x-infermesh:tenant"),
+        "header name x-infermesh:tenant is not a valid header name"),
     "dashboard query of a metric we do not export": (
         _break_dashboard, "infermesh_router_answers_total is not a series our services export"),
 }
@@ -253,3 +286,16 @@ def _quantity_bytes(quantity: str) -> int:
         if quantity.endswith(unit):
             return int(quantity[:-len(unit)]) * factor
     return int(quantity)
+
+
+@pytest.mark.service
+def test_the_namespace_is_strict_mutual_tls_and_the_router_verifies_jwts(production):
+    """One PeerAuthentication for the whole namespace (no selector) in STRICT mode, the
+    per-service ALLOW policies kept, and the router's sidecar checking end users' JWTs."""
+    (peer,) = [d for d in production if d["kind"] == "PeerAuthentication"]
+    assert peer["spec"] == {"mtls": {"mode": "STRICT"}} and peer["metadata"]["namespace"] == "infermesh"
+    allowed = {d["metadata"]["name"] for d in production
+               if d["kind"] == "AuthorizationPolicy" and d["spec"].get("action") == "ALLOW"}
+    assert {"model-server", "batcher", "cache"} <= allowed
+    (authentication,) = [d for d in production if d["kind"] == "RequestAuthentication"]
+    assert authentication["spec"]["selector"] == {"matchLabels": {"app": "router"}}

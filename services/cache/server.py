@@ -10,7 +10,7 @@ from redis.exceptions import RedisError
 from services.cache import codec, metrics
 from services.cache.config import CacheConfig
 from services.cache.core import STALE, ResultCache
-from services.common import errors, identity, serving
+from services.common import errors, identity, serving, tls
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.streams import answer_concurrently
 
@@ -149,7 +149,8 @@ async def build_server(config: CacheConfig, cache: ResultCache, draining: asynci
     admin = identity.AdminGate.from_file(config.tenants_file, "cache")
     cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache, config.admin_token, draining, admin), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
-    bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
+    bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}",
+                     tls.server_credentials(config))
     await server.start()
     await serving.set_serving(health, [SERVICE_NAME], True)
     return server, bound, health

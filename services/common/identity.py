@@ -35,6 +35,7 @@ import pathlib
 import secrets
 
 from services.common import errors
+from services.common.tls import peer_identities
 
 TIERS = {"standard": 0, "vip": 1}  # the router's levels, lowest first
 TIER_NAMES = {level: name for name, level in TIERS.items()}
@@ -324,18 +325,10 @@ def bearer_metadata(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
 
-def certificate_identities(context) -> tuple[str, ...]:
-    """The verified client certificate's identities (common name, then its
-    subject alternative names) of a grpc.aio call; empty without mutual TLS."""
-    auth = context.auth_context() or {}
-    found = [*auth.get("x509_common_name", ()), *auth.get("x509_subject_alternative_name", ())]
-    return tuple(dict.fromkeys(v.decode() if isinstance(v, bytes) else v for v in found))
-
-
 def call_credentials(context) -> Credentials:
     """What a grpc.aio call presents directly: its bearer key and client certificate."""
     metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-    return Credentials(bearer=bearer_of(metadata), certificate=certificate_identities(context))
+    return Credentials(bearer=bearer_of(metadata), certificate=peer_identities(context))
 
 
 class AdminGate:

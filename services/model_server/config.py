@@ -3,6 +3,7 @@
 import dataclasses
 import os
 
+from services.common import tls
 from services.common.config import require
 
 CONTROL_MODES = ("none", "explicit", "poll")
@@ -37,9 +38,14 @@ class ModelServerConfig:
     max_message_bytes: int = dataclasses.field(default=64 * 1024 * 1024)
     max_concurrent_rpcs: int = dataclasses.field(default=256)
     drain_grace_s: float = dataclasses.field(default=10.0)
+    tls_cert_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_cert_file"]})
+    tls_key_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_key_file"]})
+    tls_ca_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_ca_file"]})
+    tls_require_client_cert: bool = dataclasses.field(default=False, metadata={"help": tls.TLS_HELP["tls_require_client_cert"]})
     log_level: str = dataclasses.field(default="info")
 
     def __post_init__(self):
+        tls.check(self)
         require(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
         require(self.model_control_mode in CONTROL_MODES,
                 f"model_control_mode must be one of {CONTROL_MODES}, got {self.model_control_mode!r}")

@@ -12,7 +12,7 @@ from inference import grpc_predict_v2_pb2_grpc as oip_grpc
 from infermesh.common.v1 import tensor_pb2
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
-from services.common import errors, identity, serving
+from services.common import errors, identity, serving, tls
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.model_server import metrics
 from services.model_server.config import ModelServerConfig
@@ -161,7 +161,8 @@ async def build_server(config: ModelServerConfig, manager: ModelManager, port: i
     admin = identity.AdminGate.from_file(config.tenants_file, "model server")
     oip_grpc.add_GRPCInferenceServiceServicer_to_server(RepositoryServicer(manager, admin), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME, OIP_SERVICE_NAME])
-    bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
+    bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}",
+                     tls.server_credentials(config))
     await server.start()
     await serving.set_serving(health, [SERVICE_NAME, OIP_SERVICE_NAME], True)
     if readiness is not None:

@@ -6,7 +6,7 @@ import sys
 
 from grpc_health.v1 import health_pb2
 
-from services.common import serving
+from services.common import serving, tls
 from services.common.identity import RegistryError
 from services.common.metrics import start_metrics_server
 from services.router.bypass import AdaptiveBypass
@@ -22,9 +22,11 @@ log = logging.getLogger("services.router")
 
 async def serve(config: RouterConfig) -> None:
     catalog = Catalog()
+    upstream = tls.upstream_credentials(config)
     batcher = BatcherClient(config.batcher, config.batcher_streams, catalog, config.catalog_poll_s,
-                            config.stream_max_age_s, config.batcher_linger_ms / 1000)
-    cache = (CacheClient(config.cache, config.cache_lookup_timeout_ms / 1000, stream_max_age_s=config.stream_max_age_s)
+                            config.stream_max_age_s, config.batcher_linger_ms / 1000, upstream)
+    cache = (CacheClient(config.cache, config.cache_lookup_timeout_ms / 1000, stream_max_age_s=config.stream_max_age_s,
+                         credentials=upstream)
              if config.cache else None)
     bypass = AdaptiveBypass(config.cache_bypass_window, config.cache_min_hit_rate, config.cache_bypass_memory)
     near = NearCache(config.near_cache_ttl_s, config.near_cache_max_bytes)

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from services.common import tls
 from services.common.config import require
 
 
@@ -53,6 +54,11 @@ class RouterConfig:
     jwt_tenant_header: str = dataclasses.field(default="x-infermesh-jwt-tenant", metadata={
         "help": "the header Istio's RequestAuthentication writes a verified token's tenant claim into"})
     drain_grace_s: float = dataclasses.field(default=10.0)
+    tls_cert_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_cert_file"]})
+    tls_key_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_key_file"]})
+    tls_ca_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_ca_file"]})
+    tls_require_client_cert: bool = dataclasses.field(default=False, metadata={"help": tls.TLS_HELP["tls_require_client_cert"]})
+    upstream_tls: bool = dataclasses.field(default=False, metadata={"help": tls.TLS_HELP["upstream_tls"]})
     log_level: str = dataclasses.field(default="info")
     breaker_min_counted_timeout_ms: float = dataclasses.field(default=1000.0, metadata={
         "help": "a DEADLINE_EXCEEDED counts against a model's breaker only for a request whose own deadline was at "
@@ -65,6 +71,7 @@ class RouterConfig:
         "help": "bound on the failure-samples file; past it the file becomes <path>.1 (one rotated file is kept)"})
 
     def __post_init__(self):
+        tls.check(self)
         require(self.max_request_bytes >= 1024, f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         require(not (self.trust_tier_header and self.tenants_file),
                 "trust_tier_header believes every claim: it cannot go with a tenants_file, whose tiers it would ignore")

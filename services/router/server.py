@@ -6,7 +6,7 @@ import logging
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from services.common import errors, identity, serving
+from services.common import errors, serving, tls
 from services.common.streams import answer_concurrently
 from services.router.config import RouterConfig
 from services.router.core import Router
@@ -60,7 +60,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         metadata = _metadata(context)
-        tenant = self._auth.caller(metadata, identity.certificate_identities(context))
+        tenant = self._auth.caller(metadata, tls.peer_identities(context))
         infer_request = self._as(tenant, request_from_proto(request, metadata, context.time_remaining()))
         return response_to_proto(await self._router.infer(infer_request))
 
@@ -77,7 +77,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         credentials are checked once, before it is read: unknown ones end it
         with UNAUTHENTICATED."""
         metadata = _metadata(context)
-        tenant = self._auth.caller(metadata, identity.certificate_identities(context))
+        tenant = self._auth.caller(metadata, tls.peer_identities(context))
 
         async def answer(request):
             if isinstance(request, serving.Malformed):
@@ -141,6 +141,7 @@ async def build_server(config: RouterConfig, router: Router, port: int | None = 
     servicer = InferenceServicer(router, config.max_stream_inflight, config.max_request_bytes, draining, authenticator)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
-    bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
+    bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}",
+                     tls.server_credentials(config))
     await server.start()
     return server, bound, health
