@@ -45,7 +45,8 @@ def _golden(file: str) -> dict:
 async def _refused(server, overrides: dict, *complaints: str) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await server.oip.RepositoryModelLoad(oip.RepositoryModelLoadRequest(model_name="mlp", parameters={
-            "config": oip.ModelRepositoryParameter(string_param=json.dumps(overrides))}), timeout=ATTACK_TIMEOUT_S, metadata=ADMIN)
+            "config": oip.ModelRepositoryParameter(string_param=json.dumps(overrides))}), timeout=ATTACK_TIMEOUT_S,
+            metadata=ADMIN)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
     for complaint in complaints:
         assert complaint in raised.value.details()
