@@ -93,6 +93,9 @@ def test_sidecar_headers_count_only_behind_a_configured_sidecar():
     assert behind.caller({"x-infermesh-jwt-tenant": "shop"}).name == "shop"
     with pytest.raises(errors.Unauthenticated, match="token's tenant 'nobody' is not in the registry"):
         behind.caller({"x-infermesh-jwt-tenant": "nobody"})
+    twice = (("x-infermesh-jwt-tenant", "shop"), ("x-infermesh-jwt-tenant", "acme"))  # a client's copy beside it
+    with pytest.raises(errors.Unauthenticated, match="'x-infermesh-jwt-tenant' appears 2 times"):
+        behind.caller(dict(twice), raw=twice)
 
 
 @pytest.mark.unit

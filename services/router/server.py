@@ -60,7 +60,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         metadata = _metadata(context)
-        tenant = self._auth.caller(metadata, tls.peer_identities(context))
+        tenant = self._auth.caller(metadata, tls.peer_identities(context), tuple(context.invocation_metadata() or ()))
         infer_request = self._as(tenant, request_from_proto(request, metadata, context.time_remaining()))
         return response_to_proto(await self._router.infer(infer_request))
 
@@ -77,7 +77,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         credentials are checked once, before it is read: unknown ones end it
         with UNAUTHENTICATED."""
         metadata = _metadata(context)
-        tenant = self._auth.caller(metadata, tls.peer_identities(context))
+        tenant = self._auth.caller(metadata, tls.peer_identities(context), tuple(context.invocation_metadata() or ()))
 
         async def answer(request):
             if isinstance(request, serving.Malformed):

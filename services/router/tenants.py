@@ -64,13 +64,15 @@ class Authenticator:
         names = sorted(registry.tenants) if registry else []
         self._labels = {name: name for name in names[:LABELLED_TENANTS]} | {identity.ANONYMOUS: identity.ANONYMOUS}
 
-    def caller(self, metadata: dict[str, str], certificate: tuple[str, ...] = ()) -> identity.Tenant:
-        """The tenant of a call (or UNAUTHENTICATED)."""
+    def caller(self, metadata: dict[str, str], certificate: tuple[str, ...] = (),
+               raw: tuple = ()) -> identity.Tenant:
+        """The tenant of a call (or UNAUTHENTICATED); `raw` is the call's metadata
+        as sent (pairs), where an identity header may be repeated."""
         if self._settings.trust_tier_header:
             return self._legacy
         try:
             credentials = identity.Credentials(bearer=identity.bearer_of(metadata), certificate=certificate,
-                                               **self._sidecar(metadata))
+                                               **self._sidecar(metadata, raw))
             if self._registry is None:
                 if credentials != identity.Credentials():
                     raise errors.Unauthenticated("this router has no tenant registry (--tenants-file): it cannot "
@@ -81,12 +83,18 @@ class Authenticator:
             metrics.AUTH_REFUSALS.labels("unauthenticated").inc()
             raise
 
-    def _sidecar(self, metadata: dict[str, str]) -> dict:
+    def _sidecar(self, metadata: dict[str, str], raw: tuple) -> dict:
         """What the sidecar verified, when the router is configured to sit behind
         one (the mesh's AuthorizationPolicy refuses client-supplied copies);
-        otherwise such headers are ignored."""
+        otherwise such headers are ignored. The sidecar writes each once: a
+        header seen twice may be a client's copy beside it, and is refused."""
         if not self._settings.trust_sidecar_identity:
             return {}
+        for name in (XFCC_HEADER, self._settings.jwt_tenant_header):
+            count = sum(1 for key, _ in raw if key == name)
+            if count > 1:
+                raise errors.Unauthenticated(f"identity header '{name}' appears {count} times; the sidecar writes "
+                                             "it once")
         found = {}
         forwarded = metadata.get(XFCC_HEADER)
         if forwarded:
