@@ -18,9 +18,10 @@ $(shell mkdir -p $(VERSIONS); \
     f=$(VERSIONS)/$${pair%%=*}; [ "$$(cat $$f 2>/dev/null)" = "$${pair#*=}" ] || echo "$${pair#*=}" > $$f; done)
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
-.PHONY: setup venv system-deps ghz kustomize istio-crds kube-test-server stubs models run test test-fast test-stress check-manifests bench peers bench-peers clean
+.PHONY: setup venv system-deps ghz kustomize istio-crds kube-test-server stubs models tenants certs run test \
+  test-fast test-e2e test-stress check-manifests bench peers bench-peers clean
 
-setup: venv system-deps ghz kustomize istio-crds kube-test-server stubs models
+setup: venv system-deps ghz kustomize istio-crds kube-test-server stubs models tenants
 	@echo "setup complete: 'make run' starts the mesh, 'make test' runs the tests"
 
 venv: $(VENV)/.installed
@@ -99,21 +100,40 @@ gen/.stamp: $(PROTOS) $(VENV)/.installed tools/gen_stubs.py
 models: $(VENV)/.installed
 	$(PY) -m services.model_server.build_repository --out $(MODEL_REPO)
 
+# The local tenant registry (docs/tenants.md): a VIP, a standard and an admin
+# development tenant, their keys printed once; an existing registry is kept.
+tenants: stubs
+	@$(PY) -m services.meshctl tenants init --if-missing
+
+# A development CA and certificates for mutual TLS (tools/certs.py): one per
+# service, the development tenants' and the administrator's. Kept once made.
+CERTS := var/certs
+certs: venv system-deps
+	$(PY) -m tools.certs --out $(CERTS)
+
 # Only what the mesh itself needs (the test and manifest tools are setup's).
 # make run ROUTERS=2: that many router processes share the port (SO_REUSEPORT).
-run: venv system-deps stubs models
-	$(PY) -m services.launcher --models $(MODEL_REPO) $(if $(ROUTERS),--routers $(ROUTERS))
+# make run TLS=1: every hop on mutual TLS with the certificates of $(CERTS).
+run: venv system-deps stubs models $(if $(TLS),certs)
+	$(PY) -m services.launcher --models $(MODEL_REPO) $(if $(ROUTERS),--routers $(ROUTERS)) \
+	  $(if $(TLS),--tls-dir $(CERTS))
 
 # Every run is in a shuffled order (pytest-randomly), its seed printed at the top
 # ("Using --randomly-seed=N"); make test SEED=N replays that order.
 RANDOMLY = -p randomly $(if $(SEED),--randomly-seed=$(SEED))
+# make test TLS=1 (or test-e2e TLS=1): every mesh the tests start runs on mutual TLS (tests/conftest.py).
+TEST_ENV = $(if $(TLS),INFERMESH_TEST_TLS=1)
 
 test: stubs
-	$(PY) -m pytest $(RANDOMLY) tests
+	$(TEST_ENV) $(PY) -m pytest $(RANDOMLY) tests
 
 # The unit tier alone: in-process, no servers or subprocesses (pytest.ini).
 test-fast: stubs
 	$(PY) -m pytest $(RANDOMLY) -m unit tests
+
+# The e2e tier alone: the whole mesh, ghz, the kube-apiserver.
+test-e2e: stubs
+	$(TEST_ENV) $(PY) -m pytest $(RANDOMLY) -m e2e tests
 
 # The service and e2e tiers with a busy process on every core, ROUNDS times,
 # each round in a new shuffled order; stops at the first failing round and

@@ -24,6 +24,51 @@ MAX_REQUEST_BYTES = 4 * 1024 * 1024
 TIERS = ("unit", "service", "e2e")
 
 
+# INFERMESH_TEST_TLS=1 (make test TLS=1): every mesh the tests start runs on
+# mutual TLS with certificates made for the run, and the tests' channels to
+# its services present the admin-dev certificate (as programs the tests run
+# do when given Mesh.client_files()).
+TLS = os.environ.get("INFERMESH_TEST_TLS", "") not in ("", "0")
+
+
+def pytest_configure(config):
+    if TLS:
+        _run_meshes_on_tls(config)
+
+
+def _run_meshes_on_tls(config) -> None:
+    """Made before any test runs (a unit test may start no process, openssl included)."""
+    import tempfile
+    import weakref
+
+    from services.launcher import mesh as launcher
+    from tools import certs
+
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-test-certs-"))
+    certs.make_all(folder)
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    meshes: weakref.WeakSet = weakref.WeakSet()
+    init = launcher.Mesh.__init__
+
+    def tls_init(self, *args, **kwargs):
+        if "tls_dir" in kwargs:  # a test that chose (tests/test_tls.py) keeps its own channels
+            return init(self, *args, **kwargs)
+        init(self, *args, tls_dir=folder, **kwargs)
+        meshes.add(self)
+
+    def secure_to_meshes(open_plain, open_secure):
+        def opened(target, *args, **kwargs):
+            for running in list(meshes):
+                if target in {p.info.get("grpc") for p in running.processes.values()}:
+                    return open_secure(target, running.client_credentials(), *args, **kwargs)
+            return open_plain(target, *args, **kwargs)
+        return opened
+
+    launcher.Mesh.__init__ = tls_init
+    grpc.insecure_channel = secure_to_meshes(grpc.insecure_channel, grpc.secure_channel)
+    grpc.aio.insecure_channel = secure_to_meshes(grpc.aio.insecure_channel, grpc.aio.secure_channel)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Refuses the run unless every test has exactly one tier: before -m selects by

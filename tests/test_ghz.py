@@ -10,9 +10,18 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.e2e
 
 
+def transport(mesh) -> list[str]:
+    """ghz's flags for the mesh: plaintext, or mutual TLS with the mesh's client certificate."""
+    files = mesh.client_files()
+    if files is None:
+        return ["--insecure"]
+    ca, cert, key = files
+    return ["--cacert", ca, "--cert", cert, "--key", key]
+
+
 def test_ghz_thousand_requests_without_errors(mesh, ghz_binary):
     run = subprocess.run(
-        [str(ghz_binary), "--insecure", "--call", "inference.GRPCInferenceService.ModelInfer",
+        [str(ghz_binary), *transport(mesh), "--call", "inference.GRPCInferenceService.ModelInfer",
          "--data-file", str(ROOT / "bench" / "ghz" / "minilm-data.json"),
          "--total", "1000", "--concurrency", "16", "--format", "json", mesh.router],
         capture_output=True, text=True, timeout=300, check=True)
@@ -24,7 +33,7 @@ def test_ghz_thousand_requests_without_errors(mesh, ghz_binary):
 
 def test_ghz_streams_through_model_stream_infer(mesh, ghz_binary):
     run = subprocess.run(
-        [str(ghz_binary), "--insecure", "--call", "inference.GRPCInferenceService.ModelStreamInfer",
+        [str(ghz_binary), *transport(mesh), "--call", "inference.GRPCInferenceService.ModelStreamInfer",
          "--data-file", str(ROOT / "bench" / "ghz" / "minilm-data.json"),
          "--total", "50", "--concurrency", "5", "--format", "json", mesh.router],
         capture_output=True, text=True, timeout=300, check=True)

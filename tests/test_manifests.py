@@ -35,7 +35,8 @@ def test_every_overlay_passes_every_check(overlay, istio):
     docs = manifests.render(overlay)
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "VirtualService", "DestinationRule", "PeerAuthentication",
-            "AuthorizationPolicy", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ConfigMap"} <= kinds
+            "RequestAuthentication", "AuthorizationPolicy", "HorizontalPodAutoscaler", "PodDisruptionBudget",
+            "ConfigMap"} <= kinds
     assert manifests.problems(docs, istio) == []
 
 
@@ -149,6 +150,38 @@ MISTAKES = {
         lambda d: _find(d, "HorizontalPodAutoscaler", "router")["spec"]["behavior"]["scaleDown"].update(
             stabilizationWindowSeconds=0),
         "a scale-down window under 60 s lets the replica count flap"),
+    "a tenant header a caller can send without a JWT": (
+        lambda d: d.remove(_find(d, "AuthorizationPolicy", "router-identity-headers")),
+        "RequestAuthentication/router writes x-infermesh-jwt-tenant for Deployment/router from verified JWTs, but "
+        "no DENY AuthorizationPolicy refuses a request that carries it without one"),
+    "a DENY rule that refuses only callers with a JWT": (
+        lambda d: _find(d, "AuthorizationPolicy", "router-identity-headers")["spec"]["rules"][0]["from"][0].update(
+            source={"requestPrincipals": ["*"]}),
+        "no DENY AuthorizationPolicy refuses a request that carries it without one"),
+    "a DENY rule on another port than the router's": (
+        lambda d: _find(d, "AuthorizationPolicy", "router-identity-headers")["spec"]["rules"][0]["to"][0].update(
+            operation={"ports": ["8002"]}),
+        "no DENY AuthorizationPolicy refuses a request that carries it without one"),
+    "a DENY rule of HTTP attributes without ports": (
+        lambda d: _find(d, "AuthorizationPolicy", "router-identity-headers")["spec"]["rules"][0].pop("to"),
+        "a DENY rule of HTTP attributes without ports denies all TCP traffic"),
+    "a condition on an attribute Istio does not know": (
+        lambda d: _find(d, "AuthorizationPolicy", "router-identity-headers")["spec"]["rules"][0]["when"][0].update(
+            key="request.header[x-infermesh-jwt-tenant]"),
+        "unknown attribute: request.header[x-infermesh-jwt-tenant]"),
+    "a client-sent x-forwarded-client-cert kept by the router's sidecar": (
+        lambda d: _find(d, "Deployment", "router")["spec"]["template"]["metadata"]["annotations"].update({
+            "proxy.istio.io/config": '{"holdApplicationUntilProxyStarts": true, "terminationDrainDuration": "15s"}'}),
+        "Deployment/router authenticates callers (RequestAuthentication/router) but its sidecar forwards "
+        "x-forwarded-client-cert as APPEND_FORWARD"),
+    "a JWKS URI of a scheme Istio cannot fetch": (
+        lambda d: _find(d, "RequestAuthentication", "router")["spec"]["jwtRules"][0].update(
+            jwksUri="ftp://issuer.example/keys"),
+        "URI scheme of 'ftp://issuer.example/keys' is not supported"),
+    "a claim copied to a header Istio refuses to write": (
+        lambda d: _find(d, "RequestAuthentication", "router")["spec"]["jwtRules"][0]["outputClaimToHeaders"][0].update(
+            header="x-infermesh:tenant"),
+        "header name x-infermesh:tenant is not a valid header name"),
     "dashboard query of a metric we do not export": (
         _break_dashboard, "infermesh_router_answers_total is not a series our services export"),
 }
@@ -222,3 +255,47 @@ def test_each_sidecar_carries_connections_until_its_service_has_drained(producti
         config = json.loads(pod["metadata"]["annotations"]["proxy.istio.io/config"])
         sidecar_s = traffic.parse_duration(config["terminationDrainDuration"], name)
         assert drain_grace_s.get(name, 10) < sidecar_s < pod["spec"]["terminationGracePeriodSeconds"], name
+
+
+@pytest.mark.service
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.name for p in OVERLAYS])
+def test_a_router_that_keeps_failure_samples_keeps_them_redacted(overlay):
+    """Callers' texts stay out of a pod's disk: wherever a router is given a
+    samples path, its content is set to redacted, not left to a default."""
+    docs = manifests.render(overlay)
+    routers = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].startswith("router")]
+    assert routers
+    for router in routers:
+        for container in router["spec"]["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            path = env.get("INFERMESH_ROUTER_FAILURE_SAMPLES_PATH")
+            if not path:
+                continue
+            assert env.get("INFERMESH_ROUTER_FAILURE_SAMPLES_CONTENT") == "redacted", router["metadata"]["name"]
+            # The file and its rotated copy fit the volume they are written to.
+            mount = max((m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")),
+                        key=lambda m: len(m["mountPath"]))
+            volume = next(v for v in router["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+            max_bytes = int(env["INFERMESH_ROUTER_FAILURE_SAMPLES_MAX_BYTES"])
+            assert 2 * max_bytes <= _quantity_bytes(volume["emptyDir"]["sizeLimit"]), router["metadata"]["name"]
+
+
+def _quantity_bytes(quantity: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9}
+    for unit, factor in units.items():
+        if quantity.endswith(unit):
+            return int(quantity[:-len(unit)]) * factor
+    return int(quantity)
+
+
+@pytest.mark.service
+def test_the_namespace_is_strict_mutual_tls_and_the_router_verifies_jwts(production):
+    """One PeerAuthentication for the whole namespace (no selector) in STRICT mode, the
+    per-service ALLOW policies kept, and the router's sidecar checking end users' JWTs."""
+    (peer,) = [d for d in production if d["kind"] == "PeerAuthentication"]
+    assert peer["spec"] == {"mtls": {"mode": "STRICT"}} and peer["metadata"]["namespace"] == "infermesh"
+    allowed = {d["metadata"]["name"] for d in production
+               if d["kind"] == "AuthorizationPolicy" and d["spec"].get("action") == "ALLOW"}
+    assert {"model-server", "batcher", "cache"} <= allowed
+    (authentication,) = [d for d in production if d["kind"] == "RequestAuthentication"]
+    assert authentication["spec"]["selector"] == {"matchLabels": {"app": "router"}}

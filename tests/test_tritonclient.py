@@ -23,7 +23,8 @@ def test_tritonclient_unary_and_stream_match_sentence_transformers(mesh, referen
     texts_path = tmp_path / "texts.json"
     texts_path.write_text(json.dumps(TEXTS))
     out = tmp_path / "out.npz"
-    subprocess.run([sys.executable, "tests/triton_client_run.py", mesh.router, str(texts_path), str(out)],
+    subprocess.run([sys.executable, "tests/triton_client_run.py", mesh.router, str(texts_path), str(out),
+                    *(mesh.client_files() or ())],
                    check=True, timeout=300)
     got = np.load(out)
     facts = json.loads(str(got["facts"]))

@@ -2,7 +2,8 @@
 
 A separate process because tritonclient's generated module and ours define
 the same protobuf names, and one process's descriptor pool holds only one.
-Usage: python tests/triton_client_run.py ADDRESS TEXTS_JSON OUT_NPZ
+Usage: python tests/triton_client_run.py ADDRESS TEXTS_JSON OUT_NPZ [CA_PEM CERT_PEM KEY_PEM]
+(with the last three, over mutual TLS).
 """
 
 import json
@@ -17,7 +18,8 @@ from tritonclient.utils import InferenceServerException
 def main() -> int:
     address, texts_path, out_path = sys.argv[1:4]
     texts = json.loads(open(texts_path).read())
-    client = grpcclient.InferenceServerClient(url=address)
+    tls = dict(zip(("root_certificates", "certificate_chain", "private_key"), sys.argv[4:7]))
+    client = grpcclient.InferenceServerClient(url=address, ssl=bool(tls), **tls)
     facts = {
         "live": client.is_server_live(),
         "ready": client.is_server_ready(),

@@ -34,6 +34,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import urllib.parse
 
 import grpc
 import yaml
@@ -162,7 +163,35 @@ def _cel_program(rule: str):
     import celpy
 
     environment = celpy.Environment()
-    return environment.program(environment.compile(rule))
+    return environment.program(environment.compile(rule), functions=_kubernetes_cel_functions())
+
+
+@functools.lru_cache(maxsize=None)
+def _kubernetes_cel_functions() -> dict:
+    """The URL library the API server adds to CEL (isURL, url and its getters;
+    Istio's rules on jwksUri and Wasm URLs use them), after Go's url.ParseRequestURI."""
+    import urllib.parse
+
+    from celpy import CELEvalError, celtypes
+
+    def parses(text) -> bool:
+        text = str(text)
+        if not text or any(c.isspace() or ord(c) < 0x20 for c in text):
+            return False
+        return text.startswith("/") or re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", text) is not None
+
+    def url(text):
+        if not parses(text):
+            raise CELEvalError(f"URL parse error during conversion from string: {text!r}")
+        return celtypes.StringType(text)
+
+    def part(name):
+        return lambda value: celtypes.StringType(getattr(urllib.parse.urlsplit(str(value)), name) or "")
+
+    return {"isURL": lambda text: celtypes.BoolType(parses(text)), "url": url, "getScheme": part("scheme"),
+            "getHost": part("netloc"), "getHostname": part("hostname"),
+            "getPort": lambda value: celtypes.StringType(str(urllib.parse.urlsplit(str(value)).port or "")),
+            "getEscapedPath": part("path"), "getQuery": part("query")}
 
 
 def _cel_problems(schema: dict, value, where: str) -> list[str]:
@@ -201,6 +230,12 @@ ISTIO_RETRY_ON = HTTP_RETRY_ON | set(GRPC_RETRY_ON)  # the tokens Istio accepts,
 GRPC_STATUS_NAMES = {code.name for code in grpc.StatusCode}
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~A-Za-z0-9]+$")
+STRICT_HEADER_NAME = re.compile(r"^[-_A-Za-z0-9]+$")  # Istio's for headers it writes
+# AuthorizationPolicy `when` keys (Istio's security.ValidateAttribute).
+MAP_ATTRIBUTES = ("request.headers", "request.auth.claims", "experimental.")
+PLAIN_ATTRIBUTES = {"source.ip", "remote.ip", "source.namespace", "source.serviceAccount", "source.principal",
+                    "source.trustDomain", "request.auth.principal", "request.auth.audiences",
+                    "request.auth.presenter", "destination.ip", "destination.port", "connection.sni"}
 HTTP_STATUS = set(range(100, 104)) | set(range(200, 209)) | {226} | set(range(300, 309)) \
     | set(range(400, 419)) | set(range(421, 427)) | {428, 429, 431, 451} | set(range(500, 509)) | {510, 511}
 
@@ -304,8 +339,42 @@ def istio_code_problems(doc: dict) -> list[str]:
                 if outlier.get("consecutiveLocalOriginFailures") and not outlier.get("splitExternalLocalOriginErrors"):
                     found.append(f"{name}: outlierDetection.consecutiveLocalOriginFailures needs "
                                  "splitExternalLocalOriginErrors")
+    elif kind == "RequestAuthentication":
+        for i, rule in enumerate(spec.get("jwtRules") or []):
+            at = f"{name}: spec.jwtRules[{i}]"
+            if not rule.get("issuer") and not rule.get("jwksUri"):
+                found.append(f"{at}: issuer or jwksUri must be non-empty string")
+            if rule.get("jwksUri") and urllib.parse.urlsplit(rule["jwksUri"]).scheme not in ("http", "https"):
+                found.append(f"{at}.jwksUri: URI scheme of {rule['jwksUri']!r} is not supported")
+            if any(not audience for audience in rule.get("audiences") or []):
+                found.append(f"{at}.audiences: audience must be non-empty string")
+            if any(not (location or {}).get("name") for location in rule.get("fromHeaders") or []):
+                found.append(f"{at}.fromHeaders: location header name must be non-empty string")
+            for output in rule.get("outputClaimToHeaders") or []:
+                if not output.get("claim") or not output.get("header"):
+                    found.append(f"{at}.outputClaimToHeaders: header and claim value must be non-empty string")
+                elif not STRICT_HEADER_NAME.match(output["header"]):
+                    found.append(f"{at}.outputClaimToHeaders: header name {output['header']} is not a valid header name")
     elif kind == "AuthorizationPolicy":
+        if spec.get("action") == "DENY" and spec.get("rules") is None:
+            found.append(f"{name}: DENY action without `rules` is meaningless as it will never be triggered")
         for i, rule in enumerate(spec.get("rules") or []):
+            for condition in rule.get("when") or []:
+                key = condition.get("key", "")
+                if not (condition.get("values") or condition.get("notValues")):
+                    found.append(f"{name}: spec.rules[{i}]: at least one of `values` or `notValues` must be set "
+                                 f"for key {key}")
+                if key.startswith(MAP_ATTRIBUTES):
+                    if not re.match(r"^[^\[]+\[.+\]$", key):
+                        found.append(f"{name}: spec.rules[{i}]: bad key ({key}): should have format a[b]")
+                elif key not in PLAIN_ATTRIBUTES:
+                    found.append(f"{name}: spec.rules[{i}]: unknown attribute: {key}")
+            if spec.get("action") == "DENY" and not any(
+                    (t.get("operation") or {}).get("ports") or (t.get("operation") or {}).get("notPorts")
+                    for t in rule.get("to") or []):
+                # Istio warns: HTTP attributes alone in a DENY rule deny every TCP connection in its scope.
+                found.append(f"{name}: spec.rules[{i}]: a DENY rule of HTTP attributes without ports denies all "
+                             "TCP traffic in its scope; name the ports")
             for source in (s.get("source", {}) for s in rule.get("from") or []):
                 for principal in source.get("principals", []):
                     if principal != "*" and not re.match(r"^[^/]+/ns/[^/]+/sa/[^/]+$", principal):
@@ -513,6 +582,38 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
                         found.append(f"{name_of(policy)}: principal {principal!r} is no service account of "
                                      f"namespace {namespace!r}")
 
+    # Identity the mesh writes: a header a RequestAuthentication fills from verified
+    # JWTs is one the workload trusts, so a copy that arrives without a JWT is refused.
+    for authentication in by_kind.get("RequestAuthentication", []):
+        selector = authentication["spec"].get("selector", {}).get("matchLabels", {})
+        selected = [w for w in workloads if w.selected_by(selector)] if selector else workloads
+        if selector and not selected:
+            found.append(f"{name_of(authentication)}: its selector {selector} matches no Deployment")
+        for rule in authentication["spec"].get("jwtRules", []):
+            for output in rule.get("outputClaimToHeaders", []):
+                header = output.get("header", "").lower()
+                for workload in selected:
+                    if not _refuses_unverified(policies, workload, header):
+                        found.append(f"{name_of(authentication)} writes {header} for Deployment/{workload.name} from "
+                                     "verified JWTs, but no DENY AuthorizationPolicy refuses a request that carries "
+                                     "it without one (notRequestPrincipals [\"*\"], when request.headers["
+                                     f"{header}] present)")
+
+        for workload in selected:
+            # It judges callers by identity, so x-forwarded-client-cert must be its
+            # sidecar's alone: Istio's default (APPEND_FORWARD) keeps a caller's copy.
+            proxy = workload.doc["spec"]["template"]["metadata"].get("annotations", {}).get("proxy.istio.io/config")
+            try:
+                forwarded = ((json.loads(proxy) if proxy else {}).get("proxyHeaders") or {}).get("forwardedClientCert")
+            except json.JSONDecodeError:
+                found.append(f"Deployment/{workload.name}: proxy.istio.io/config is not JSON")
+                continue
+            if forwarded not in ("SANITIZE_SET", "SANITIZE"):
+                found.append(f"Deployment/{workload.name} authenticates callers ({name_of(authentication)}) but its "
+                             f"sidecar forwards x-forwarded-client-cert as {forwarded or 'APPEND_FORWARD'}, keeping "
+                             "a copy the caller sent: set proxyHeaders.forwardedClientCert SANITIZE_SET in "
+                             "proxy.istio.io/config")
+
     # Routes: hosts, subsets, timeouts on streams; outlier detection that can act.
     for service in by_kind.get("VirtualService", []):
         for host in service["spec"].get("hosts", []):
@@ -617,6 +718,37 @@ def _allowed(policies: list[dict], pod: Workload, account: str, namespace: str, 
             if source_ok and port_ok:
                 return True
     return False
+
+
+def _refuses_unverified(policies: list[dict], pod: Workload, header: str) -> bool:
+    """Whether a DENY policy selecting `pod` refuses every request that carries
+    `header` (any value) without a verified JWT, on whatever port."""
+    for policy in policies:
+        if policy["spec"].get("action") != "DENY":
+            continue
+        selector = policy["spec"].get("selector", {}).get("matchLabels", {})
+        if selector and not pod.selected_by(selector):
+            continue
+        for rule in policy["spec"].get("rules") or []:
+            sources = [s.get("source", {}) for s in rule.get("from") or []]
+            unverified = bool(sources) and all(s.keys() == {"notRequestPrincipals"} and "*" in s["notRequestPrincipals"]
+                                               for s in sources)
+            ports = {str(p) for t in rule.get("to") or [] for p in (t.get("operation") or {}).get("ports", [])}
+            carried = [c for c in rule.get("when") or []
+                       if c.get("key", "").lower() == f"request.headers[{header}]" and "*" in (c.get("values") or [])]
+            others = [c for c in rule.get("when") or [] if c not in carried]
+            if unverified and carried and not others and _serves_only(pod, ports):
+                return True
+    return False
+
+
+def _serves_only(pod: Workload, ports: set[str]) -> bool:
+    """Whether `ports` (none: every port) covers each gRPC port of the pod's services."""
+    if not ports:
+        return True
+    grpc_ports = {str(p["containerPort"]) for c in pod.containers for p in c.get("ports", [])
+                  if p.get("name", "").startswith("grpc")}
+    return grpc_ports <= ports
 
 
 def _adapter_metrics(values: pathlib.Path) -> dict[str, str]:

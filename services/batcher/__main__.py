@@ -9,7 +9,7 @@ from services.batcher.config import BatcherConfig
 from services.batcher.core import Batcher
 from services.batcher.replicas import ReplicaSet
 from services.batcher.server import build_server
-from services.common import serving, traffic
+from services.common import serving, tls, traffic
 from services.common.metrics import start_metrics_server
 
 
@@ -23,7 +23,8 @@ async def serve(config: BatcherConfig) -> None:
             raise SystemExit(f"batcher: --traffic-policy: {exc}") from None
     replicas = ReplicaSet(config.model_servers, config.max_inflight_batches_per_replica, config.replica_poll_s,
                           config.max_message_bytes, policy, behind_mesh=config.model_servers_behind_mesh,
-                          queued_per_replica=config.queued_batches_per_replica)
+                          queued_per_replica=config.queued_batches_per_replica,
+                          credentials=tls.upstream_credentials(config))
     await replicas.start()
     batcher = Batcher(replicas, config.max_batch_size, config.max_queue_delay_ms,
                       default_timeout_s=config.execute_timeout_s, policy=config.queue_policy(),

@@ -4,6 +4,7 @@ import dataclasses
 
 from services.batcher.core import STANDARD, VIP, LevelPolicy, QueuePolicy
 from services.batcher.policy import POLICIES
+from services.common import tls
 from services.common.config import require
 
 
@@ -48,6 +49,11 @@ class BatcherConfig:
                 "(Kubernetes with Istio): a failed batch neither marks it unready nor is retried here"})
     max_message_bytes: int = dataclasses.field(default=64 * 1024 * 1024)
     drain_grace_s: float = dataclasses.field(default=10.0)
+    tls_cert_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_cert_file"]})
+    tls_key_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_key_file"]})
+    tls_ca_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_ca_file"]})
+    tls_require_client_cert: bool = dataclasses.field(default=False, metadata={"help": tls.TLS_HELP["tls_require_client_cert"]})
+    upstream_tls: bool = dataclasses.field(default=False, metadata={"help": tls.TLS_HELP["upstream_tls"]})
     log_level: str = dataclasses.field(default="info")
 
     @property
@@ -55,6 +61,7 @@ class BatcherConfig:
         return [p.strip() for p in self.traffic_policy.split(",") if p.strip()]
 
     def __post_init__(self):
+        tls.check(self)
         require(len(self.model_servers) > 0, "model_servers must name at least one host:port")
         require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
         require(self.max_queue_delay_ms >= 0, f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms}")

@@ -24,7 +24,7 @@ from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
 from services.batcher import metrics
 from services.batcher.core import STANDARD, VIP, ModelLimits
-from services.common import errors, traffic
+from services.common import errors, tls, traffic
 from services.common.serving import client_options
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.tensors import TensorData
@@ -38,9 +38,9 @@ log = logging.getLogger(__name__)
 
 
 class Replica:
-    def __init__(self, address: str, max_message_bytes: int):
+    def __init__(self, address: str, max_message_bytes: int, credentials: grpc.ChannelCredentials | None = None):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=client_options(max_message_bytes))
+        self.channel = tls.aio_channel(address, credentials, client_options(max_message_bytes))
         self.stub = model_server_pb2_grpc.ModelServerStub(self.channel)
         self.models: dict[str, object] = {}  # name -> common.v1.ModelInfo
         self.history: collections.deque = collections.deque(maxlen=MESH_HISTORY_POLLS)  # behind a mesh
@@ -74,8 +74,9 @@ class ReplicaSet:
 
     def __init__(self, addresses: tuple[str, ...], max_inflight_per_replica: int, poll_s: float, max_message_bytes: int,
                  policy: traffic.PolicyFiles | None = None, rng: random.Random | None = None,
-                 behind_mesh: bool = False, queued_per_replica: int = 0):
-        self._replicas = [Replica(a, max_message_bytes) for a in addresses]
+                 behind_mesh: bool = False, queued_per_replica: int = 0,
+                 credentials: grpc.ChannelCredentials | None = None):
+        self._replicas = [Replica(a, max_message_bytes, credentials) for a in addresses]
         self._queued = queued_per_replica
         self._behind_mesh = behind_mesh
         self._max_inflight = max_inflight_per_replica

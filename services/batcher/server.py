@@ -8,7 +8,7 @@ from infermesh.batcher.v1 import batcher_pb2, batcher_pb2_grpc
 from services.batcher.config import BatcherConfig
 from services.batcher.core import Batcher
 from services.batcher.replicas import ReplicaSet
-from services.common import errors, serving
+from services.common import errors, serving, tls
 from services.common.protoconv import error_to_proto, tensors_from_proto, tensors_to_proto
 from services.common.streams import Framing, answer_concurrently
 
@@ -60,7 +60,8 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
             try:
                 version, outputs = await self._batcher.submit(
                     request.model, request.version, tensors_from_proto(request.inputs), list(request.outputs),
-                    priority=int(request.priority), timeout_s=request.timeout_ms / 1000 if request.timeout_ms else None)
+                    priority=int(request.priority), timeout_s=request.timeout_ms / 1000 if request.timeout_ms else None,
+                    tenant=request.tenant, weight=request.tenant_weight)
                 return batcher_pb2.SubmitResponse(id=request.id, version=version, outputs=tensors_to_proto(outputs))
             except errors.InfermeshError as exc:
                 return error(request, exc)
@@ -87,7 +88,8 @@ async def build_server(config: BatcherConfig, batcher: Batcher, replicas: Replic
         "SubmitMany": serving.BoundedDecoder(batcher_pb2.SubmitManyRequest, MAX_FIELDS, "SubmitMany")})
     batcher_pb2_grpc.add_BatcherServicer_to_server(BatcherServicer(batcher, replicas, draining), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
-    bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
+    bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}",
+                     tls.server_credentials(config))
     await server.start()
     await serving.set_serving(health, [SERVICE_NAME], True)
     return server, bound, health

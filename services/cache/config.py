@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from services.common import tls
 from services.common.config import require
 
 
@@ -20,12 +21,21 @@ class CacheConfig:
     l2_max_bytes: int = dataclasses.field(default=1 << 30, metadata={"help": "bound on the bytes of L2's entries (keys, values, LMDB's per-entry overhead)"})
     l2_fp16: bool = dataclasses.field(default=False, metadata={"help": "store FP32 outputs as FP16 in L2 (half the bytes)"})
     generation_poll_s: float = dataclasses.field(default=1.0, metadata={"help": "how often model generations are re-read"})
-    admin_token: str = dataclasses.field(default="", metadata={"help": "bearer token for Purge; empty disables Purge"})
+    admin_token: str = dataclasses.field(default="", metadata={
+        "help": "a bearer token for Purge (besides the registry's admin tenants); empty: none"})
+    tenants_file: str = dataclasses.field(default="", metadata={
+        "help": "tenant registry (as the router's): its admin tenants may Purge; with neither this nor "
+                "admin_token, Purge is disabled"})
     max_message_bytes: int = dataclasses.field(default=64 * 1024 * 1024)
     drain_grace_s: float = dataclasses.field(default=5.0)
+    tls_cert_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_cert_file"]})
+    tls_key_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_key_file"]})
+    tls_ca_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_ca_file"]})
+    tls_require_client_cert: bool = dataclasses.field(default=False, metadata={"help": tls.TLS_HELP["tls_require_client_cert"]})
     log_level: str = dataclasses.field(default="info")
 
     def __post_init__(self):
+        tls.check(self)
         require(self.ttl_s >= 1, f"ttl_s must be >= 1, got {self.ttl_s}")
         require(self.redis_timeout_ms > 0, f"redis_timeout_ms must be > 0, got {self.redis_timeout_ms}")
         require(self.breaker_open_s >= 0, f"breaker_open_s must be >= 0, got {self.breaker_open_s}")

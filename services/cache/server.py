@@ -10,7 +10,7 @@ from redis.exceptions import RedisError
 from services.cache import codec, metrics
 from services.cache.config import CacheConfig
 from services.cache.core import STALE, ResultCache
-from services.common import errors, serving
+from services.common import errors, identity, serving, tls
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.streams import answer_concurrently
 
@@ -51,9 +51,11 @@ def checked_outputs(index: int, request) -> list:
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
-    def __init__(self, cache: ResultCache, admin_token: str, draining: asyncio.Event):
+    def __init__(self, cache: ResultCache, admin_token: str, draining: asyncio.Event,
+                 admin: identity.AdminGate | None = None):
         self._cache = cache
         self._admin_token = admin_token
+        self._admin = admin if admin is not None else identity.AdminGate(None, "cache")
         self._draining = draining
 
     async def Lookup(self, request_iterator, context):
@@ -110,14 +112,27 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         return cache_pb2.StoreSummary(**counts)
 
     async def Purge(self, request, context):
-        if not self._admin_token:
+        if not self._admin_token and not self._admin.configured:
             metrics.PURGES.labels("disabled").inc()
-            raise errors.PermissionDenied("Purge is disabled: the cache service has no admin token configured")
+            raise errors.PermissionDenied("Purge is disabled: the cache service has no admin token or tenant "
+                                          "registry configured")
         metadata = dict(context.invocation_metadata() or ())
         presented = metadata.get("authorization", "")
-        if not hmac.compare_digest(presented.encode(), f"Bearer {self._admin_token}".encode()):
-            metrics.PURGES.labels("unauthenticated").inc()
-            raise errors.Unauthenticated("Purge needs metadata 'authorization: Bearer <admin token>'")
+        token = bool(self._admin_token) and hmac.compare_digest(presented.encode(),
+                                                                 f"Bearer {self._admin_token}".encode())
+        if not token:
+            if not self._admin.configured:
+                metrics.PURGES.labels("unauthenticated").inc()
+                raise errors.Unauthenticated("Purge needs metadata 'authorization: Bearer <admin token>'")
+            try:
+                self._admin.check(context, f"purge model {errors.shown(request.model)}")
+            except errors.Unauthenticated as exc:
+                metrics.PURGES.labels("unauthenticated").inc()
+                raise errors.Unauthenticated(f"{exc.message}; Purge needs metadata 'authorization: Bearer <key>' "
+                                             "with an admin tenant's key or the cache's admin token") from None
+            except errors.PermissionDenied:
+                metrics.PURGES.labels("unauthenticated").inc()
+                raise
         check_model("PurgeRequest", request.model)
         try:
             generation, deleted = await self._cache.purge(request.model)
@@ -131,9 +146,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 async def build_server(config: CacheConfig, cache: ResultCache, draining: asyncio.Event, port: int | None = None):
     """Returns (server, bound_port, health servicer); the server is started."""
     server = serving.new_server("cache", config.max_message_bytes)
-    cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache, config.admin_token, draining), server)
+    admin = identity.AdminGate.from_file(config.tenants_file, "cache")
+    cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache, config.admin_token, draining, admin), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
-    bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
+    bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}",
+                     tls.server_credentials(config))
     await server.start()
     await serving.set_serving(health, [SERVICE_NAME], True)
     return server, bound, health

@@ -9,13 +9,19 @@ import sys
 import time
 
 from services.launcher.mesh import Mesh, MeshError
+from services.meshctl import tenants
 
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", default="build/models", help="model repository")
-    parser.add_argument("--host", default=os.environ.get("INFERMESH_HOST", "127.0.0.1"))
+    parser.add_argument("--host", default=os.environ.get("INFERMESH_HOST", "127.0.0.1"),
+                        help="the router's public address to bind")
+    parser.add_argument("--internal-host", default=os.environ.get("INFERMESH_INTERNAL_HOST", "127.0.0.1"),
+                        help="the address the internal services (batcher, model server, cache) bind")
+    parser.add_argument("--tls-dir", default=os.environ.get("INFERMESH_TLS_DIR", ""),
+                        help="run every hop on mutual TLS with the certificates of this folder (make certs)")
     parser.add_argument("--port", type=int, default=int(os.environ.get("INFERMESH_PORT", 8001)), help="router gRPC port")
     parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("INFERMESH_METRICS_PORT", 8002)),
                         help="the first router's metrics port; the others take the next ones")
@@ -32,6 +38,10 @@ def main() -> int:
     parser.add_argument("--model-server-labels", default="version=blue,pool=vip",
                         help="labels of the model server, as a DestinationRule subset selects them (one local "
                              "server is in both the blue subset and the VIP pool)")
+    parser.add_argument("--tenants-file", type=pathlib.Path,
+                        default=pathlib.Path(os.environ.get("INFERMESH_TENANTS_FILE", "var/tenants.yaml")),
+                        help="the router's tenant registry; made with development tenants (keys printed once) if "
+                             "missing (python -m services.meshctl tenants)")
     args = parser.parse_args()
     if args.routers < 1:
         parser.error(f"--routers must be at least 1, got {args.routers}")
@@ -43,11 +53,19 @@ def main() -> int:
     # once running, it asks the loop below to drain and stop.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, interrupt)
-    mesh = Mesh(models=args.models, host=args.host, router_port=args.port, metrics_port=args.metrics_port,
-                redis_url=args.redis_url, l2_path=args.l2_path, log_dir=args.log_dir,
-                model_server_labels=(args.model_server_labels,) if args.model_server_labels else (),
-                batcher_args=("--traffic-policy", args.traffic_policy) if args.traffic_policy else (),
-                routers=args.routers)
+    if not args.tenants_file.exists():
+        tenants.parse_and_run(["--registry", str(args.tenants_file), "init"])
+    try:
+        mesh = Mesh(models=args.models, tenants_file=args.tenants_file, host=args.host,
+                    internal_host=args.internal_host, tls_dir=args.tls_dir or None,
+                    router_port=args.port, metrics_port=args.metrics_port,
+                    redis_url=args.redis_url, l2_path=args.l2_path, log_dir=args.log_dir,
+                    model_server_labels=(args.model_server_labels,) if args.model_server_labels else (),
+                    batcher_args=("--traffic-policy", args.traffic_policy) if args.traffic_policy else (),
+                    routers=args.routers)
+    except MeshError as exc:
+        print(f"infermesh cannot start: {exc}", file=sys.stderr)
+        return 1
     try:
         mesh.start()
     except MeshError as exc:
@@ -65,12 +83,14 @@ def main() -> int:
     partial = args.run_file.with_name(args.run_file.name + ".tmp")
     partial.write_text(json.dumps(
         {name: p.info.get("grpc") for name, p in mesh.processes.items() if name != "redis"}
+        | ({"tls_dir": args.tls_dir} if args.tls_dir else {})  # services.cache.admin presents its admin-dev certificate
         | {"redis": mesh.redis_url,
            "metrics": {name: mesh.metrics_url(name) for name in mesh.processes if name != "redis"}},
         indent=1))
     partial.replace(args.run_file)
     routers = f"{args.routers} routers on " if args.routers > 1 else "router "
-    print(f"infermesh ready: {routers}gRPC {mesh.router}, metrics {mesh.router_metrics} "
+    print(f"infermesh ready: {routers}gRPC {mesh.router}{' (mutual TLS)' if mesh.tls_dir else ''}, "
+          f"metrics {mesh.router_metrics} "
           f"(Ctrl-C drains and stops)", flush=True)
     try:
         while not stopping:

@@ -2,7 +2,9 @@
 processes, started in dependency order on loopback and stopped in reverse.
 
 Each service prints one JSON line when it serves, with its bound addresses;
-internal services bind port 0, so meshes never collide with each other.
+internal services bind port 0, so meshes never collide with each other. The
+router binds the public host, the others an internal one (loopback unless
+told). With a certificate folder (`make certs`) every hop is mutual TLS.
 """
 
 import ctypes
@@ -17,7 +19,10 @@ import sys
 import tempfile
 import time
 
+import grpc
 import redis
+
+from services.common import identity, tls
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -46,6 +51,11 @@ def _lower_priority(nice: int) -> None:
             autogroup.write(str(nice))
     except OSError:
         pass  # no autogroup scheduling here: the process's niceness is what counts
+
+
+# The certificate (tools.certs) each service serves and presents.
+CERTIFICATES = {"services.router": "router", "services.batcher": "batcher", "services.cache": "cache",
+                "services.model_server": "model-server"}
 
 
 class MeshError(RuntimeError):
@@ -131,9 +141,18 @@ class Mesh:
         model_server_nice: int | tuple[int, ...] = MODEL_SERVER_NICE,
         ready_timeout_s: float = 120.0,
         routers: int = 1,
+        tenants_file: str | os.PathLike | None = None,
+        internal_host: str = "127.0.0.1",
+        tls_dir: str | os.PathLike | None = None,
     ):
         self.models = str(models)
-        self.host = host
+        self.host = host  # the router's, public
+        self.internal_host = internal_host  # every other service's
+        # A folder of tools.certs' files: each service serves its own certificate,
+        # asks every caller for one of the folder's CA, and calls the others with its own.
+        self.tls_dir = pathlib.Path(tls_dir) if tls_dir else None
+        if self.tls_dir is not None and not (self.tls_dir / "ca.pem").is_file():
+            raise MeshError(f"{self.tls_dir} has no ca.pem: run 'make certs' (python -m tools.certs --out {self.tls_dir})")
         self.router_port = router_port
         self.metrics_port = metrics_port
         self.redis_url = redis_url
@@ -160,6 +179,11 @@ class Mesh:
             raise ValueError(f"routers must be >= 1, got {routers}")
         # Router processes sharing the public port (SO_REUSEPORT): "router", then "router-2", ...
         self.router_count = routers
+        # The services' tenant registry (the router's tenants, the control RPCs' admins);
+        # without one, a development registry of its own (a VIP, a standard and an admin
+        # tenant) whose keys are in `keys`.
+        self.tenants_file = str(tenants_file) if tenants_file else None
+        self.keys: dict[str, str] = {}
         self.processes: dict[str, Process] = {}
         self.redis_dir: str | None = None
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -171,7 +195,8 @@ class Mesh:
                 self.start_redis()
             servers = [
                 self._spawn(f"model_server-{i}" if self.model_server_count > 1 else "model_server", "services.model_server",
-                            ["--model-repository", self.models, *self._core_share(), *self.model_server_args,
+                            ["--model-repository", self.models, "--tenants-file", self._tenants(), *self._core_share(),
+                             *self.model_server_args,
                              *(["--labels", self.model_server_labels[i]] if i < len(self.model_server_labels) else [])],
                             nice=self._model_server_nice(i))
                 for i in range(self.model_server_count)
@@ -182,7 +207,7 @@ class Mesh:
             if self.use_cache:
                 cache = self.start_cache()
             batcher_address = batcher.wait_ready(self.ready_timeout_s)["grpc"]
-            router_argv = ["--batcher", batcher_address]
+            router_argv = ["--batcher", batcher_address, "--tenants-file", self._tenants()]  # one registry for all
             if cache is not None:
                 router_argv += ["--cache", cache.wait_ready(self.ready_timeout_s)["grpc"]]
             self.start_routers(router_argv)
@@ -190,6 +215,18 @@ class Mesh:
             self.stop()
             raise
         return self
+
+    def _tenants(self) -> str:
+        if self.tenants_file is None:
+            doc, self.keys = identity.development_registry()
+            folder = self.log_dir if self.log_dir is not None else pathlib.Path(tempfile.mkdtemp(prefix="infermesh-"))
+            self.tenants_file = str(folder / "tenants.yaml")
+            identity.write_registry(self.tenants_file, doc, replace=True)
+        return self.tenants_file
+
+    def credentials(self, tenant: str = "dev-vip") -> tuple[tuple[str, str], ...]:
+        """gRPC metadata that calls as one of the development tenants."""
+        return identity.bearer_metadata(self.keys[tenant])
 
     def start_routers(self, common: list[str]) -> None:
         """The first router binds the public port (a free one for port 0), the
@@ -228,17 +265,47 @@ class Mesh:
             return nice[index] if index < len(nice) else MODEL_SERVER_NICE
         return nice
 
-    def _spawn(self, name: str, module: str, args: list[str], nice: int = 0) -> Process:
-        argv = [sys.executable, "-m", module, "--host", self.host, *args]
-        if module != "services.router":
+    def argv(self, module: str, args: list[str]) -> list[str]:
+        """The command line of one of our services: the router binds the public
+        host, the others the internal one; with a TLS folder, its certificates."""
+        public = module == "services.router"
+        argv = [sys.executable, "-m", module, "--host", self.host if public else self.internal_host,
+                *self._tls_args(module), *args]
+        if not public:
             argv += ["--metrics-port", "0"]
-        process = Process(name, argv, self.log_dir, self.env, nice=nice)
+        return argv
+
+    def _spawn(self, name: str, module: str, args: list[str], nice: int = 0) -> Process:
+        process = Process(name, self.argv(module, args), self.log_dir, self.env, nice=nice)
         self.processes[name] = process
         return process
 
+    def _tls_args(self, module: str) -> list[str]:
+        if self.tls_dir is None:
+            return []
+        certificate = CERTIFICATES[module]
+        argv = ["--tls-cert-file", str(self.tls_dir / f"{certificate}.pem"),
+                "--tls-key-file", str(self.tls_dir / f"{certificate}.key"),
+                "--tls-ca-file", str(self.tls_dir / "ca.pem"), "--tls-require-client-cert"]
+        if module in ("services.router", "services.batcher"):  # they call other services
+            argv.append("--upstream-tls")
+        return argv
+
+    def client_files(self, client: str = "admin-dev") -> tuple[str, str, str] | None:
+        """The CA, certificate and key files a caller of this mesh uses (`client`'s
+        of the TLS folder, for tools such as ghz); None for a plaintext mesh."""
+        if self.tls_dir is None:
+            return None
+        return str(self.tls_dir / "ca.pem"), str(self.tls_dir / f"{client}.pem"), str(self.tls_dir / f"{client}.key")
+
+    def client_credentials(self, client: str = "admin-dev") -> grpc.ChannelCredentials | None:
+        """What a caller of any service of this mesh presents; None for a plaintext mesh."""
+        files = self.client_files(client)
+        return tls.channel_credentials(*files) if files else None
+
     def start_cache(self) -> Process:
         """Spawns the cache service (also to restart it); the caller waits for it."""
-        argv = ["--redis-url", self.redis_url, *self.cache_args]
+        argv = ["--redis-url", self.redis_url, "--tenants-file", self._tenants(), *self.cache_args]
         if self.l2_path:
             argv += ["--l2-path", self.l2_path]
         return self._spawn("cache", "services.cache", argv)

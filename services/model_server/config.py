@@ -3,6 +3,7 @@
 import dataclasses
 import os
 
+from services.common import tls
 from services.common.config import require
 
 CONTROL_MODES = ("none", "explicit", "poll")
@@ -20,6 +21,9 @@ class ModelServerConfig:
         "help": "none: models fixed at startup; explicit: load/unload by RPC; poll: follow the repository on disk"})
     load_models: str = dataclasses.field(default="*", metadata={
         "help": "comma-separated models to load at startup in explicit mode; * for all"})
+    tenants_file: str = dataclasses.field(default="", metadata={
+        "help": "tenant registry (as the router's): repository Load and Unload need an admin tenant's credential "
+                "(bearer key or client certificate); empty: they are refused"})
     repository_poll_s: float = dataclasses.field(default=5.0, metadata={"help": "poll mode: seconds between scans"})
     rollback_grace_s: float = dataclasses.field(default=600.0, metadata={
         "help": "how long a replaced version stays loaded for instant rollback"})
@@ -34,9 +38,14 @@ class ModelServerConfig:
     max_message_bytes: int = dataclasses.field(default=64 * 1024 * 1024)
     max_concurrent_rpcs: int = dataclasses.field(default=256)
     drain_grace_s: float = dataclasses.field(default=10.0)
+    tls_cert_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_cert_file"]})
+    tls_key_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_key_file"]})
+    tls_ca_file: str = dataclasses.field(default="", metadata={"help": tls.TLS_HELP["tls_ca_file"]})
+    tls_require_client_cert: bool = dataclasses.field(default=False, metadata={"help": tls.TLS_HELP["tls_require_client_cert"]})
     log_level: str = dataclasses.field(default="info")
 
     def __post_init__(self):
+        tls.check(self)
         require(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
         require(self.model_control_mode in CONTROL_MODES,
                 f"model_control_mode must be one of {CONTROL_MODES}, got {self.model_control_mode!r}")

@@ -7,7 +7,7 @@ import grpc
 from infermesh.batcher.v1 import batcher_pb2, batcher_pb2_grpc
 from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 
-from services.common import errors
+from services.common import errors, tls
 from services.common.serving import client_options
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.streams import Framing, StreamMux
@@ -34,8 +34,8 @@ class BatcherClient:
     """Submits requests over a few multiplexed bidi streams and keeps the catalog fresh."""
 
     def __init__(self, address: str, streams: int, catalog: Catalog, poll_s: float, stream_max_age_s: float = 0.0,
-                 linger_s: float = 0.0):
-        self._channel = grpc.aio.insecure_channel(address, options=client_options())
+                 linger_s: float = 0.0, credentials: grpc.ChannelCredentials | None = None):
+        self._channel = tls.aio_channel(address, credentials, client_options())
         self._stub = batcher_pb2_grpc.BatcherStub(self._channel)
         framing = submit_framing(linger_s)
         self._muxes = [
@@ -67,7 +67,7 @@ class BatcherClient:
             await asyncio.sleep(self._poll_s)
 
     async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                     tier: int, timeout_s: float) -> tuple[str, list[TensorData]]:
+                     tier: int, timeout_s: float, tenant: str = "", weight: float = 1.0) -> tuple[str, list[TensorData]]:
         proto_inputs = tensors_to_proto(inputs)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -75,7 +75,8 @@ class BatcherClient:
         def build(request_id: int):  # when it is sent: the batcher counts timeout_ms from when it reads it
             timeout_ms = min(max(1, int((deadline - loop.time()) * 1000)), 2**32 - 1)
             return batcher_pb2.SubmitRequest(id=request_id, model=model, version=version, inputs=proto_inputs,
-                                             outputs=outputs, priority=tier, timeout_ms=timeout_ms)
+                                             outputs=outputs, priority=tier, timeout_ms=timeout_ms, tenant=tenant,
+                                             tenant_weight=weight)
 
         # The batcher answers DEADLINE_EXCEEDED by then; past it (plus a margin
         # for the answer's trip), the batcher is not answering at all.
@@ -116,8 +117,8 @@ class CacheClient:
     client stream that nobody waits for. Failures are misses, never errors."""
 
     def __init__(self, address: str, lookup_timeout_s: float, max_pending_stores: int = 10000,
-                 stream_max_age_s: float = 0.0):
-        self._channel = grpc.aio.insecure_channel(address, options=client_options())
+                 stream_max_age_s: float = 0.0, credentials: grpc.ChannelCredentials | None = None):
+        self._channel = tls.aio_channel(address, credentials, client_options())
         self._stub = cache_pb2_grpc.CacheStub(self._channel)
         self._lookups = StreamMux(f"cache {address}", self._stub.Lookup, max_age_s=stream_max_age_s or None)
         self._max_age_s = stream_max_age_s
