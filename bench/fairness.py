@@ -26,7 +26,6 @@ Writes bench/results/fairness.{json,md,png}.
 import argparse
 import concurrent.futures
 import pathlib
-import statistics
 import sys
 import tempfile
 import time
@@ -150,19 +149,14 @@ def plot(report: dict, path: pathlib.Path) -> None:
     save_figure(fig, path, report, "two tenants")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
-    seed_argument(parser)
-    args = parser.parse_args()
-    seed = chosen_seed(args.seed)
+def measure(runs: int, seconds: float, seed: int) -> dict:
+    """The whole measurement (see the module's docstring); the report's rows are
+    in its summary, every phase's figures in its raw."""
     work = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-fairness-"))
     models = ROOT / "build" / "models"
     with Mesh(models=models, cache=False, log_dir=work / "probe") as probe:
         run_ghz(probe.router, ghz_unique_template("warm"), 200, 16)
-        capacity = summary_of(run_ghz(probe.router, ghz_unique_template("capacity"), 0, 64, seconds=args.seconds,
+        capacity = summary_of(run_ghz(probe.router, ghz_unique_template("capacity"), 0, 64, seconds=seconds,
                                       timeout_s=10))["ok_rps"]
     progress(f"capacity {capacity:.0f} requests/s; steady {STEADY_SHARE * capacity:.0f}/s, flood "
              f"{FLOOD_FACTOR * capacity / 2:.0f}/s")
@@ -175,26 +169,37 @@ def main() -> int:
         for mesh in meshes.values():
             mesh.start()
             run_ghz(mesh.router, ghz_unique_template("warm"), 200, 16, key=KEYS["steady"])
-        runs, orders = [], []
-        for run in range(args.runs):
+        results, orders = [], []
+        for run in range(runs):
             result = {kind: {} for kind in MESHES}
             order = phase_order([(kind, flood) for kind in MESHES for flood in (False, True)], run, seed)
             orders.append([f"{kind}/{'flooded' if flood else 'alone'}" for kind, flood in order])
             for kind, flood in order:
                 cell = result[kind]["flooded" if flood else "alone"] = phase(
-                    meshes[kind], f"{run}{kind}{flood}", capacity, args.seconds, flood)
+                    meshes[kind], f"{run}{kind}{flood}", capacity, seconds, flood)
                 steady = cell["steady"]
                 extra = (f"; flood {cell['flood']['ok_rps']:.0f}/s served, {cell['flood']['refused']} refused"
                          if flood else "")
-                progress(f"run {run + 1}/{args.runs}: {LABELS[kind]}, {'flooded' if flood else 'alone'}: steady "
+                progress(f"run {run + 1}/{runs}: {LABELS[kind]}, {'flooded' if flood else 'alone'}: steady "
                          f"p50 {steady['p50_ms']:.0f} ms p99 {steady['p99_ms']:.0f} ms, "
                          f"{steady['count'] - steady['ok']} failed{extra}")
-            runs.append(result)
+            results.append(result)
     finally:
         for mesh in meshes.values():
             mesh.stop()
-    report = summarise(runs, capacity)
+    report = summarise(results, capacity)
     report.update(seed=seed, orders=orders)
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    seed_argument(parser)
+    args = parser.parse_args()
+    report = measure(args.runs, args.seconds, chosen_seed(args.seed))
     write(args.out, "fairness", report, markdown(report), plot)
     return 0
 

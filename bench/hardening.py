@@ -14,6 +14,8 @@ Sections (each a function returning its rows, so that more can be added):
   p99 < 50 ms and no failed probe, in every run.
 - fuzz counts: tools/fuzz_oip.py's generated requests, in process and through
   a running router: crashes, hangs, refusals naming no field, CPU per refusal.
+- fairness: bench/fairness.py, two standard tenants, one at five times its
+  share; the other's p99 with the flood over its p99 alone.
 
     .venv/bin/python -m bench.hardening --runs 3
 
@@ -29,6 +31,7 @@ import sys
 import tempfile
 import time
 
+from bench import fairness
 from bench.report import (chosen_seed, cpu_times, goal_verdict, machine, phase_order, process_cpu_s, progress,
                           seed_argument, span, spread, steal_share, write)
 from services.launcher.mesh import Mesh
@@ -247,6 +250,8 @@ def markdown(report: dict) -> str:
             for kind, counted in list(row["refusal_kinds"].items())[:10]:
                 lines.append(f"| {counted['count']} | {counted['cpu_us_each']:.0f} | {kind} |")
         lines.append("")
+    if report.get("fairness"):
+        lines += ["## Two tenants of one tier (bench/fairness.py)\n", fairness.markdown(report["fairness"])]
     return "\n".join(lines)
 
 
@@ -257,7 +262,8 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="size of the pathological requests (1: 16 MB)")
     parser.add_argument("--fuzz-in-process", type=int, default=100_000)
     parser.add_argument("--fuzz-router", type=int, default=10_000)
-    parser.add_argument("--sections", default="health,fuzz", help="comma-separated: health, fuzz")
+    parser.add_argument("--sections", default="health,fuzz,fairness",
+                        help="comma-separated: health, fuzz, fairness (bench.fairness)")
     parser.add_argument("--models", type=pathlib.Path, default=ROOT / "build" / "models")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
     parser.add_argument("--pinger", help=argparse.SUPPRESS)  # internal: run as the pinger process
@@ -277,6 +283,9 @@ def main() -> int:
     if "fuzz" in sections:
         progress("fuzzing")
         report["fuzz"] = fuzz_counts(args.fuzz_in_process, args.fuzz_router, seed)
+    if "fairness" in sections:
+        progress("two tenants of one tier (bench.fairness)")
+        report["fairness"] = fairness.measure(args.runs, args.seconds, seed)
     write(args.out, "hardening", report, markdown(report))
     return 0
 
