@@ -236,10 +236,16 @@ class Pending:
     timer: asyncio.TimerHandle | None = None
     length: float = 0.0  # bytes per row of its BYTES inputs: a cheap proxy for token count
     queued: bool = False  # holds a place in its level: counted in the queue's length and rows
+    rows: int = dataclasses.field(init=False)
 
-    @property
-    def rows(self) -> int:
-        return self.inputs[0].rows
+    def __post_init__(self):
+        self.rows = self.inputs[0].rows
+
+    def answered(self, _future=None) -> None:
+        """Drops the request's tensors: answered while it waits (expired, refused,
+        cancelled), it may stay in its level's deque until the batching task
+        passes it, and must not hold its bytes there meanwhile."""
+        self.inputs = []
 
     def taken(self) -> None:
         """From here on the batch's own timeout governs, not the queue's deadline timer."""
@@ -627,6 +633,8 @@ class ModelQueue:
         """Sends one batch and answers its requests. A `rerun` is one request of
         a failed batch run alone: its queue wait was observed with the batch,
         and it is not split again."""
+        if rerun and batch[0].future.done():  # answered (its caller gone) before its turn: its tensors are dropped
+            return
         loop = asyncio.get_running_loop()
         now = loop.time()
         # A batch runs by its latest request's deadline: by its earliest, a VIP request with time to
@@ -832,6 +840,7 @@ class Batcher:
         item = Pending(inputs, outputs, priority, now + timeout_s if timeout_s else None, loop.create_future(), now,
                        length=length)
         queue.put(item)
+        item.future.add_done_callback(item.answered)
         if item.deadline is not None:
             item.timer = loop.call_at(queue.give_up_at(item), queue.give_up, item)
         try:

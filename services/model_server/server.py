@@ -13,6 +13,7 @@ from infermesh.common.v1 import tensor_pb2
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
 from services.common import errors, serving
+from services.common.budget import ByteBudget
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.model_server import metrics
 from services.model_server.config import ModelServerConfig
@@ -151,7 +152,10 @@ async def build_server(config: ModelServerConfig, manager: ModelManager, port: i
                        readiness: Readiness | None = None):
     """Returns (server, bound_port, health servicer); the server is started and
     health follows the models' readiness."""
-    server = serving.new_server("model_server", config.max_message_bytes, config.max_concurrent_rpcs)
+    # Execute holds its batch in the byte budget from before it is parsed until it is answered.
+    server = serving.new_server("model_server", config.max_message_bytes, config.max_concurrent_rpcs, limits=config,
+                                data_methods=frozenset({"Execute"}),
+                                budget=ByteBudget("model_server", config.budget_bytes))
     model_server_pb2_grpc.add_ModelServerServicer_to_server(ModelServerServicer(manager, config.label_map), server)
     oip_grpc.add_GRPCInferenceServiceServicer_to_server(RepositoryServicer(manager), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME, OIP_SERVICE_NAME])
