@@ -2,6 +2,8 @@
 answered retained (services/common/budget.py and its use in every service)."""
 
 import asyncio
+import os
+import signal
 
 import grpc
 import numpy as np
@@ -10,20 +12,25 @@ import pytest
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from infermesh.batcher.v1 import batcher_pb2, batcher_pb2_grpc
+from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
+from infermesh.common.v1.tensor_pb2 import Tensor
 
 from services.batcher.config import BatcherConfig
 from services.batcher.core import Batcher
+from services.batcher.server import BatcherServicer
 from services.cache.config import CacheConfig
 from services.common import errors
 from services.common.budget import GIB, MIB, ByteBudget
+from services.common.protoconv import tensors_to_proto
 from services.common.streams import StreamMux
 from services.common.tensors import from_numpy
+from services.launcher.mesh import Mesh
 from services.model_server.config import ModelServerConfig
 from services.router.config import RouterConfig
 from services.router.server import build_server
-from tests.conftest import until
+from tests.conftest import metric, until, wait_until
 from tests.oip import tensor_request
-from tests.test_batcher_core import GatedBackend, row, submit
+from tests.test_batcher_core import GatedBackend, submit
 from tests.test_router_core import make_router
 from tests.test_streams import Echo
 
@@ -276,3 +283,62 @@ async def test_a_request_answered_while_it_waits_in_the_batcher_leaves_its_tenso
     backend.gate.set()
     await running
     await batcher.close()
+
+
+@pytest.mark.service
+async def test_the_batcher_holds_each_submitted_request_in_its_budget_until_answered():
+    backend = GatedBackend(max_batch=1, capacity=1, reserved=0)
+    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=100)
+    budget = ByteBudget("batcher", 3 * 41 * KIB)
+    server = grpc.aio.server()
+    batcher_pb2_grpc.add_BatcherServicer_to_server(BatcherServicer(batcher, None, asyncio.Event(), budget), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = batcher_pb2_grpc.BatcherStub(channel).Submit()
+        row_bytes = np.full((1, 10 * KIB), 1.0, np.float32).tobytes()  # 40 KiB: three fit
+        for i in range(1, 5):
+            await call.write(batcher_pb2.SubmitRequest(id=i, model="m", version="1", timeout_ms=30_000, inputs=[
+                Tensor(name="X", datatype="FP32", shape=[1, 10 * KIB], data=row_bytes)]))
+        refused = await call.read()
+        assert refused.id == 4 and refused.error.code == errors.ResourceExhausted.code
+        assert "past its byte budget" in refused.error.message and refused.error.retry_after_ms > 0
+        assert budget.held_requests == 3
+        backend.gate.set()
+        assert {(await call.read()).id for _ in range(3)} == {1, 2, 3}
+        await call.done_writing()
+        await until(lambda: budget.held_bytes == 0, "nothing held once all are answered")
+    await server.stop(0)
+    await batcher.close()
+
+
+@pytest.mark.service
+def test_the_cache_holds_stored_results_in_its_budget_until_written(tmp_path):
+    """Redis stopped: writes wait, the stored results are held, and those past
+    the budget are dropped (a failed store: nobody waits for one) before they
+    reach Redis."""
+    mesh = Mesh(log_dir=tmp_path / "logs", cache_args=(
+        "--max-message-bytes", str(1 * MIB), "--request-budget-bytes", str(2 * MIB), "--redis-timeout-ms", "20000"))
+    try:
+        mesh.start_redis()
+        mesh.start_cache().wait_ready(60)
+        redis_pid = mesh.processes["redis"].popen.pid
+        outputs = tensors_to_proto([from_numpy("Y", np.ones((1, 200 * KIB), np.float32))])  # 800 KiB
+        requests = [cache_pb2.StoreRequest(model="m", digest=bytes([i]) * 16, outputs=outputs) for i in range(4)]
+        os.kill(redis_pid, signal.SIGSTOP)
+        try:
+            with grpc.insecure_channel(mesh.address("cache")) as channel:
+                future = cache_pb2_grpc.CacheStub(channel).Store.future(iter(requests), timeout=60)
+                url = mesh.metrics_url("cache")
+                wait_until(lambda: metric(url, "infermesh_budget_refusals_total", service="cache") == 2,
+                           "the two stores past the budget refused")
+                assert metric(url, "infermesh_held_request_bytes", service="cache") > 1.5 * MIB
+                os.kill(redis_pid, signal.SIGCONT)
+                summary = future.result()
+                assert (summary.stored, summary.failed) == (2, 2)
+                wait_until(lambda: metric(url, "infermesh_held_request_bytes", service="cache") == 0,
+                           "nothing held once written")
+        finally:
+            os.kill(redis_pid, signal.SIGCONT)
+    finally:
+        mesh.stop()
