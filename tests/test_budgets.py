@@ -117,8 +117,7 @@ BIG_BYTES = 200 * 64 * 4
 
 async def serve_router(**fields):
     batcher = GatedBatcher()
-    config = RouterConfig(port=0, max_request_bytes=64 * KIB, max_stream_message_bytes=64 * KIB,
-                          request_budget_bytes=200 * KIB, **fields)
+    config = RouterConfig(**{"port": 0, "max_request_bytes": 64 * KIB, "request_budget_bytes": 200 * KIB, **fields})
     server, port, _ = await build_server(config, make_router(batcher))
     return server, f"127.0.0.1:{port}", batcher
 
@@ -186,6 +185,23 @@ async def test_a_control_rpc_has_a_smaller_request_limit_than_inference():
         assert "ModelReady request of" in info.value.details() and "limit of 4096 bytes" in info.value.details()
         inference = await stub.ModelInfer(tensor_request(np.zeros((32, 64), np.float32)), timeout=10)  # 8 KiB
         assert inference.outputs[0].shape == [32, 64]
+    await server.stop(0)
+
+
+@pytest.mark.service
+async def test_a_stream_message_has_its_own_limit():
+    server, address, _ = await serve_router(max_stream_message_bytes=4 * KIB)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        request = tensor_request(np.zeros((32, 64), np.float32))  # 8 KiB: within the unary limit
+        assert (await stub.ModelInfer(request, timeout=10)).outputs[0].shape == [32, 64]
+        call = stub.ModelStreamInfer(timeout=10)
+        await call.write(request)
+        await call.write(small("after"))
+        refused, answered = await call.read(), await call.read()
+        assert refused.error_message.startswith("RESOURCE_EXHAUSTED") and "limit of 4096 bytes" in refused.error_message
+        assert answered.infer_response.id == "after" and not answered.error_message  # the stream went on
+        await call.done_writing()
     await server.stop(0)
 
 

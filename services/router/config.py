@@ -20,8 +20,9 @@ class RouterConfig(ServingLimits):
         "help": "let other router processes bind the same gRPC port (SO_REUSEPORT): the kernel spreads "
                 "connections among them; off, a second process on the port fails to start"})
     max_request_bytes: int = dataclasses.field(default=16 * 1024 * 1024, metadata={"help": "largest ModelInfer request; larger gets RESOURCE_EXHAUSTED"})
-    max_stream_message_bytes: int = dataclasses.field(default=16 * 1024 * 1024, metadata={
-        "help": "largest ModelStreamInfer message; a larger one is answered RESOURCE_EXHAUSTED alone, the stream goes on"})
+    max_stream_message_bytes: int = dataclasses.field(default=0, metadata={
+        "help": "largest ModelStreamInfer message; a larger one is answered RESOURCE_EXHAUSTED alone, the stream "
+                "goes on; 0: max_request_bytes"})
     max_concurrent_rpcs: int = dataclasses.field(default=4096, metadata={"help": "calls served at once, streams included"})
     max_stream_inflight: int = dataclasses.field(default=1024, metadata={"help": "requests in flight per ModelStreamInfer stream"})
     stream_idle_timeout_s: float = dataclasses.field(default=120.0, metadata={
@@ -56,11 +57,15 @@ class RouterConfig(ServingLimits):
     def __post_init__(self):
         super().__post_init__()
         require(self.max_request_bytes >= 1024, f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
-        require(self.max_stream_message_bytes >= 1024,
-                f"max_stream_message_bytes must be >= 1024, got {self.max_stream_message_bytes}")
+        require(self.max_stream_message_bytes == 0 or self.max_stream_message_bytes >= 1024,
+                f"max_stream_message_bytes must be 0 or >= 1024, got {self.max_stream_message_bytes}")
         require(self.stream_idle_timeout_s >= 0, f"stream_idle_timeout_s must be >= 0, got {self.stream_idle_timeout_s}")
         self.check_largest("max_request_bytes", self.max_request_bytes)
-        self.check_largest("max_stream_message_bytes", self.max_stream_message_bytes)
+        self.check_largest("max_stream_message_bytes", self.stream_message_bytes)
+
+    @property
+    def stream_message_bytes(self) -> int:
+        return self.max_stream_message_bytes or self.max_request_bytes
         require(self.default_timeout_s > 0, f"default_timeout_s must be > 0, got {self.default_timeout_s}")
         require(self.batcher_streams >= 1, f"batcher_streams must be >= 1, got {self.batcher_streams}")
         require(0 <= self.batcher_linger_ms <= 100, f"batcher_linger_ms must be in [0, 100], got {self.batcher_linger_ms}")

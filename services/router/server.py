@@ -133,13 +133,13 @@ async def build_server(config: RouterConfig, router: Router, port: int | None = 
     Once `draining` is set, each stream ends as soon as nothing is in flight on it."""
     # The transport takes up to 4x the limit so that on a stream one oversized
     # request fails alone instead of taking the whole stream down with it.
-    largest = max(config.max_request_bytes, config.max_stream_message_bytes)
+    largest = max(config.max_request_bytes, config.stream_message_bytes)
     budget = ByteBudget("router", config.budget_bytes)
     server = serving.new_server("router", min(4 * largest, 2**31 - 1), config.max_concurrent_rpcs,
                                 max_request_bytes=config.max_request_bytes, reuse_port=config.reuse_port,
                                 limits=config, data_methods=DATA_METHODS, budget=budget,
-                                max_stream_message_bytes=config.max_stream_message_bytes)
-    servicer = InferenceServicer(router, config.max_stream_inflight, config.max_stream_message_bytes, draining,
+                                max_stream_message_bytes=config.stream_message_bytes)
+    servicer = InferenceServicer(router, config.max_stream_inflight, config.stream_message_bytes, draining,
                                  budget, config.stream_idle_timeout_s or None)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
