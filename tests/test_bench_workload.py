@@ -29,6 +29,7 @@ class Recorder(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelInferResponse(model_name=request.model_name)
 
 
+@pytest.mark.service
 async def test_ghz_renders_exactly_the_texts_the_baseline_embeds(ghz_binary):
     recorder = Recorder()
     server = grpc.aio.server()
@@ -52,6 +53,7 @@ async def test_ghz_renders_exactly_the_texts_the_baseline_embeds(ghz_binary):
     assert workers <= {WORKER.search(t).group(1) for t in expected} and len(workers) > 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("count", [1, 100])
 def test_the_generator_gives_distinct_texts(count):
     texts = ghz_texts("x", count)
