@@ -18,9 +18,9 @@ $(shell mkdir -p $(VERSIONS); \
     f=$(VERSIONS)/$${pair%%=*}; [ "$$(cat $$f 2>/dev/null)" = "$${pair#*=}" ] || echo "$${pair#*=}" > $$f; done)
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
-.PHONY: setup venv system-deps ghz kustomize istio-crds kube-test-server stubs models run test test-fast test-stress check-manifests bench peers bench-peers clean
+.PHONY: setup venv system-deps ghz kustomize istio-crds kube-test-server stubs models tenants run test test-fast test-stress check-manifests bench peers bench-peers clean
 
-setup: venv system-deps ghz kustomize istio-crds kube-test-server stubs models
+setup: venv system-deps ghz kustomize istio-crds kube-test-server stubs models tenants
 	@echo "setup complete: 'make run' starts the mesh, 'make test' runs the tests"
 
 venv: $(VENV)/.installed
@@ -98,6 +98,11 @@ gen/.stamp: $(PROTOS) $(VENV)/.installed tools/gen_stubs.py
 
 models: $(VENV)/.installed
 	$(PY) -m services.model_server.build_repository --out $(MODEL_REPO)
+
+# The local tenant registry (docs/security.md): a VIP, a standard and an admin
+# development tenant, their keys printed once; an existing registry is kept.
+tenants: stubs
+	@$(PY) -m services.meshctl tenants init --if-missing
 
 # Only what the mesh itself needs (the test and manifest tools are setup's).
 # make run ROUTERS=2: that many router processes share the port (SO_REUSEPORT).

@@ -84,7 +84,7 @@ async def _one_run(router: str, model_server: str, run: int) -> list[dict]:
             requested = time.perf_counter()
             await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(
                 model_name="minilm", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}),
-                timeout=300)
+                timeout=300, metadata=mesh.credentials("dev-admin"))
             swaps.append((target, requested, time.perf_counter()))
         await asyncio.sleep(SETTLE_S)
         stop.set()

@@ -65,12 +65,13 @@ def _link_or_copy(source: str, target: str) -> None:
 
 
 def run_ghz(address: str, data: str, total: int, concurrency: int, rps: float = 0, timeout_s: float | None = None,
-            vip: bool = False, seconds: float | None = None) -> dict:
+            key: str | None = None, seconds: float | None = None) -> dict:
     """ghz's JSON report of `total` unary ModelInfer calls with body `data` (a -d
     template), or with `seconds` of them (a closed loop lasts what was asked,
     whatever the rate; calls still in flight at the end are not counted):
     `concurrency` workers over up to 4 connections, at `rps` per second if
-    given, as a VIP caller if asked (x-user-tier metadata)."""
+    given, presenting a tenant's bearer `key` if given (a VIP tenant's for VIP
+    traffic: the tier comes from the caller's identity)."""
     argv = [str(GHZ), "--insecure", "--call", "inference.GRPCInferenceService.ModelInfer", "-d", data,
             "--concurrency", str(concurrency), "--connections", str(min(concurrency, 4)), "--format", "json"]
     argv += (["--duration", f"{seconds:g}s", "--duration-stop", "ignore"] if seconds is not None
@@ -79,8 +80,8 @@ def run_ghz(address: str, data: str, total: int, concurrency: int, rps: float = 
         argv += ["--timeout", f"{timeout_s:g}s"]
     if rps:
         argv += ["--rps", str(max(1, int(rps)))]  # ghz takes whole requests a second; 0 would mean no limit
-    if vip:
-        argv += ["-m", '{"x-user-tier": "vip"}']
+    if key is not None:
+        argv += ["-m", json.dumps({"authorization": f"Bearer {key}"})]
     return json.loads(subprocess.run([*argv, address], capture_output=True, text=True, check=True,
                                      timeout=900).stdout)
 

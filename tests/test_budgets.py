@@ -84,7 +84,7 @@ class GatedBatcher:
         self.gate = asyncio.Event()
         self.held = 0
 
-    async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+    async def submit(self, model, version, inputs, outputs, tier, timeout_s, tenant="", weight=1.0):
         if inputs[0].rows > 100:
             self.held += 1
             try:

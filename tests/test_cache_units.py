@@ -188,3 +188,14 @@ def test_only_the_newest_damaged_l2_file_is_kept(tmp_path):
             older.rename(tmp_path / f"data.mdb.damaged-round{round_}-{older.name[-6:]}")
         DiskStore(tmp_path, max_bytes=1 << 20).close()
     assert len(list(tmp_path.glob("data.mdb.damaged-*"))) == 1
+
+
+def test_a_disk_store_whose_floor_record_is_damaged_gets_a_fresh_one(tmp_path):
+    store = DiskStore(tmp_path / "l2", 64 << 20)
+    assert store.generations() == {} and store.generation_floor() == 0
+    with store._env.begin(write=True, db=store._meta) as txn:  # noqa: SLF001
+        txn.put(b"generation_floor", b"not a number")
+    assert store.generation_floor() is None
+    store.generations()
+    assert store.generation_floor() > 1 << 40
+    store.close()

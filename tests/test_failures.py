@@ -103,7 +103,7 @@ async def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint_and_vip
         for i in range(4):
             request = text_request([f"vip {i} {long_text}"])
             request.parameters["priority"].int64_param = 1
-            vip.append(stub.ModelInfer(request, timeout=60))
+            vip.append(stub.ModelInfer(request, timeout=60, metadata=tiny_queues.credentials("dev-vip")))
         calls = [asyncio.ensure_future(c) for c in standard + vip]
         results = await asyncio.gather(*calls, return_exceptions=True)
     rejected = [r for r in results[:12] if isinstance(r, grpc.aio.AioRpcError)]

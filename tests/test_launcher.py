@@ -52,9 +52,14 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
     launcher = subprocess.Popen(
         [sys.executable, "-m", "services.launcher", "--models", str(model_repository), "--port", str(port),
          "--metrics-port", str(metrics_port), "--log-dir", str(tmp_path), "--run-file", str(run_file),
-         "--l2-path", str(tmp_path / "l2")],
+         "--l2-path", str(tmp_path / "l2"), "--tenants-file", str(tmp_path / "tenants.yaml")],
         cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "INFERMESH_CACHE_ADMIN_TOKEN": "t0ken"})
     try:
+        # No registry yet: the launcher makes one and shows its development keys, once, before it starts.
+        shown = [launcher.stdout.readline() for _ in range(4)]
+        assert shown[0].startswith(f"wrote the tenant registry {tmp_path / 'tenants.yaml'}"), shown
+        assert [line.split()[0] for line in shown[1:]] == ["dev-vip", "dev-standard", "dev-admin"]
+        assert oct((tmp_path / "tenants.yaml").stat().st_mode & 0o777) == "0o600"
         line = launcher.stdout.readline()
         assert line.startswith("infermesh ready: router gRPC 127.0.0.1:%d" % port), line
         assert f"http://127.0.0.1:{metrics_port}/metrics" in line

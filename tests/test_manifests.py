@@ -235,3 +235,34 @@ def test_each_sidecar_carries_connections_until_its_service_has_drained(producti
         config = json.loads(pod["metadata"]["annotations"]["proxy.istio.io/config"])
         sidecar_s = traffic.parse_duration(config["terminationDrainDuration"], name)
         assert drain_grace_s.get(name, 10) < sidecar_s < pod["spec"]["terminationGracePeriodSeconds"], name
+
+
+@pytest.mark.service
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.name for p in OVERLAYS])
+def test_a_router_that_keeps_failure_samples_keeps_them_redacted(overlay):
+    """Callers' texts stay out of a pod's disk: wherever a router is given a
+    samples path, its content is set to redacted, not left to a default."""
+    docs = manifests.render(overlay)
+    routers = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].startswith("router")]
+    assert routers
+    for router in routers:
+        for container in router["spec"]["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            path = env.get("INFERMESH_ROUTER_FAILURE_SAMPLES_PATH")
+            if not path:
+                continue
+            assert env.get("INFERMESH_ROUTER_FAILURE_SAMPLES_CONTENT") == "redacted", router["metadata"]["name"]
+            # The file and its rotated copy fit the volume they are written to.
+            mount = max((m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")),
+                        key=lambda m: len(m["mountPath"]))
+            volume = next(v for v in router["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+            max_bytes = int(env["INFERMESH_ROUTER_FAILURE_SAMPLES_MAX_BYTES"])
+            assert 2 * max_bytes <= _quantity_bytes(volume["emptyDir"]["sizeLimit"]), router["metadata"]["name"]
+
+
+def _quantity_bytes(quantity: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9}
+    for unit, factor in units.items():
+        if quantity.endswith(unit):
+            return int(quantity[:-len(unit)]) * factor
+    return int(quantity)

@@ -22,7 +22,7 @@ from inference import grpc_predict_v2_pb2 as oip
 from inference import grpc_predict_v2_pb2_grpc as oip_grpc
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
-from services.common import errors
+from services.common import errors, identity
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.latency import LatencyProfile
 from services.common.tensors import from_numpy, to_numpy
@@ -34,6 +34,8 @@ from services.model_server.server import Readiness, build_server
 
 from tests.conftest import MODELS, settle, until
 
+ADMIN_KEY, APP_KEY = identity.new_key(), identity.new_key()
+ADMIN = identity.bearer_metadata(ADMIN_KEY)
 ROWS = np.random.default_rng(7).standard_normal((4, 64), dtype=np.float32)
 
 
@@ -83,6 +85,40 @@ def repo(tmp_path, model_repository) -> pathlib.Path:
     return tmp_path / "repo"
 
 
+@pytest.mark.service
+async def test_repository_rpcs_need_an_admin_tenant(repo):
+    async with model_server(repo) as ms:
+        request = oip.RepositoryModelUnloadRequest(model_name="mlp")
+        for metadata, code, complaint in (
+                ((), grpc.StatusCode.UNAUTHENTICATED, "unload model 'mlp' needs an admin credential"),
+                (identity.bearer_metadata("imk_guessed"), grpc.StatusCode.UNAUTHENTICATED, "bearer key is not known"),
+                (identity.bearer_metadata(APP_KEY), grpc.StatusCode.PERMISSION_DENIED,
+                 "tenant 'app' may not unload model 'mlp': it has no admin rights")):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await ms.oip.RepositoryModelUnload(request, metadata=metadata, timeout=10)
+            assert refused.value.code() == code and complaint in refused.value.details()
+        assert await ms.ready()  # nothing was unloaded
+        await ms.oip.RepositoryModelUnload(request, metadata=ADMIN, timeout=30)
+        assert not await ms.ready()
+
+
+@pytest.mark.service
+async def test_without_a_registry_repository_rpcs_are_refused(repo):
+    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    await manager.start()
+    server, port, _ = await build_server(ModelServerConfig(model_repository=str(repo)), manager, port=0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await oip_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(
+                    oip.RepositoryModelLoadRequest(model_name="mlp"), metadata=ADMIN, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "has no tenant registry to check one against" in refused.value.details()
+    finally:
+        await server.stop(0)
+        await manager.close()
+
+
 class Running:
     def __init__(self, manager, channel, address: str):
         self.manager = manager
@@ -100,7 +136,7 @@ class Running:
     async def load(self, model: str = "mlp", config: dict | None = None):
         parameters = {} if config is None else {"config": oip.ModelRepositoryParameter(string_param=json.dumps(config))}
         return await self.oip.RepositoryModelLoad(
-            oip.RepositoryModelLoadRequest(model_name=model, parameters=parameters), timeout=120)
+            oip.RepositoryModelLoadRequest(model_name=model, parameters=parameters), timeout=120, metadata=ADMIN)
 
     async def index(self) -> list[tuple[str, str, str, str]]:
         response = await self.oip.RepositoryIndex(oip.RepositoryIndexRequest(), timeout=10)
@@ -119,8 +155,12 @@ async def model_server(repository: pathlib.Path, **options):
     options.setdefault("probe_interval_s", 0)
     manager = ModelManager(str(repository), "cpu", 1, on_readiness=readiness, **options)
     await manager.start()
-    server, port, _ = await build_server(ModelServerConfig(model_repository=str(repository)), manager, port=0,
-                                         readiness=readiness)
+    tenants = repository.parent / "tenants.yaml"  # its repository RPCs are an admin's (ADMIN_KEY)
+    identity.write_registry(tenants, {"tenants": {
+        "ops": {"admin": True, "keys": [identity.hash_key(ADMIN_KEY)]},
+        "app": {"keys": [identity.hash_key(APP_KEY)]}}}, replace=True)
+    config = ModelServerConfig(model_repository=str(repository), tenants_file=str(tenants))
+    server, port, _ = await build_server(config, manager, port=0, readiness=readiness)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield Running(manager, channel, f"127.0.0.1:{port}")
@@ -177,9 +217,9 @@ def _loads(outcome: str) -> float:
     ({"execution": {"intra_op_threads": 2**40}},
      "intra_op_threads must be 0..1024 and inter_op_threads 1..1024, got 1099511627776 and 1"),
     ({"preprocess": {"kind": "text_tokenizer", "tokenizer_file": "tokenizer.json", "max_length": 2**70}},
-     "field 'max_length' must be 2..1048576, got 1180591620717411303424"),
+     "field 'max_length' must be 2..32768, got 1180591620717411303424"),
     ({"execution": {"providers": ["tpu"]}}, "field 'providers' is ['tpu']"),
-    ({"tp_degree": 0}, "field 'tp_degree' must be >= 1, got 0"),
+    ({"tp_degree": 0}, "field 'tp_degree' must be 1..64, got 0"),
     ({"warmup": {"batch_sizes": [512]}}, "field 'batch_sizes' is [512]"),
     ({"max_batch_size": "8"}, "field 'max_batch_size' must be int, got '8'"),
     ({"fallback": "mlp"}, "field 'fallback' names the model itself"),
@@ -274,7 +314,7 @@ async def test_a_version_that_fails_verification_never_gets_traffic(repo):
 @pytest.mark.parametrize("damage, code, complaint", [
     ("corrupt", grpc.StatusCode.FAILED_PRECONDITION, "ONNX Runtime cannot load it"),
     ("missing", grpc.StatusCode.FAILED_PRECONDITION, "missing model.onnx"),
-    ("bad-config", grpc.StatusCode.INVALID_ARGUMENT, "field 'max_batch_size' must be >= 1, got 0"),
+    ("bad-config", grpc.StatusCode.INVALID_ARGUMENT, "field 'max_batch_size' must be 1..4096, got 0"),
     ("bad-override", grpc.StatusCode.INVALID_ARGUMENT, "parameter 'config' is not valid JSON"),
     ("no-version", grpc.StatusCode.INVALID_ARGUMENT, "selects none of the version folders"),
     ("bad-golden", grpc.StatusCode.INVALID_ARGUMENT, "golden.json: inputs[0]: the model has no input named 'X'"),
@@ -304,7 +344,7 @@ async def test_a_failed_load_is_reported_and_the_old_version_keeps_serving(repo,
         try:
             if damage == "bad-override":
                 await ms.oip.RepositoryModelLoad(oip.RepositoryModelLoadRequest(
-                    model_name="mlp", parameters={"config": oip.ModelRepositoryParameter(string_param="{nope")}))
+                    model_name="mlp", parameters={"config": oip.ModelRepositoryParameter(string_param="{nope")}), metadata=ADMIN)
             else:
                 await ms.load(config=config)
             pytest.fail("the load should have failed")
@@ -460,7 +500,7 @@ async def test_unknown_models_and_parameters_are_refused(repo):
         assert raised.value.code() == grpc.StatusCode.NOT_FOUND and "no model folder 'nope'" in raised.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await ms.oip.RepositoryModelLoad(oip.RepositoryModelLoadRequest(
-                model_name="mlp", parameters={"file:1/model.onnx": oip.ModelRepositoryParameter(bytes_param=b"x")}))
+                model_name="mlp", parameters={"file:1/model.onnx": oip.ModelRepositoryParameter(bytes_param=b"x")}), metadata=ADMIN)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "'file:1/model.onnx' is not supported" in raised.value.details()
 
@@ -473,7 +513,7 @@ async def test_unloading_a_version_in_use_lets_running_batches_finish(repo):
         running = [asyncio.create_task(ms.execute(rows=big)) for _ in range(12)]
         while loaded.in_flight == 0:
             await asyncio.sleep(0.001)
-        await ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="mlp"))
+        await ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="mlp"), metadata=ADMIN)
         results = await asyncio.gather(*running, return_exceptions=True)
         finished = [r for r in results if not isinstance(r, Exception)]
         refused = [r for r in results if isinstance(r, Exception)]
@@ -588,7 +628,7 @@ async def test_poll_mode_follows_the_repository_and_refuses_rpc_control(repo):
 @pytest.mark.service
 async def test_control_mode_none_refuses_changes(repo):
     async with model_server(repo, control_mode=ControlMode.NONE) as ms:
-        for call in (ms.load(), ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="mlp"))):
+        for call in (ms.load(), ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="mlp"), metadata=ADMIN)):
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await call
             assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -613,18 +653,20 @@ async def test_tritonclient_drives_the_repository_rpcs(repo):
     async with model_server(repo) as ms:
         address = ms.address
         process = await asyncio.create_subprocess_exec(
-            sys.executable, str(pathlib.Path(__file__).parent / "triton_repository_run.py"), address,
+            sys.executable, str(pathlib.Path(__file__).parent / "triton_repository_run.py"), address, ADMIN_KEY,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await asyncio.wait_for(process.communicate(), timeout=120)
         assert process.returncode == 0, err.decode()
         seen = json.loads(out)
     assert seen["live"] and seen["ready"]
+    assert seen["anonymous_load"]["status"] == "StatusCode.UNAUTHENTICATED"
+    assert "load model 'mlp' needs an admin credential" in seen["anonymous_load"]["message"]
     assert {"name": "mlp", "version": "1", "state": "READY"} in seen["index"]
     assert seen["ready_v2"]
     states = {(m["version"], m["state"]) for m in seen["index_after_load"]}
     assert ("2", "READY") in states and ("1", "UNAVAILABLE") in states
     assert seen["bad_load"]["status"] == "StatusCode.INVALID_ARGUMENT"
-    assert "field 'max_batch_size' must be >= 1, got -3" in seen["bad_load"]["message"]
+    assert "field 'max_batch_size' must be 1..4096, got -3" in seen["bad_load"]["message"]
     assert seen["ready_after_unload"] is False
 
 
@@ -655,10 +697,10 @@ async def test_a_failed_load_of_a_model_that_never_served_leaves_the_server_read
         assert await server_ready() and not await ms.ready("broken")
         assert any(e[0] == "broken" and e[2] == "UNAVAILABLE" and e[3] for e in await ms.index())  # the reason stays
         with pytest.raises(grpc.aio.AioRpcError) as raised:  # nothing to unload
-            await ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="broken"))
+            await ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="broken"), metadata=ADMIN)
         assert raised.value.code() == grpc.StatusCode.NOT_FOUND
         # A model that served, was unloaded and then fails to load again is not loaded either.
-        await ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="mlp"))
+        await ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="mlp"), metadata=ADMIN)
         _config(repo / "mlp", max_batch_size=0)
         with pytest.raises(grpc.aio.AioRpcError):
             await ms.load()

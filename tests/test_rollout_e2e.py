@@ -94,7 +94,8 @@ async def serve_version_2_on_green(mesh) -> None:
         control = pb_grpc.GRPCInferenceServiceStub(channel)
         override = json.dumps({"version_policy": {"specific": {"versions": [2]}}})
         await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(
-            model_name="minilm", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}), timeout=120)
+            model_name="minilm", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}), timeout=120,
+                metadata=mesh.credentials("dev-admin"))
 
 
 async def test_a_healthy_version_2_is_rolled_out_and_promoted(blue_green):
@@ -117,7 +118,8 @@ async def test_a_green_that_cannot_serve_is_rolled_back_by_itself(blue_green):
 
     async with grpc.aio.insecure_channel(mesh.processes["model_server-1"].info["grpc"]) as channel:
         control = pb_grpc.GRPCInferenceServiceStub(channel)
-        await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm"), timeout=30)
+        await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm"), timeout=30,
+            metadata=mesh.credentials("dev-admin"))
     # The batcher knows: it has polled green since (two answers, so the first has surely been read).
     polled = polls_of_green()
     await until(lambda: polls_of_green() >= polled + 2, "the batcher polling green after the unload")

@@ -21,7 +21,7 @@ class SlowBatcher:
         self.delay_s = delay_s
         self.calls: list[tuple[int, float]] = []
 
-    async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+    async def submit(self, model, version, inputs, outputs, tier, timeout_s, tenant="", weight=1.0):
         self.calls.append((tier, timeout_s))
         if timeout_s < self.delay_s:
             await asyncio.sleep(timeout_s)
@@ -92,7 +92,7 @@ class AdmittingBatcher:
     def __init__(self):
         self.calls: list[float] = []
 
-    async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+    async def submit(self, model, version, inputs, outputs, tier, timeout_s, tenant="", weight=1.0):
         self.calls.append(timeout_s)
         await asyncio.sleep(0.02)  # its turn came
         if timeout_s < 0.2 + 0.02:
@@ -118,7 +118,7 @@ async def test_a_request_pinned_to_a_version_does_not_ride_on_one_that_named_non
     with a newer version than the router's catalog knows of yet."""
 
     class SwappingBatcher(SlowBatcher):
-        async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+        async def submit(self, model, version, inputs, outputs, tier, timeout_s, tenant="", weight=1.0):
             await super().submit(model, version, inputs, outputs, tier, timeout_s)
             return version or "3", [from_numpy("OUTPUT0", np.ones((1, 64), np.float32))]
 
@@ -146,7 +146,7 @@ class FullBatcher:
     def __init__(self):
         self.calls: list[int] = []
 
-    async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+    async def submit(self, model, version, inputs, outputs, tier, timeout_s, tenant="", weight=1.0):
         self.calls.append(tier)
         if tier == 0:
             raise errors.ResourceExhausted("the standard queue of model 'mlp' is full", retry_after_ms=300)
@@ -178,7 +178,7 @@ class DeadlineBatcher:
     def __init__(self):
         self.calls: list[float] = []
 
-    async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+    async def submit(self, model, version, inputs, outputs, tier, timeout_s, tenant="", weight=1.0):
         self.calls.append(timeout_s)
         if timeout_s < 0.5:
             raise errors.ResourceExhausted("would miss its deadline", retry_after_ms=int(1000 * (0.5 - timeout_s)))
@@ -208,7 +208,7 @@ async def test_a_refusal_for_a_large_request_does_not_shed_smaller_ones():
         def __init__(self):
             self.calls: list[int] = []
 
-        async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+        async def submit(self, model, version, inputs, outputs, tier, timeout_s, tenant="", weight=1.0):
             rows = inputs[0].rows
             self.calls.append(rows)
             if rows > 4:
@@ -247,7 +247,7 @@ class GatedBatcher:
         self.gate = asyncio.Event()
         self.calls: list[float] = []
 
-    async def submit(self, model, version, inputs, outputs, tier, timeout_s):
+    async def submit(self, model, version, inputs, outputs, tier, timeout_s, tenant="", weight=1.0):
         value = float(np.frombuffer(inputs[0].data, np.float32)[0])
         self.calls.append(value)
         if value != 1:

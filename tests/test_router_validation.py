@@ -116,8 +116,10 @@ def test_unknown_tier():
         convert(text_request(["a"]), {"x-user-tier": "gold"})
 
 
-def test_vip_tier():
-    assert convert(text_request(["a"]), {"x-user-tier": "VIP"}).tier == 1
+def test_a_tier_in_the_request_is_only_a_claim():
+    request = convert(text_request(["a"]), {"x-user-tier": "VIP"})
+    assert request.claimed_tier == 1 and request.tier == 0  # its tenant decides (services/router/tenants.py)
+    assert convert(text_request(["a"])).claimed_tier is None
 
 
 def router_with(*signatures) -> Router:
@@ -166,9 +168,9 @@ def test_oip_priority_and_timeout_parameters():
     message.parameters["priority"].int64_param = 1
     message.parameters["timeout"].uint64_param = 250_000
     request = convert(message)
-    assert request.tier == 1 and request.timeout_s == 0.25
+    assert request.claimed_tier == 1 and request.timeout_s == 0.25
     message.parameters["priority"].uint64_param = 2
-    assert request_from_proto(message, {"x-user-tier": "vip"}, 0.1).tier == 0  # the parameter wins
+    assert request_from_proto(message, {"x-user-tier": "vip"}, 0.1).claimed_tier == 0  # the parameter wins
     assert request_from_proto(message, {}, 0.1).timeout_s == 0.1  # a timeout only shortens the deadline
     message.parameters["priority"].int64_param = 7
     with pytest.raises(errors.InvalidArgument, match="parameter 'priority' is 7; levels are 1 \\(VIP\\) and 2"):

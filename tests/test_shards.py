@@ -6,6 +6,7 @@ failing shard failing its batch cleanly and withdrawing readiness."""
 import asyncio
 import json
 import pathlib
+import shutil
 
 import grpc
 import numpy as np
@@ -115,7 +116,7 @@ def test_a_damaged_shard_set_is_refused(version_dir, tmp_path):
 
 
 def _minilm_repo(tmp_path: pathlib.Path, model_repository: pathlib.Path, **fields) -> pathlib.Path:
-    """minilm version 1 only (linked, not copied), with config fields replaced."""
+    """minilm version 1 only (its folder linked, not copied), with config fields replaced."""
     target = tmp_path / "repo" / "minilm"
     target.mkdir(parents=True)
     (target / "1").symlink_to((model_repository / "minilm" / "1").resolve(), target_is_directory=True)
@@ -123,9 +124,9 @@ def _minilm_repo(tmp_path: pathlib.Path, model_repository: pathlib.Path, **field
     config.pop("fallback", None)
     config.update({"version_policy": {"specific": {"versions": [1]}}, **fields})
     (target / "config.json").write_text(json.dumps(config))
-    for extra in ("golden.json",):
+    for extra in ("golden.json",):  # copied: a file a field names must lie inside the model's folder
         if (model_repository / "minilm" / extra).is_file():
-            (target / extra).symlink_to((model_repository / "minilm" / extra).resolve())
+            shutil.copy(model_repository / "minilm" / extra, target / extra)
     return tmp_path / "repo"
 
 

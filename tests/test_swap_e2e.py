@@ -57,7 +57,8 @@ async def test_a_swap_under_load_through_the_mesh_fails_no_request(tmp_path, mod
             loading.set()
             override = json.dumps({"version_policy": {"specific": {"versions": [2]}}})
             await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(
-                model_name="mlp", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}), timeout=60)
+                model_name="mlp", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}), timeout=60,
+                    metadata=mesh.credentials("dev-admin"))
             swapped.set()
             await until(lambda: sum(started == "after" for started, _, _ in seen) > 50, "answers after the load")
             stop.set()
@@ -99,7 +100,7 @@ def test_a_config_only_reload_that_changes_the_answers_is_not_answered_from_the_
             override = json.dumps({"preprocess": {**preprocess, "max_length": 16}})
             pb_grpc.GRPCInferenceServiceStub(model_server).RepositoryModelLoad(pb.RepositoryModelLoadRequest(
                 model_name="minilm-lite", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}),
-                timeout=60)
+                timeout=60, metadata=mesh.credentials("dev-admin"))
             fresh = ask(stub, bypass=True)
             assert not np.allclose(fresh, before, atol=1e-3)
             deadline = time.monotonic() + 10  # the router's and the batcher's catalogs poll every 0.2 s

@@ -103,7 +103,7 @@ async def test_vip_batches_run_on_the_vip_pool_and_standard_ones_never_do(model_
             for tier, count in (("vip", 40), ("standard", 60)):
                 before = {name: batches(mesh, name) for name in ("model_server-0", "model_server-1")}
                 await asyncio.gather(*(stub.ModelInfer(text_request([f"{uuid.uuid4().hex} {tier}"]), timeout=60,
-                                                       metadata=(("x-user-tier", tier),)) for _ in range(count)))
+                                                       metadata=mesh.credentials(f"dev-{tier}")) for _ in range(count)))
                 ran = {name: batches(mesh, name) - before[name] for name in before}
                 pool, other = ("model_server-1", "model_server-0") if tier == "vip" else \
                     ("model_server-0", "model_server-1")

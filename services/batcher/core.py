@@ -10,7 +10,9 @@ none), then until the batch is full or the oldest request has waited
 max_queue_delay_ms (no wait at all while none of its batches is running:
 waiting would only leave the model idle), takes what fits and sends it to the
 backend as one batch. A request larger than the batch size runs alone, up to
-the model's own limit. Length-aware batching fills a batch with requests of
+the model's own limit. A batch holds one shape: requests whose dimensions
+past the batch one differ never share one (a request of another shape ends
+the batch being formed, and leads the next). Length-aware batching fills a batch with requests of
 similar text length, so that padding stays small. Every request's future is
 always resolved: with its outputs or with a domain error.
 """
@@ -26,8 +28,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 from services.batcher import metrics
+from services.batcher.fair import FairLevel
 from services.batcher.policy import FixedPolicy, Policy, QueueView, make_policy
 from services.common import errors
+from services.common.identity import MAX_WEIGHT, MIN_WEIGHT
 from services.common.latency import CAUTIOUS_DEVIATIONS, MovingTime
 from services.common.tensors import TensorData, concat_rows, split_rows
 
@@ -42,6 +46,8 @@ RATE_BATCHES = 8  # ... and of those at most the last few batches, so that the r
 
 
 LEVEL_NAMES = {VIP: "vip", STANDARD: "standard"}
+MAX_TENANT_CHARS = 256  # of a tenant's name: it is held while the tenant's requests wait
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +242,11 @@ class Pending:
     timer: asyncio.TimerHandle | None = None
     length: float = 0.0  # bytes per row of its BYTES inputs: a cheap proxy for token count
     queued: bool = False  # holds a place in its level: counted in the queue's length and rows
+    tenant: str = ""  # whose request (the router's verified tenant): tenants share a level by weight
+    weight: float = 1.0
+    tag: float = 0.0  # its start tag in its level's fair queueing (FairLevel)
+    seq: int = 0  # its arrival there
+    shape: tuple = ()  # (name, dimensions past the batch one) per input: only requests alike share a batch
     rows: int = dataclasses.field(init=False)
 
     def __post_init__(self):
@@ -280,12 +291,17 @@ class ModelQueue:
         self._last_led = STANDARD  # the level of the request that led the last batch
         self.batch_policy = batch_policy if batch_policy is not None else FixedPolicy(max_batch_size, max_delay_s)
         self._running: dict[asyncio.Task, tuple[float, int, int]] = {}  # batches in flight: (start, rows, lane)
-        self._levels = {VIP: collections.deque(), STANDARD: collections.deque()}
+        # Within a level, tenants share by weight (FairLevel); one tenant's requests go FIFO.
+        self._levels = {VIP: FairLevel(), STANDARD: FairLevel()}
         # Kept with the levels for the requests still waiting there (a request answered while
         # queued, expired or cancelled, leaves its deque only when the batching task passes it,
         # but stops counting at once): admission, planning, the bound and the gauge read them.
         self._queued_rows = {VIP: 0, STANDARD: 0}
         self._queued = {VIP: 0, STANDARD: 0}
+        # Per (level, tenant) with requests waiting: [requests, rows, weight]; and per level
+        # the sum of those tenants' weights. Only waiting requests have entries.
+        self._tenant_load: dict[tuple[int, str], list] = {}
+        self._level_weight = {VIP: 0.0, STANDARD: 0.0}
         self._forming: list[Pending] = []  # the batch _collect is filling: taken from the levels, not yet sent
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -305,17 +321,12 @@ class ModelQueue:
         limit = self._policy.levels[item.priority].max_queue_size
         name = LEVEL_NAMES[item.priority]
         if self._queued[item.priority] >= limit:
-            metrics.REJECTIONS.labels(self.model, name, "queue_full").inc()
-            # About how long until a place frees up: the batches ahead of it.
-            retry_ms = self._drain_retry_ms()
-            raise errors.ResourceExhausted(
-                f"the {name} queue of model '{self.model}' is full ({limit} requests waiting); "
-                f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
+            self._refuse_if_full(item, limit, name)
         self._admit(item, name)
         level.append(item)
         item.queued = True
         item.future.add_done_callback(lambda _: self._leave(item))  # answered while it waits: a place frees
-        self._count_queued(item.priority, 1, item.rows, item.enqueued)
+        self._count_queued(item, 1, item.enqueued)
         self.batch_policy.observe_arrival(item.enqueued, item.rows, item.priority)
         if item.priority == VIP or self._queued[item.priority] == 1:
             # A VIP request may take a reserved slot; the first standard one a slot VIP work cannot use.
@@ -324,9 +335,45 @@ class ModelQueue:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"batcher-{self.model}-{self.version}")
 
-    def _count_queued(self, level: int, requests: int, rows: int, now: float) -> None:
+    def _refuse_if_full(self, item: Pending, limit: int, name: str) -> None:
+        """A full level refuses a request, unless its tenant holds less than its
+        weight's share of the level's places: a tenant that filled the queue
+        alone must not lock out the next one. Those go past the bound, up to
+        twice it (what the level holds stays bounded)."""
+        queued = self._queued[item.priority]
+        share, held = self._tenant_share(item, limit)
+        if held < share and queued < 2 * limit:
+            return
+        metrics.REJECTIONS.labels(self.model, name, "queue_full").inc()
+        # About how long until a place frees up: the batches ahead of it.
+        retry_ms = self._drain_retry_ms()
+        shared = share < limit  # other tenants wait at this level too
+        whose = f"; tenant '{item.tenant}' holds {held} of them, its share is {share:.0f}" if shared else ""
+        raise errors.ResourceExhausted(
+            f"the {name} queue of model '{self.model}' is full ({queued} requests waiting{whose}); "
+            f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
+
+    def _tenant_share(self, item: Pending, places: float) -> tuple[float, int]:
+        """The tenant's share of `places` among the tenants waiting at its level
+        (itself counted), and how many requests it has waiting there."""
+        load = self._tenant_load.get((item.priority, item.tenant))
+        weights = self._level_weight[item.priority] + (0.0 if load else item.weight)
+        return places * item.weight / weights, (load[0] if load else 0)
+
+    def _count_queued(self, item: Pending, requests: int, now: float) -> None:
+        level, rows = item.priority, requests * item.rows
         self._queued[level] += requests
         self._queued_rows[level] += rows
+        key = (level, item.tenant)
+        load = self._tenant_load.get(key)
+        if load is None:
+            load = self._tenant_load[key] = [0, 0, item.weight]
+            self._level_weight[level] += item.weight
+        load[0] += requests
+        load[1] += rows
+        if load[0] <= 0:
+            del self._tenant_load[key]
+            self._level_weight[level] = max(0.0, self._level_weight[level] - load[2])
         self._service_rates[level].waiting(now, self._queued_rows[level] > 0)
         metrics.QUEUE_LENGTH.labels(self.model, LEVEL_NAMES[level]).set(self._queued[level])
 
@@ -335,7 +382,7 @@ class ModelQueue:
         or answered while it waited (its deque entry goes when passed over)."""
         if item.queued:
             item.queued = False
-            self._count_queued(item.priority, -1, -item.rows, asyncio.get_running_loop().time())
+            self._count_queued(item, -1, asyncio.get_running_loop().time())
 
     def _drain_retry_ms(self) -> int:
         """A retry hint for a refusal for lack of room: about how long until the
@@ -363,7 +410,8 @@ class ModelQueue:
         the wait). Only with a real backlog and a measured rate."""
         if item.deadline is None:
             return
-        ahead = sum(rows for level, rows in self._queued_rows.items() if level >= item.priority)
+        ahead = sum(rows for level, rows in self._queued_rows.items() if level > item.priority)
+        ahead += self._rows_before(item)
         # A standard request also waits for the batches already at the model
         # servers (execution is not preemptive); a VIP one has its own lane there.
         ahead += item.rows + (self._inflight_rows[STANDARD] if item.priority < VIP else 0)
@@ -388,6 +436,19 @@ class ModelQueue:
                 f"model '{self.model}' has {ahead} rows to finish up to this request at {level_name} priority or "
                 f"above (queued, running, its own), about {1000 * wait_s:.0f} ms of work, more than {limit}; "
                 f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
+
+    def _rows_before(self, item: Pending) -> int:
+        """About the rows of its own level served before a new request is: all
+        that wait there, or, where other tenants wait too, as many as fair
+        queueing serves of theirs while this tenant's backlog and the request
+        go (its rows at the level's total weight over its own)."""
+        waiting = self._queued_rows[item.priority]
+        load = self._tenant_load.get((item.priority, item.tenant))
+        mine = load[1] if load else 0
+        if mine == waiting:
+            return waiting
+        weights = self._level_weight[item.priority] + (0.0 if load else item.weight)
+        return min(waiting, int((mine + item.rows) * weights / item.weight) - item.rows)
 
     async def _run(self) -> None:
         while True:
@@ -423,11 +484,13 @@ class ModelQueue:
         self._running.pop(task, None)
 
     def _take(self, room: int, alone: bool, near_length: float | None = None,
-              levels: tuple[int, ...] = PRIORITIES) -> Pending | None:
-        """The next live request of `levels` that fits in `room` rows (any size
-        when `alone`): a batch's lead by strict priority, the rest from `levels`
-        in the order given; FIFO within a level; expired and cancelled requests
-        are answered and dropped on the way. Given `near_length` (length-aware
+              levels: tuple[int, ...] = PRIORITIES, shape: tuple = ()) -> Pending | None:
+        """The next live request of `levels` that fits in `room` rows and has
+        the batch's `shape` (any size and shape when `alone`): a batch's lead by
+        strict priority, the rest from `levels` in the order given; FIFO within
+        a level (a head that does not fit or is of another shape is not passed
+        over: it leads the next batch); expired and cancelled requests are
+        answered and dropped on the way. Given `near_length` (length-aware
         batching), it is the request of the most similar length among the
         first few that fit, so that short texts are not padded to long ones."""
         now = asyncio.get_running_loop().time()
@@ -449,12 +512,12 @@ class ModelQueue:
                 if not self._live(item, now):
                     queue.popleft()
                     continue
-                if item.rows > room and not alone:
+                if not alone and (item.rows > room or item.shape != shape):
                     break
                 if near_length is None or len(queue) == 1:
                     queue.popleft()
                 else:
-                    item = self._closest(queue, room, near_length, now)
+                    item = self._closest(queue, room, near_length, now, shape)
                     queue.remove(item)
                 self._leave(item)
                 if alone:
@@ -476,12 +539,14 @@ class ModelQueue:
             return False
         return True
 
-    def _closest(self, queue: collections.deque, room: int, length: float, now: float) -> Pending:
-        """Among the first LENGTH_WINDOW live requests that fit, the one nearest
-        `length`; ties go to the older. The head fits, so there is always one."""
+    def _closest(self, queue: FairLevel, room: int, length: float, now: float, shape: tuple) -> Pending:
+        """Among the first LENGTH_WINDOW live requests that fit and have `shape`,
+        the one nearest `length`; ties go to the older. The head fits, so there
+        is always one."""
         best, best_gap = queue[0], abs(queue[0].length - length)
         for item in itertools.islice(queue, 1, LENGTH_WINDOW):
-            if item.rows > room or item.future.done() or (item.deadline is not None and now >= item.deadline):
+            if (item.rows > room or item.shape != shape or item.future.done()
+                    or (item.deadline is not None and now >= item.deadline)):
                 continue
             gap = abs(item.length - length)
             if gap < best_gap:
@@ -556,7 +621,8 @@ class ModelQueue:
         while True:
             near = batch[0].length if batch and self._length_aware else None
             allowed = self._fill_levels(batch[0].priority, levels) if batch else levels
-            item = self._take(size - rows, alone=not batch, near_length=near, levels=allowed)
+            item = self._take(size - rows, alone=not batch, near_length=near, levels=allowed,
+                              shape=batch[0].shape if batch else ())
             if item is not None:
                 if not batch:
                     size, dispatch_by = self._plan(item)
@@ -566,7 +632,7 @@ class ModelQueue:
                     break
                 continue
             if not batch or any(self._queued[level] for level in allowed):
-                break  # nothing waiting, or the next request does not fit
+                break  # nothing waiting, or the next request does not fit or is of another shape
             if self._queued[VIP] and VIP not in allowed:
                 break  # a VIP request this batch will not carry: the batching task is its way out
             remaining = dispatch_by - loop.time()
@@ -805,15 +871,23 @@ class Batcher:
         return queue
 
     async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                     priority: int = STANDARD, timeout_s: float | None = None) -> tuple[str, list[TensorData]]:
+                     priority: int = STANDARD, timeout_s: float | None = None, tenant: str = "",
+                     weight: float = 1.0) -> tuple[str, list[TensorData]]:
         """Queues one request and waits for its answer; cancelling the caller
-        drops the request before it runs."""
+        drops the request before it runs. Within its level, `tenant` shares
+        with the other tenants there by `weight` (0 counts as 1)."""
         loop = asyncio.get_running_loop()
         limits = self._backend.limits(model)
         if limits is None:
             raise errors.Unavailable(f"no ready model_server replica serves model '{model}'")
         if priority not in PRIORITIES:
             raise errors.InvalidArgument(f"priority {priority} is not a Priority value; expected one of {PRIORITIES}")
+        if len(tenant) > MAX_TENANT_CHARS:
+            raise errors.InvalidArgument(f"field 'tenant' is {len(tenant)} characters long; at most {MAX_TENANT_CHARS}")
+        weight = weight or 1.0
+        if not MIN_WEIGHT <= weight <= MAX_WEIGHT:  # NaN too
+            raise errors.InvalidArgument(f"field 'tenant_weight' must be in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}] (or 0 "
+                                         f"for 1), got {weight!r}")
         names = [t.name for t in inputs]
         if sorted(names) != sorted(limits.inputs) or len(set(names)) != len(names):
             raise errors.InvalidArgument(f"model '{model}' takes inputs {sorted(limits.inputs)}, got {names}")
@@ -838,7 +912,8 @@ class Batcher:
             timeout_s = min(timeout_s, level_timeout) if timeout_s else level_timeout
         length = sum(len(t.data) for t in inputs if t.datatype == "BYTES") / rows
         item = Pending(inputs, outputs, priority, now + timeout_s if timeout_s else None, loop.create_future(), now,
-                       length=length)
+                       length=length, shape=tuple((t.name, t.shape[1:]) for t in inputs), tenant=tenant,
+                       weight=weight)
         queue.put(item)
         item.future.add_done_callback(item.answered)
         if item.deadline is not None:

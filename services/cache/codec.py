@@ -17,7 +17,7 @@ import numpy as np
 import zstandard
 
 from services.common import errors
-from services.common.tensors import NUMPY_DTYPES, DATATYPES, TensorData, element_count
+from services.common.tensors import NUMPY_DTYPES, DATATYPES, TensorData, count_bytes_elements, element_count
 
 MAGIC = b"IMC1"
 ZSTD = 1
@@ -52,6 +52,8 @@ def check(tensors: list[TensorData]) -> None:
         if t.datatype != "BYTES" and len(t.data) != element_count(t.shape) * NUMPY_DTYPES[t.datatype].itemsize:
             raise UnstorableValue(f"tensor {name} holds {len(t.data)} bytes; {t.datatype} of shape "
                                   f"{list(t.shape)} needs {element_count(t.shape) * NUMPY_DTYPES[t.datatype].itemsize}")
+        if t.datatype == "BYTES" and _bytes_elements(t.data) != element_count(t.shape):
+            raise UnstorableValue(f"tensor {name} of shape {list(t.shape)} does not frame that many BYTES elements")
 
 
 def encode(tensors: list[TensorData], compress: bool = False, fp16: bool = False) -> bytes:
@@ -130,7 +132,17 @@ def _tensors(body: memoryview, count: int) -> list[TensorData]:
             raise ValueError(f"tensor '{name}' has datatype {datatype!r} and shape {list(shape)}")
         if datatype != "BYTES" and len(data) != element_count(shape) * NUMPY_DTYPES[datatype].itemsize:
             raise ValueError(f"tensor '{name}' holds {len(data)} bytes, shape {list(shape)} needs more or fewer")
+        if datatype == "BYTES" and _bytes_elements(data) != element_count(shape):
+            raise ValueError(f"tensor '{name}' of shape {list(shape)} does not frame that many BYTES elements")
         out.append(TensorData(name, datatype, tuple(shape), data))
     if offset != len(body):
         raise ValueError(f"{len(body) - offset} trailing bytes")
     return out
+
+
+def _bytes_elements(data: bytes) -> int | None:
+    """How many length-prefixed elements `data` frames; None where its framing is broken."""
+    try:
+        return count_bytes_elements(data, "a cached BYTES tensor")
+    except errors.InvalidArgument:
+        return None

@@ -24,7 +24,11 @@ class CacheConfig(ServingLimits):
     l2_max_bytes: int = dataclasses.field(default=1 << 30, metadata={"help": "bound on the bytes of L2's entries (keys, values, LMDB's per-entry overhead)"})
     l2_fp16: bool = dataclasses.field(default=False, metadata={"help": "store FP32 outputs as FP16 in L2 (half the bytes)"})
     generation_poll_s: float = dataclasses.field(default=1.0, metadata={"help": "how often model generations are re-read"})
-    admin_token: str = dataclasses.field(default="", metadata={"help": "bearer token for Purge; empty disables Purge"})
+    admin_token: str = dataclasses.field(default="", metadata={
+        "help": "a bearer token for Purge (besides the registry's admin tenants); empty: none"})
+    tenants_file: str = dataclasses.field(default="", metadata={
+        "help": "tenant registry (as the router's): its admin tenants may Purge; with neither this nor "
+                "admin_token, Purge is disabled"})
     max_message_bytes: int = dataclasses.field(default=64 * 1024 * 1024)
     drain_grace_s: float = dataclasses.field(default=5.0)
     log_level: str = dataclasses.field(default="info")

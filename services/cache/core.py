@@ -23,13 +23,16 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from services.cache import codec, metrics
-from services.cache.disk import DiskStore
+from services.cache.disk import DAMAGED, MAX_GENERATION, DiskStore, fresh_generation
 from services.common import errors
 from services.common.tensors import TensorData
 
 log = logging.getLogger(__name__)
 TIERS = {0: "standard", 1: "vip"}
 MAX_QUEUED_STORES = 10_000
+# Models whose generation this replica has read from Redis (callers name them):
+# past this, the oldest is forgotten, and read again when next used.
+MAX_CONFIRMED_MODELS = 4096
 STALE = "stale"  # a store's result when a purge came between its lookup and it
 # Both raise the stored generation to at least ARGV[1] (a replica's floor);
 # purge then adds one. Atomic, so two replicas never hand out the same one.
@@ -134,18 +137,52 @@ class ResultCache:
         self._disk_reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cache-l2-read")
         self._raise_generation = self._redis.register_script(_RAISE_GENERATION)
         self._bump_generation = self._redis.register_script(_BUMP_GENERATION)
-        # Per model: the highest generation seen (never lowered), the highest L2 has
-        # recorded, and which ones Redis has been asked about since this process began.
-        self._generations: dict[str, int] = disk.generations() if disk is not None else {}
-        self._recorded: dict[str, int] = dict(self._generations)
+        # Per model: the highest generation seen (never lowered), kept only where it
+        # is above the floor (every model's least: 0 unless damaged records raised
+        # it), so that only purged models have an entry; the highest L2 has
+        # recorded; and which ones Redis has been asked about (bounded, oldest first).
+        self._generations: dict[str, int] = {}
+        self._floor = 0
         if disk is not None:
+            self._read_disk_generations(disk)
             metrics.L2_BYTES.set(disk.stored_bytes)  # what a restart found, before any write
-        self._confirmed: set[str] = set()
+        self._recorded: dict[str, int] = dict(self._generations)
+        self._confirmed: dict[str, None] = {}
         self._lookups = Coalescer(self._lookup_batch)
         self._stores = Coalescer(self._store_batch)
         self._queued_stores = 0
 
     # -- keys and generations -------------------------------------------------------
+    def _read_disk_generations(self, disk: DiskStore) -> None:
+        """Damaged generation records never stop start-up: the store drops them
+        and raises its floor; one it cannot read at all gives a fresh floor here."""
+        try:
+            generations, floor = disk.generations(), disk.generation_floor()
+        except DAMAGED as exc:
+            generations, floor = {}, None
+            log.error("L2 generation records cannot be read (%s: %s)", type(exc).__name__, exc)
+        if floor is None:
+            floor = fresh_generation()
+            log.error("starting every model at fresh generation %d: entries older than a purge stay unreachable",
+                      floor)
+        self._floor = floor
+        self._generations = {m: g for m, g in generations.items() if g > floor}
+
+    def current_generation(self, model: str) -> int:
+        """The model's generation as this replica knows it now."""
+        return self._generations.get(model, self._floor)
+
+    def _set_generation(self, model: str, generation: int) -> None:
+        if generation > self._floor:
+            self._generations[model] = generation
+
+    def _confirm(self, models) -> None:
+        for model in models:
+            self._confirmed.pop(model, None)
+            self._confirmed[model] = None
+        while len(self._confirmed) > MAX_CONFIRMED_MODELS:
+            del self._confirmed[next(iter(self._confirmed))]
+
     def _l1_key(self, model: str, generation: int, digest: bytes) -> str:
         return f"{self._namespace}:v1:{model}:g{generation}:{digest.hex()}"
 
@@ -158,28 +195,37 @@ class ResultCache:
     async def _generation(self, model: str) -> int:
         if model not in self._confirmed:
             await self.refresh_generations([model])
-        return self._generations.get(model, 0)
+        return self.current_generation(model)
 
     async def refresh_generations(self, models: list[str] | None = None) -> None:
         """Re-reads the generations of `models` (default: every model seen);
-        one Redis reads lower than seen here is raised back, never followed."""
-        models = list(self._generations) if models is None else models
+        one Redis reads lower than seen here is raised back, never followed,
+        and a damaged one is replaced by a fresh generation."""
+        models = list({**self._confirmed, **dict.fromkeys(self._generations)}) if models is None else models
         if not models or not self._breaker.allows():
             return
         try:
             values = await self._redis.mget([self._generation_key(m) for m in models])
             for model, value in zip(models, values):
-                stored = int(value) if value is not None and value.isdigit() else 0
-                known = self._generations.get(model, 0)
+                known = self.current_generation(model)
+                stored = int(value) if value is not None and value.isdigit() and len(value) <= 19 else None
+                if value is None:
+                    stored = 0
+                elif stored is None or stored >= MAX_GENERATION:
+                    fresh = max(fresh_generation(), known)
+                    log.error("redis holds a damaged generation %r of model %s; starting it at fresh generation %d",
+                              value[:40], model, fresh)
+                    await self._redis.set(self._generation_key(model), fresh)
+                    stored = fresh
                 if stored < known:
                     log.warning("redis holds generation %d of model %s, older than %d seen before (did Redis restart?); "
                                 "writing %d back", stored, model, known, known)
                     stored = int(await self._raise_generation([self._generation_key(model)], [known]))
-                self._generations[model] = max(stored, known)
+                self._set_generation(model, max(stored, known))
         except (RedisError, OSError) as exc:
             self._failed("generation", exc)
             return
-        self._confirmed.update(models)
+        self._confirm(models)
         await self._record_generations()
 
     async def _record_generations(self) -> None:
@@ -213,7 +259,7 @@ class ResultCache:
     async def _lookup_batch(self, items: list[tuple[str, bytes, int]]) -> list[tuple[list[TensorData] | None, int]]:
         for model in {m for m, _, _ in items}:
             await self._generation(model)
-        keyed = [(model, self._generations.get(model, 0), digest, tier) for model, digest, tier in items]
+        keyed = [(model, self.current_generation(model), digest, tier) for model, digest, tier in items]
         results: list[list[TensorData] | None] = [None] * len(items)
         levels = ["all"] * len(items)
         raw = await self._l1_get([self._l1_key(m, g, d) for m, g, d, _ in keyed])
@@ -269,10 +315,11 @@ class ResultCache:
             generation: int | None = None) -> asyncio.Future | None:
         """Queues a result for the next write batch without waiting for it;
         returns None (a dropped write, counted) when too many are queued. With
-        the `generation` its lookup read (else the current one): kept under
-        it, so that a purge since leaves it unreachable, and not written at
-        all (the future's result is STALE) when this replica already knows of
-        that purge."""
+        the `generation` its lookup read (else the current one): not written
+        at all (the future's result is STALE) when this replica already knows
+        of a purge since, and refused (InvalidArgument) when it names a
+        generation newer than the current one, as Redis says: kept under it,
+        it would answer again after the purge meant to remove it."""
         if self._queued_stores >= MAX_QUEUED_STORES:
             metrics.DROPPED_STORES.inc()
             return None
@@ -292,14 +339,23 @@ class ResultCache:
         L1 never fails: nobody waits for it, and L2 still holds the value."""
         for model in {item[1] for item in items if item[2] is None}:
             await self._generation(model)
+        ahead = {m for _, m, g, _, _ in items if g is not None and g > self.current_generation(m)}
+        if ahead:  # perhaps a purge through another replica that this one has not read yet
+            await self.refresh_generations(sorted(ahead))
         results: list[None | Exception] = [None] * len(items)
         l1, l2, raw = [], [], 0
         on_disk: set[int] = set()
         for i, (where, model, generation, digest, outputs) in enumerate(items):
-            current = self._generations.get(model, 0)
+            current = self.current_generation(model)
             if where == "both" and generation is not None and generation < current:
                 metrics.STALE_STORES.inc()
                 results[i] = STALE  # computed before a purge: no longer this model's answer
+                continue
+            if where == "both" and generation is not None and generation > current:
+                metrics.ERRORS.labels("generation_ahead").inc()
+                results[i] = errors.InvalidArgument(
+                    f"field 'generation' is {generation} for model {errors.shown(model)}, but its current generation "
+                    f"is {current}: store a result under the generation its lookup read")
                 continue
             generation = current if generation is None else generation
             to_disk = where == "both" and self._disk is not None
@@ -360,9 +416,9 @@ class ResultCache:
     async def purge(self, model: str) -> tuple[int, int]:
         """Bumps the model's generation in Redis and drops its L2 entries here.
         Raises RedisError when Redis is unreachable: a purge must not half-happen silently."""
-        generation = int(await self._bump_generation([self._generation_key(model)], [self._generations.get(model, 0)]))
-        self._generations[model] = generation
-        self._confirmed.add(model)
+        generation = int(await self._bump_generation([self._generation_key(model)], [self.current_generation(model)]))
+        self._set_generation(model, generation)
+        self._confirm([model])
         await self._record_generations()
         deleted = 0
         if self._disk is not None:

@@ -30,6 +30,8 @@ _META_BYTES = b"footprint_bytes"
 # and slot pointers, rounded up. Measured: a small entry costs LMDB about this plus page slack.
 _ENTRY_OVERHEAD = 2 * _ORDER_KEY.size + 48
 _META_GENERATION = b"generation\x00"  # + model: the highest purge generation this store has seen
+_META_FLOOR = b"generation_floor"  # every model's least generation (raised when a record was damaged)
+MAX_GENERATION = 1 << 62  # within an L2 key's 8 bytes, with room above a fresh one
 EVICT_ROOM_DIVISOR = 50  # an eviction frees a fiftieth of the bound
 
 
@@ -186,15 +188,43 @@ class DiskStore:
         return deleted
 
     def generations(self) -> dict[str, int]:
-        """The highest generation recorded per model (see `record_generations`)."""
-        found = {}
+        """The highest generation recorded per model (see `record_generations`).
+        A damaged record is dropped and the floor raised to a fresh generation
+        (logged): that model's entries here may then be older than its purge,
+        and only a generation above every one ever used keeps them unreachable."""
+        found, damaged = {}, []
         with self._env.begin(db=self._meta) as txn, txn.cursor() as cursor:
             if cursor.set_range(_META_GENERATION):
                 for key, value in cursor:
                     if not key.startswith(_META_GENERATION):
                         break
-                    found[key[len(_META_GENERATION):].decode()] = int(value)
+                    generation = _generation_value(value)
+                    try:
+                        model = key[len(_META_GENERATION):].decode()
+                    except UnicodeDecodeError:
+                        generation = None
+                    if generation is None:
+                        damaged.append((key, value))
+                    else:
+                        found[model] = generation
+        floor = self.generation_floor()
+        if damaged or floor is None:
+            fresh = fresh_generation()
+            with self._lock, self._env.begin(write=True, db=self._meta) as txn:
+                for key, _ in damaged:
+                    txn.delete(key)
+                txn.put(_META_FLOOR, str(fresh).encode())
+            log.error("L2 store in %s: generation records damaged (%s); dropped them, and every model starts at "
+                      "fresh generation %d or above", self._path,
+                      ", ".join(f"{k!r}: {v[:40]!r}" for k, v in damaged[:4]) or "the floor record", fresh)
         return found
+
+    def generation_floor(self) -> int | None:
+        """The least generation of every model (0 until a damaged record raised
+        it; None when the floor's own record is damaged)."""
+        with self._env.begin(db=self._meta) as txn:
+            raw = txn.get(_META_FLOOR)
+        return 0 if raw is None else _generation_value(raw)
 
     def record_generations(self, generations: dict[str, int]) -> None:
         """Keeps each model's generation, never lowering one already recorded:
@@ -202,8 +232,8 @@ class DiskStore:
         with self._lock, self._env.begin(write=True, db=self._meta) as txn:
             for model, generation in generations.items():
                 key = _META_GENERATION + model.encode()
-                old = txn.get(key)
-                if old is None or int(old) < generation:
+                old = _generation_value(txn.get(key) or b"0")
+                if old is None or old < generation:
                     txn.put(key, str(generation).encode())
 
     def __len__(self) -> int:
@@ -223,3 +253,14 @@ def footprint(key: bytes, value: bytes) -> int:
 
 def _value(stored: bytes | None) -> bytes | None:
     return None if stored is None else stored[_ORDER_KEY.size:]
+
+
+def fresh_generation() -> int:
+    """A generation above any a store has used: microseconds since the epoch
+    (generations count purges up from 0; nobody purges a million times a second)."""
+    return time.time_ns() // 1000
+
+
+def _generation_value(raw: bytes) -> int | None:
+    """A recorded generation, or None when the record is damaged."""
+    return int(raw) if raw.isdigit() and len(raw) <= 19 and int(raw) < MAX_GENERATION else None

@@ -10,7 +10,7 @@ from redis.exceptions import RedisError
 from services.cache import codec, metrics
 from services.cache.config import CacheConfig
 from services.cache.core import STALE, ResultCache
-from services.common import errors, serving
+from services.common import errors, identity, serving
 from services.common.budget import ByteBudget
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.streams import answer_concurrently
@@ -53,9 +53,10 @@ def checked_outputs(index: int, request) -> list:
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
     def __init__(self, cache: ResultCache, admin_token: str, draining: asyncio.Event,
-                 budget: ByteBudget | None = None):
+                 admin: identity.AdminGate | None = None, budget: ByteBudget | None = None):
         self._cache = cache
         self._admin_token = admin_token
+        self._admin = admin if admin is not None else identity.AdminGate(None, "cache")
         self._draining = draining
         self._budget = budget  # a stored result is held in it from when it is read until it is written
 
@@ -133,14 +134,27 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         return cache_pb2.StoreSummary(**counts)
 
     async def Purge(self, request, context):
-        if not self._admin_token:
+        if not self._admin_token and not self._admin.configured:
             metrics.PURGES.labels("disabled").inc()
-            raise errors.PermissionDenied("Purge is disabled: the cache service has no admin token configured")
+            raise errors.PermissionDenied("Purge is disabled: the cache service has no admin token or tenant "
+                                          "registry configured")
         metadata = dict(context.invocation_metadata() or ())
         presented = metadata.get("authorization", "")
-        if not hmac.compare_digest(presented.encode(), f"Bearer {self._admin_token}".encode()):
-            metrics.PURGES.labels("unauthenticated").inc()
-            raise errors.Unauthenticated("Purge needs metadata 'authorization: Bearer <admin token>'")
+        token = bool(self._admin_token) and hmac.compare_digest(presented.encode(),
+                                                                 f"Bearer {self._admin_token}".encode())
+        if not token:
+            if not self._admin.configured:
+                metrics.PURGES.labels("unauthenticated").inc()
+                raise errors.Unauthenticated("Purge needs metadata 'authorization: Bearer <admin token>'")
+            try:
+                self._admin.check(context, f"purge model {errors.shown(request.model)}")
+            except errors.Unauthenticated as exc:
+                metrics.PURGES.labels("unauthenticated").inc()
+                raise errors.Unauthenticated(f"{exc.message}; Purge needs metadata 'authorization: Bearer <key>' "
+                                             "with an admin tenant's key or the cache's admin token") from None
+            except errors.PermissionDenied:
+                metrics.PURGES.labels("unauthenticated").inc()
+                raise
         check_model("PurgeRequest", request.model)
         try:
             generation, deleted = await self._cache.purge(request.model)
@@ -155,8 +169,10 @@ async def build_server(config: CacheConfig, cache: ResultCache, draining: asynci
     """Returns (server, bound_port, health servicer); the server is started."""
     server = serving.new_server("cache", config.max_message_bytes, limits=config,
                                 data_methods=frozenset({"Lookup", "Store"}))
+    admin = identity.AdminGate.from_file(config.tenants_file, "cache")
     budget = ByteBudget("cache", config.budget_bytes)
-    cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache, config.admin_token, draining, budget), server)
+    cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache, config.admin_token, draining, admin, budget),
+                                               server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
     await server.start()

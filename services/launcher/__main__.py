@@ -9,6 +9,7 @@ import sys
 import time
 
 from services.launcher.mesh import Mesh, MeshError
+from services.meshctl import tenants
 
 
 
@@ -32,6 +33,10 @@ def main() -> int:
     parser.add_argument("--model-server-labels", default="version=blue,pool=vip",
                         help="labels of the model server, as a DestinationRule subset selects them (one local "
                              "server is in both the blue subset and the VIP pool)")
+    parser.add_argument("--tenants-file", type=pathlib.Path,
+                        default=pathlib.Path(os.environ.get("INFERMESH_TENANTS_FILE", "var/tenants.yaml")),
+                        help="the router's tenant registry; made with development tenants (keys printed once) if "
+                             "missing (python -m services.meshctl tenants)")
     args = parser.parse_args()
     if args.routers < 1:
         parser.error(f"--routers must be at least 1, got {args.routers}")
@@ -43,7 +48,10 @@ def main() -> int:
     # once running, it asks the loop below to drain and stop.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, interrupt)
-    mesh = Mesh(models=args.models, host=args.host, router_port=args.port, metrics_port=args.metrics_port,
+    if not args.tenants_file.exists():
+        tenants.parse_and_run(["--registry", str(args.tenants_file), "init"])
+    mesh = Mesh(models=args.models, tenants_file=args.tenants_file, host=args.host, router_port=args.port,
+                metrics_port=args.metrics_port,
                 redis_url=args.redis_url, l2_path=args.l2_path, log_dir=args.log_dir,
                 model_server_labels=(args.model_server_labels,) if args.model_server_labels else (),
                 batcher_args=("--traffic-policy", args.traffic_policy) if args.traffic_policy else (),

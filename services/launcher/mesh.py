@@ -19,6 +19,8 @@ import time
 
 import redis
 
+from services.common import identity
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -131,6 +133,7 @@ class Mesh:
         model_server_nice: int | tuple[int, ...] = MODEL_SERVER_NICE,
         ready_timeout_s: float = 120.0,
         routers: int = 1,
+        tenants_file: str | os.PathLike | None = None,
     ):
         self.models = str(models)
         self.host = host
@@ -160,6 +163,11 @@ class Mesh:
             raise ValueError(f"routers must be >= 1, got {routers}")
         # Router processes sharing the public port (SO_REUSEPORT): "router", then "router-2", ...
         self.router_count = routers
+        # The services' tenant registry (the router's tenants, the control RPCs' admins);
+        # without one, a development registry of its own (a VIP, a standard and an admin
+        # tenant) whose keys are in `keys`.
+        self.tenants_file = str(tenants_file) if tenants_file else None
+        self.keys: dict[str, str] = {}
         self.processes: dict[str, Process] = {}
         self.redis_dir: str | None = None
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -171,7 +179,8 @@ class Mesh:
                 self.start_redis()
             servers = [
                 self._spawn(f"model_server-{i}" if self.model_server_count > 1 else "model_server", "services.model_server",
-                            ["--model-repository", self.models, *self._core_share(), *self.model_server_args,
+                            ["--model-repository", self.models, "--tenants-file", self._tenants(), *self._core_share(),
+                             *self.model_server_args,
                              *(["--labels", self.model_server_labels[i]] if i < len(self.model_server_labels) else [])],
                             nice=self._model_server_nice(i))
                 for i in range(self.model_server_count)
@@ -182,7 +191,7 @@ class Mesh:
             if self.use_cache:
                 cache = self.start_cache()
             batcher_address = batcher.wait_ready(self.ready_timeout_s)["grpc"]
-            router_argv = ["--batcher", batcher_address]
+            router_argv = ["--batcher", batcher_address, "--tenants-file", self._tenants()]  # one registry for all
             if cache is not None:
                 router_argv += ["--cache", cache.wait_ready(self.ready_timeout_s)["grpc"]]
             self.start_routers(router_argv)
@@ -190,6 +199,18 @@ class Mesh:
             self.stop()
             raise
         return self
+
+    def _tenants(self) -> str:
+        if self.tenants_file is None:
+            doc, self.keys = identity.development_registry()
+            folder = self.log_dir if self.log_dir is not None else pathlib.Path(tempfile.mkdtemp(prefix="infermesh-"))
+            self.tenants_file = str(folder / "tenants.yaml")
+            identity.write_registry(self.tenants_file, doc, replace=True)
+        return self.tenants_file
+
+    def credentials(self, tenant: str = "dev-vip") -> tuple[tuple[str, str], ...]:
+        """gRPC metadata that calls as one of the development tenants."""
+        return identity.bearer_metadata(self.keys[tenant])
 
     def start_routers(self, common: list[str]) -> None:
         """The first router binds the public port (a free one for port 0), the
@@ -238,7 +259,7 @@ class Mesh:
 
     def start_cache(self) -> Process:
         """Spawns the cache service (also to restart it); the caller waits for it."""
-        argv = ["--redis-url", self.redis_url, *self.cache_args]
+        argv = ["--redis-url", self.redis_url, "--tenants-file", self._tenants(), *self.cache_args]
         if self.l2_path:
             argv += ["--l2-path", self.l2_path]
         return self._spawn("cache", "services.cache", argv)

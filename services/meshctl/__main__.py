@@ -5,6 +5,7 @@
     python -m services.meshctl promote model-server green
     python -m services.meshctl rollback model-server
     python -m services.meshctl rollout model-server green --step 10 --interval-s 30
+    python -m services.meshctl tenants add acme --tier vip   (services/meshctl/tenants.py)
 
 Edits go to the policy file (default mesh/istio/model-server-traffic.yaml),
 keeping its comments and order; a running local mesh picks them up within a
@@ -21,7 +22,8 @@ import sys
 import time
 
 from services.common.metrics import scrape
-from services.meshctl import core
+from services.common.identity import RegistryError
+from services.meshctl import core, tenants
 
 DEFAULT_FILE = pathlib.Path("mesh/istio/model-server-traffic.yaml")
 DEFAULT_RUN_FILE = pathlib.Path("var/run/mesh.json")
@@ -96,7 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     rollout.add_argument("--threshold", type=int, default=1, help="failed checks before rolling back")
     rollout.add_argument("--run-file", type=pathlib.Path, default=DEFAULT_RUN_FILE)
     rollout.add_argument("--metrics", help="the batcher's metrics URL (instead of --run-file)")
+    tenants.add_commands(commands)
     args = parser.parse_args(argv)
+    if args.command == "tenants":
+        try:
+            return tenants.run(args)
+        except (tenants.TenantsError, RegistryError) as exc:
+            print(f"meshctl: {exc}", file=sys.stderr)
+            return 2
     try:
         if args.apply and args.command == "rollout":
             # Behind Istio the batcher has one Service address and no per-subset figures to judge by.

@@ -27,6 +27,9 @@ class ModelServerConfig(ServingLimits):
         "help": "none: models fixed at startup; explicit: load/unload by RPC; poll: follow the repository on disk"})
     load_models: str = dataclasses.field(default="*", metadata={
         "help": "comma-separated models to load at startup in explicit mode; * for all"})
+    tenants_file: str = dataclasses.field(default="", metadata={
+        "help": "tenant registry (as the router's): repository Load and Unload need an admin tenant's credential "
+                "(bearer key or client certificate); empty: they are refused"})
     repository_poll_s: float = dataclasses.field(default=5.0, metadata={"help": "poll mode: seconds between scans"})
     rollback_grace_s: float = dataclasses.field(default=600.0, metadata={
         "help": "how long a replaced version stays loaded for instant rollback"})

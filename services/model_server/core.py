@@ -37,6 +37,7 @@ PROBE_PRIORITY = -1  # below standard traffic: a probe waits while callers' batc
 # every VIP batch waited behind it. Run in slices of one row, any caller's batch that
 # waits goes between two of them, and waits for one probe text at most.
 PROBE_SLICE_ROWS = 1
+MAX_OVERRIDES_BYTES = 64 << 10  # a load's overrides: a few config fields
 
 
 class ControlMode(enum.Enum):
@@ -153,17 +154,19 @@ class ModelManager:
         if not name or "/" in name or name.startswith(".") or not folder.is_dir():
             raise errors.NotFound(f"model repository {self._repository} has no model folder '{name}'")
         model = self._models.setdefault(name, Model(name))
+        loop = asyncio.get_running_loop()
+        # Read and checked before the model's lock is taken: a load whose files
+        # are slow to read (or refused) never holds up the model's other loads.
+        try:
+            config, golden = await loop.run_in_executor(None, self._read_config, folder, overrides)
+        except ConfigError as exc:
+            return self._failed(model, "config", errors.InvalidArgument(f"failed to load model '{name}': {exc}"))
+        except Exception as exc:  # a case the checks missed: still this model's failure alone
+            log.exception("model %s: unexpected error reading its config", name)
+            return self._failed(model, "error", errors.FailedPrecondition(
+                f"failed to load model '{name}': reading {folder / 'config.json'} or its golden probe failed: "
+                f"{_unexpected(exc)}"))
         async with model.lock:
-            loop = asyncio.get_running_loop()
-            try:
-                config, golden = await loop.run_in_executor(None, self._read_config, folder, overrides)
-            except ConfigError as exc:
-                return self._failed(model, "config", errors.InvalidArgument(f"failed to load model '{name}': {exc}"))
-            except Exception as exc:  # a case the checks missed: still this model's failure alone
-                log.exception("model %s: unexpected error reading its config", name)
-                return self._failed(model, "error", errors.FailedPrecondition(
-                    f"failed to load model '{name}': reading {folder / 'config.json'} or its golden probe failed: "
-                    f"{_unexpected(exc)}"))
             wanted = config.versions()
             if not wanted:
                 return self._failed(model, "config", errors.InvalidArgument(
@@ -447,6 +450,10 @@ class ModelManager:
             raise errors.NotFound(f"model '{name}' is not loaded; loaded models: {self.loaded_names()}")
         return model.config
 
+    def is_known(self, name: str) -> bool:
+        """Whether `name` is a model of the repository this server has loaded at some time (a bounded set)."""
+        return name in self._models
+
     def loaded_names(self) -> list[str]:
         return sorted(name for name, model in self._models.items() if model.serving)
 
@@ -457,7 +464,7 @@ class ModelManager:
         (so a request already routed when a swap happened still runs)."""
         model = self._models.get(name)
         if model is None or not (model.serving or model.standby):
-            raise errors.NotFound(f"model '{name}' is not loaded; loaded models: {self.loaded_names()}")
+            raise errors.NotFound(f"model {errors.shown(name)} is not loaded; loaded models: {self.loaded_names()}")
         if not version:
             ready = model.ready_versions()
             if not ready:
@@ -526,7 +533,10 @@ def _unexpected(exc: Exception) -> str:
 
 
 def parse_overrides(text: str) -> dict:
-    """A load's "config" parameter: a JSON object of config fields."""
+    """A load's "config" parameter: a JSON object of config fields, of at most MAX_OVERRIDES_BYTES."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_OVERRIDES_BYTES:
+        raise errors.InvalidArgument(f"parameter 'config' is {size} bytes; at most {MAX_OVERRIDES_BYTES} are accepted")
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:

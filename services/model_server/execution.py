@@ -31,13 +31,15 @@ from services.common import errors
 from services.common.latency import CAUTIOUS_DEVIATIONS, LatencyProfile
 from services.common.tensors import NUMPY_DTYPES, TensorData, concat_rows, from_numpy, split_rows, to_numpy
 from services.model_server import metrics
-from services.model_server.repository import Golden, ModelConfig, version_fingerprint
+from services.model_server.repository import (MAX_TOKENIZER_BYTES, ConfigError, Golden, ModelConfig, read_bounded,
+                                              version_fingerprint)
 from services.model_server.shards import ShardedSession, ShardError, ShardFailed
 
 log = logging.getLogger(__name__)
 
 TEXT_FEEDS = ("input_ids", "attention_mask", "token_type_ids")
 HIGHER_PRIORITY_MEMORY_S = 10.0  # how long one batch of a priority makes lower ones run in slices
+MAX_PRIORITIES_SEEN = 16  # priorities remembered (callers send them); past it the longest unseen is forgotten
 OPTIMIZATION = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -493,6 +495,8 @@ class LoadedVersion:
         says take at most slice_s, so that such a batch waits for one slice at
         most instead of the whole batch (execution itself is not preemptive)."""
         self._seen_at[priority] = now
+        if len(self._seen_at) > MAX_PRIORITIES_SEEN:
+            del self._seen_at[min(self._seen_at, key=self._seen_at.__getitem__)]
         if slice_rows is not None:
             size = slice_rows
         elif self.slice_s > 0 and rows > 1 and any(
@@ -574,9 +578,10 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
         model_file = folder / f"tp{config.tp_degree}" / "manifest.json"  # a sharded model needs no whole graph
     if not model_file.is_file():
         raise LoadFailed("file", f"{folder}: missing {model_file.relative_to(folder)}")
-    tokenizer = None
+    tokenizer, tokenizer_bytes = None, None
     if config.preprocess is not None:
-        tokenizer = _tokenizer(folder / config.preprocess.tokenizer_file, config.preprocess.max_length)
+        tokenizer_bytes = _tokenizer_bytes(config, version)
+        tokenizer = _tokenizer(tokenizer_bytes, folder / config.preprocess.tokenizer_file, config.preprocess.max_length)
     fingerprint = version_fingerprint(folder)
     started, rss_before = time.perf_counter(), _rss_bytes()
     count = config.instances.count
@@ -597,8 +602,7 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
             executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ort-{config.name}-{version}")
             instances.append(Instance(session, executor, device_id, frozenset(i.name for i in session.get_inputs())))
         loaded = LoadedVersion(config, version, instances, tokenizer, fingerprint, 0,
-                               _revision(config, model_file, folder / config.preprocess.tokenizer_file
-                                         if config.preprocess is not None else None))
+                               _revision(config, model_file, tokenizer_bytes))
         _check_signature(loaded, model_file)
         for instance in instances:
             for size in config.warmup_batch_sizes:
@@ -626,7 +630,7 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
     return loaded
 
 
-def _revision(config: ModelConfig, *files: pathlib.Path | None) -> str:
+def _revision(config: ModelConfig, model_file: pathlib.Path, tokenizer_bytes: bytes | None) -> str:
     """A hash of what decides the outputs: the graph (or the shard manifest, which
     lists every shard's sha256), the tokenizer, and the config fields that change
     what they compute (the signature, the tokenizer's settings, which graph
@@ -642,11 +646,11 @@ def _revision(config: ModelConfig, *files: pathlib.Path | None) -> str:
                 "preprocess": None if config.preprocess is None else dataclasses.astuple(config.preprocess),
                 "graph_outputs": config.graph_outputs}
     digest.update(json.dumps(deciding, sort_keys=True).encode() + b"\0")
-    for file in files:
-        if file is not None:
-            with open(file, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    digest.update(chunk)
+    with open(model_file, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    if tokenizer_bytes is not None:
+        digest.update(tokenizer_bytes)
     return digest.hexdigest()
 
 
@@ -681,13 +685,24 @@ def _sharded_session(config: ModelConfig, folder: pathlib.Path, first_device: in
         raise LoadFailed("file", f"{config.name} tp_degree {degree}: {exc}") from None
 
 
-def _tokenizer(path: pathlib.Path, max_length: int):
+def _tokenizer_bytes(config: ModelConfig, version: str) -> bytes:
+    """The version's tokenizer file, confined to its folder and read with a bound
+    (load_config checked it already: a failure here is a file changed since)."""
+    try:
+        path = config.tokenizer_path(version)
+        if not path.exists():
+            raise LoadFailed("file", f"{config.path / version / config.preprocess.tokenizer_file}: missing "
+                                     "(named by preprocess.tokenizer_file)")
+        return read_bounded(path, MAX_TOKENIZER_BYTES, "preprocess.tokenizer_file")
+    except ConfigError as exc:
+        raise LoadFailed("file", str(exc)) from None
+
+
+def _tokenizer(data: bytes, path: pathlib.Path, max_length: int):
     from tokenizers import Tokenizer
 
-    if not path.is_file():
-        raise LoadFailed("file", f"{path}: missing (named by preprocess.tokenizer_file)")
     try:
-        tokenizer = Tokenizer.from_file(str(path))
+        tokenizer = Tokenizer.from_str(data.decode("utf-8"))
     except Exception as exc:
         raise LoadFailed("file", f"{path}: not a tokenizers file: {first_line(exc)}") from None
     tokenizer.enable_truncation(max_length=max_length)

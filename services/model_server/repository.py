@@ -8,12 +8,16 @@ degree, warm-up batch sizes, a golden probe and a fallback model.
 
 import dataclasses
 import hashlib
+import json
 import math
+import os
 import pathlib
+import stat
 
 import numpy as np
 
-from services.common.config import field, read_json_object, typed
+from services.common import errors
+from services.common.config import field, typed
 from services.common.tensors import DATATYPES, NUMPY_DTYPES
 
 KNOWN_FIELDS = {
@@ -22,7 +26,17 @@ KNOWN_FIELDS = {
 }
 PROVIDERS = ("cuda", "cpu")
 MAX_THREADS = 1024  # far above any machine's cores, and within ONNX Runtime's C int
-MAX_TOKENS = 1 << 20  # far above any model's context, and within the tokenizer's integers
+MAX_TOKENS = 32768  # above any served model's context; a text model's pad/truncate length
+MAX_BATCH_SIZE = 4096
+MAX_TP_DEGREE = 64
+MAX_GPUS = 64
+MAX_WARMUP_SIZES = 8
+MAX_DIM = 1 << 24  # a fixed tensor dimension
+MAX_WARMUP_ELEMENTS = 1 << 24  # per input of a warm-up batch: what the server allocates to warm up
+# Files a config names are read with these bounds, checked before they are opened.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_GOLDEN_BYTES = 16 << 20
+MAX_TOKENIZER_BYTES = 64 << 20
 GRAPH_OPTIMIZATION = ("disable", "basic", "extended", "all")
 
 
@@ -131,6 +145,12 @@ class ModelConfig:
         """The versions its policy selects, newest first."""
         return self.version_policy.select(self.available_versions())
 
+    def tokenizer_path(self, version: str) -> pathlib.Path:
+        """The version's tokenizer file, resolved; ConfigError unless it lies inside the version's folder."""
+        assert self.preprocess is not None
+        return confine(self.path / version, self.preprocess.tokenizer_file, "preprocess.tokenizer_file",
+                       str(self.path / "config.json"))
+
 
 def version_fingerprint(folder: pathlib.Path) -> str:
     """Names, sizes and modification times of a version's files: changes when
@@ -186,8 +206,10 @@ def _tensor_specs(doc: dict, key: str, where: str) -> tuple[TensorSpec, ...]:
         if datatype not in DATATYPES:
             raise ConfigError(f"{at}: field 'datatype' is {datatype!r}; expected one of {sorted(DATATYPES)}")
         shape = _field(item, "shape", list, at)
-        if not shape or any(not isinstance(d, int) or d < -1 or d == 0 for d in shape):
-            raise ConfigError(f"{at}: field 'shape' is {shape!r}; expected positive sizes or -1, batch first")
+        if not shape or len(shape) > 8 or any(not isinstance(d, int) or isinstance(d, bool) or d < -1 or d == 0
+                                              or d > MAX_DIM for d in shape):
+            raise ConfigError(f"{at}: field 'shape' is {shape!r}; expected 1 to 8 sizes of 1..{MAX_DIM} or -1, "
+                              "batch first")
         specs.append(TensorSpec(name, datatype, tuple(shape)))
     if not specs:
         raise ConfigError(f"{where}: field '{key}' is empty")
@@ -226,8 +248,10 @@ def _instances(doc: dict, where: str) -> Instances:
     if not 1 <= count <= 64:
         raise ConfigError(f"{at}: field 'count' must be 1..64, got {count}")
     gpus = _optional(body, "gpus", list, at, [0])
-    if not gpus or any(not isinstance(g, int) or isinstance(g, bool) or g < 0 for g in gpus):
-        raise ConfigError(f"{at}: field 'gpus' is {gpus!r}; expected a non-empty list of device ids >= 0")
+    if not 1 <= len(gpus) <= MAX_GPUS or any(not isinstance(g, int) or isinstance(g, bool) or not 0 <= g < MAX_GPUS
+                                             for g in gpus):
+        raise ConfigError(f"{at}: field 'gpus' is {_shown_list(gpus)}; expected a list of 1..{MAX_GPUS} device ids "
+                          f"in 0..{MAX_GPUS - 1}")
     reserved = _optional(body, "reserved_for_vip", int, at, 0)
     if not 0 <= reserved < count:
         raise ConfigError(f"{at}: field 'reserved_for_vip' must be 0..count-1 ({count - 1}), got {reserved}: "
@@ -268,6 +292,7 @@ def _golden_probe(doc: dict, where: str) -> GoldenProbe | None:
     at = f"{where}: golden_probe"
     _known(body, ("file", "min_cosine", "max_abs"), at)
     file = _field(body, "file", str, at)
+    check_file_name(file, "golden_probe.file", at)
     min_cosine = _number(body["min_cosine"], "min_cosine", at) if "min_cosine" in body else None
     max_abs = _number(body["max_abs"], "max_abs", at) if "max_abs" in body else None
     if min_cosine is None and max_abs is None:
@@ -293,8 +318,8 @@ def parse_config(doc, model_dir: pathlib.Path, where: str) -> ModelConfig:
     if platform != "onnxruntime_onnx":
         raise ConfigError(f"{where}: field 'platform' is {platform!r}; the only platform is 'onnxruntime_onnx'")
     max_batch_size = _field(doc, "max_batch_size", int, where)
-    if max_batch_size < 1:
-        raise ConfigError(f"{where}: field 'max_batch_size' must be >= 1, got {max_batch_size}")
+    if not 1 <= max_batch_size <= MAX_BATCH_SIZE:
+        raise ConfigError(f"{where}: field 'max_batch_size' must be 1..{MAX_BATCH_SIZE}, got {max_batch_size}")
     preprocess = None
     if "preprocess" in doc:
         pre = _field(doc, "preprocess", dict, where)
@@ -306,7 +331,9 @@ def parse_config(doc, model_dir: pathlib.Path, where: str) -> ModelConfig:
         max_length = _field(pre, "max_length", int, at)
         if not 2 <= max_length <= MAX_TOKENS:
             raise ConfigError(f"{at}: field 'max_length' must be 2..{MAX_TOKENS}, got {max_length}")
-        preprocess = Preprocess(kind, _field(pre, "tokenizer_file", str, at), max_length)
+        tokenizer_file = _field(pre, "tokenizer_file", str, at)
+        check_file_name(tokenizer_file, "preprocess.tokenizer_file", at)
+        preprocess = Preprocess(kind, tokenizer_file, max_length)
     inputs = _tensor_specs(doc, "inputs", where)
     if preprocess is not None and (len(inputs) != 1 or inputs[0].datatype != "BYTES"):
         raise ConfigError(f"{where}: a text_tokenizer model takes exactly one BYTES input, got {inputs}")
@@ -314,16 +341,26 @@ def parse_config(doc, model_dir: pathlib.Path, where: str) -> ModelConfig:
     if not all(isinstance(v, str) for v in graph_outputs.values()):
         raise ConfigError(f"{where}: field 'graph_outputs' must map output names to graph output names")
     tp_degree = _optional(doc, "tp_degree", int, where, 1)
-    if tp_degree < 1:
-        raise ConfigError(f"{where}: field 'tp_degree' must be >= 1, got {tp_degree}")
+    if not 1 <= tp_degree <= MAX_TP_DEGREE:
+        raise ConfigError(f"{where}: field 'tp_degree' must be 1..{MAX_TP_DEGREE}, got {tp_degree}")
     warmup = _optional(doc, "warmup", dict, where, {})
     _known(warmup, ("batch_sizes",), f"{where}: warmup")
     sizes = _optional(warmup, "batch_sizes", list, f"{where}: warmup", [1, min(8, max_batch_size)])
-    if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or not 1 <= s <= max_batch_size for s in sizes):
-        raise ConfigError(f"{where}: warmup: field 'batch_sizes' is {sizes!r}; expected sizes in 1..max_batch_size ({max_batch_size})")
+    if not 1 <= len(sizes) <= MAX_WARMUP_SIZES or any(
+            not isinstance(s, int) or isinstance(s, bool) or not 1 <= s <= max_batch_size for s in sizes):
+        raise ConfigError(f"{where}: warmup: field 'batch_sizes' is {_shown_list(sizes)}; expected 1 to "
+                          f"{MAX_WARMUP_SIZES} sizes in 1..max_batch_size ({max_batch_size})")
     fallback = _optional(doc, "fallback", str, where, "")
     if fallback == name:
         raise ConfigError(f"{where}: field 'fallback' names the model itself")
+    if fallback and not is_model_name(fallback):
+        raise ConfigError(f"{where}: field 'fallback' is {errors.shown(fallback)}; name another model of the "
+                          "repository (a folder name)")
+    for spec in inputs:
+        elements = max(sizes) * math.prod(d if d > 0 else 1 for d in spec.shape[1:])
+        if elements > MAX_WARMUP_ELEMENTS:
+            raise ConfigError(f"{where}: warm-up at batch {max(sizes)} of input {spec.name!r} shape {list(spec.shape)} "
+                              f"would allocate {elements} elements, more than {MAX_WARMUP_ELEMENTS}")
     return ModelConfig(
         name=name,
         platform=platform,
@@ -344,7 +381,10 @@ def parse_config(doc, model_dir: pathlib.Path, where: str) -> ModelConfig:
 
 
 def read_config_document(model_dir: pathlib.Path) -> dict:
-    return read_json_object(model_dir / "config.json", ConfigError)
+    path = model_dir / "config.json"
+    if not path.exists():
+        raise ConfigError(f"{path}: missing")
+    return _json_object(read_bounded(path.resolve(), MAX_CONFIG_BYTES, "the model's config"), path)
 
 
 def load_config(model_dir: pathlib.Path, overrides: dict | None = None) -> ModelConfig:
@@ -355,7 +395,14 @@ def load_config(model_dir: pathlib.Path, overrides: dict | None = None) -> Model
     if overrides:
         doc = {**doc, **overrides}
         where += f" with the load's overrides {sorted(overrides)}"
-    return parse_config(doc, model_dir, where)
+    config = parse_config(doc, model_dir, where)
+    if config.preprocess is not None:
+        for version in config.versions():  # checked by name and kind now, read only by the load
+            path = config.tokenizer_path(version)
+            if path.exists():
+                check_file(path, MAX_TOKENIZER_BYTES, "preprocess.tokenizer_file", config.preprocess.tokenizer_file,
+                           where)
+    return config
 
 
 def model_dirs(repository: pathlib.Path) -> list[pathlib.Path]:
@@ -382,7 +429,12 @@ def load_golden(config: ModelConfig) -> Golden:
     probe = config.golden_probe
     assert probe is not None
     path = config.path / probe.file
-    doc = read_json_object(path, ConfigError, "golden probe file missing (named by golden_probe.file)")
+    where = str(config.path / "config.json")
+    resolved = confine(config.path, probe.file, "golden_probe.file", where)
+    if not resolved.exists():
+        raise ConfigError(f"{path}: golden probe file missing (named by golden_probe.file)")
+    check_file(resolved, MAX_GOLDEN_BYTES, "golden_probe.file", probe.file, where)
+    doc = _json_object(read_bounded(resolved, MAX_GOLDEN_BYTES, "golden_probe.file"), path)
     inputs = _golden_tensors(doc, "inputs", config.inputs, str(path))
     outputs = _golden_tensors(doc, "outputs", config.outputs, str(path))
     rows = {len(a) for a in (*inputs.values(), *outputs.values())}
@@ -427,3 +479,89 @@ def _golden_tensors(doc: dict, key: str, specs: tuple[TensorSpec, ...], where: s
     if not found:
         raise ConfigError(f"{where}: field '{key}' is empty")
     return found
+
+
+
+def is_model_name(name: str) -> bool:
+    """A model folder's name: one path component, not hidden."""
+    return bool(name) and "/" not in name and "\\" not in name and "\x00" not in name and not name.startswith(".")
+
+
+def _shown_list(values: list) -> str:
+    return errors.shown_list(values) if len(values) > 8 else repr(values)
+
+
+def check_file_name(name: str, key: str, where: str) -> None:
+    """A file a config field names, by its name alone: a relative path that
+    stays inside its folder (no '..'), before anything is looked up."""
+    complaint = ("is empty" if not name else "holds a NUL character" if "\x00" in name
+                 else "is an absolute path" if name.startswith("/")
+                 else "contains '..'" if ".." in pathlib.PurePosixPath(name).parts else "")
+    if complaint:
+        raise ConfigError(f"{where}: field '{key}' is {errors.shown(name)}, which {complaint}; "
+                          "name a file inside the model's folder")
+
+
+def confine(folder: pathlib.Path, name: str, key: str, where: str) -> pathlib.Path:
+    """`folder / name` with every link resolved; ConfigError unless it lies
+    inside `folder` (itself resolved: a version folder may be a link)."""
+    check_file_name(name, key, where)
+    base = folder.resolve()
+    resolved = (base / name).resolve()
+    if not resolved.is_relative_to(base):
+        raise ConfigError(f"{where}: field '{key}' is {errors.shown(name)}, which resolves to {resolved}, outside "
+                          f"{base}; name a file inside the model's folder")
+    return resolved
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a link")):
+        if test(mode):
+            return kind
+    return "not a plain file"
+
+
+def check_file(path: pathlib.Path, max_bytes: int, key: str, name: str, where: str) -> None:
+    """A regular file of at most `max_bytes`, looked at (lstat) without opening it."""
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{where}: field '{key}' is {errors.shown(name)}, which is {_kind(info.st_mode)}, "
+                          "not a regular file")
+    if info.st_size > max_bytes:
+        raise ConfigError(f"{where}: field '{key}' is {errors.shown(name)}, which holds {info.st_size} bytes, "
+                          f"more than the {max_bytes} it may hold")
+
+
+def read_bounded(path: pathlib.Path, max_bytes: int, what: str) -> bytes:
+    """A regular file's bytes, at most `max_bytes`. Opened without following a
+    final link and without blocking, and checked once open, so a FIFO or a
+    device put in the place of a checked file is refused, never waited on."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError as exc:
+        raise ConfigError(f"{path} ({what}): {exc.strerror}") from None
+    if not stat.S_ISREG(mode):  # before opening: opening a device can have effects of its own
+        raise ConfigError(f"{path}: {what} is {_kind(mode)}, not a regular file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{path} ({what}): cannot open it: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{path}: {what} is {_kind(info.st_mode)}, not a regular file")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ConfigError(f"{path}: {what} holds more than the {max_bytes} bytes it may hold")
+    return data
+
+
+def _json_object(data: bytes, path: pathlib.Path) -> dict:
+    try:
+        doc = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: must hold a JSON object")
+    return doc

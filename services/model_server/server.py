@@ -12,7 +12,7 @@ from inference import grpc_predict_v2_pb2_grpc as oip_grpc
 from infermesh.common.v1 import tensor_pb2
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
-from services.common import errors, serving
+from services.common import errors, identity, serving
 from services.common.budget import ByteBudget
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.model_server import metrics
@@ -33,7 +33,9 @@ class ModelServerServicer(model_server_pb2_grpc.ModelServerServicer):
     async def Execute(self, request, context):
         inputs = tensors_from_proto(request.inputs)
         rows = inputs[0].rows if inputs else 0
-        with metrics.track(request.model, rows) as record:
+        # Only models of the repository become label values: callers cannot grow the series.
+        label = request.model if self._manager.is_known(request.model) else "unknown"
+        with metrics.track(label, rows) as record:
             version, outputs = await self._manager.execute(request.model, request.version, inputs, list(request.outputs),
                                                            priority=request.priority,
                                                            time_left_s=context.time_remaining())
@@ -50,8 +52,9 @@ class RepositoryServicer(oip_grpc.GRPCInferenceServiceServicer):
     """Health and model control in the Open Inference Protocol (Triton's
     repository extension); inference itself goes through the router."""
 
-    def __init__(self, manager: ModelManager):
+    def __init__(self, manager: ModelManager, admin: identity.AdminGate):
         self._manager = manager
+        self._admin = admin
 
     async def ServerLive(self, request, context):
         return oip_pb2.ServerLiveResponse(live=True)
@@ -80,6 +83,7 @@ class RepositoryServicer(oip_grpc.GRPCInferenceServiceServicer):
             for e in entries])
 
     async def RepositoryModelLoad(self, request, context):
+        self._admin.check(context, f"load model {errors.shown(request.model_name)}")
         self._check_control("load")
         overrides = None
         for key, value in request.parameters.items():
@@ -91,6 +95,7 @@ class RepositoryServicer(oip_grpc.GRPCInferenceServiceServicer):
         return oip_pb2.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request, context):
+        self._admin.check(context, f"unload model {errors.shown(request.model_name)}")
         self._check_control("unload")
         await self._manager.unload(request.model_name)
         return oip_pb2.RepositoryModelUnloadResponse()
@@ -157,7 +162,8 @@ async def build_server(config: ModelServerConfig, manager: ModelManager, port: i
                                 data_methods=frozenset({"Execute"}),
                                 budget=ByteBudget("model_server", config.budget_bytes))
     model_server_pb2_grpc.add_ModelServerServicer_to_server(ModelServerServicer(manager, config.label_map), server)
-    oip_grpc.add_GRPCInferenceServiceServicer_to_server(RepositoryServicer(manager), server)
+    admin = identity.AdminGate.from_file(config.tenants_file, "model server")
+    oip_grpc.add_GRPCInferenceServiceServicer_to_server(RepositoryServicer(manager, admin), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME, OIP_SERVICE_NAME])
     bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
     await server.start()

@@ -7,14 +7,15 @@ import sys
 from grpc_health.v1 import health_pb2
 
 from services.common import serving
+from services.common.identity import RegistryError
 from services.common.metrics import start_metrics_server
-from services.router.breaker import FailureSamples
 from services.router.bypass import AdaptiveBypass
 from services.router.clients import BatcherClient, CacheClient
 from services.router.config import RouterConfig
 from services.router.core import Catalog, Router
 from services.router.nearcache import NearCache
 from services.router.server import SERVICE_NAME, build_server
+from services.router.tenants import Authenticator, RateLimiter, follow_registry, settings_from
 
 log = logging.getLogger("services.router")
 
@@ -27,12 +28,16 @@ async def serve(config: RouterConfig) -> None:
              if config.cache else None)
     bypass = AdaptiveBypass(config.cache_bypass_window, config.cache_min_hit_rate, config.cache_bypass_memory)
     near = NearCache(config.near_cache_ttl_s, config.near_cache_max_bytes)
-    samples = FailureSamples(config.failure_samples_path) if config.failure_samples_path else None
-    router = Router(catalog, batcher, cache, bypass, config.default_timeout_s, near, config.breaker_policy(), samples)
+    try:
+        authenticator = Authenticator(settings_from(config))
+    except RegistryError as exc:  # before anything listens: a registry that cannot be used stops the start
+        sys.exit(f"router: {exc}")
+    router = Router(catalog, batcher, cache, bypass, config.default_timeout_s, near, config.breaker_policy(),
+                    config.failure_samples(), RateLimiter(), authenticator.label)
     await batcher.start()
     metrics_port = start_metrics_server(config.host, config.metrics_port)
     draining = asyncio.Event()
-    server, port, health = await build_server(config, router, draining=draining)
+    server, port, health = await build_server(config, router, draining=draining, authenticator=authenticator)
 
     # Liveness asks the service's own name: SERVING while the process runs, so that a
     # router waiting for the models to load (or come back) is not restarted for it.
@@ -52,9 +57,13 @@ async def serve(config: RouterConfig) -> None:
                                  models=catalog.names())
 
     follower = asyncio.create_task(follow_readiness())
+    registry_follower = (asyncio.create_task(follow_registry(config.tenants_file, authenticator))
+                         if config.tenants_file else None)
 
     async def close() -> None:
         follower.cancel()
+        if registry_follower is not None:
+            registry_follower.cancel()
         await batcher.close()
         if cache is not None:
             await cache.close()

@@ -8,9 +8,10 @@ for `open_s`. Half-open: a share of the requests tries the model again, the
 rest stay degraded; each step whose failure share stays under
 `recover_error_rate` (1%) over at least `min_requests` raises the share
 (10% -> 25% -> 50% -> 100% = closed); a step over `open_error_rate` opens
-the breaker again. Only failures that say the model is unwell count:
-UNAVAILABLE, INTERNAL, UNKNOWN, DEADLINE_EXCEEDED. A caller's mistake or a
-busy queue (RESOURCE_EXHAUSTED) is not the model failing.
+the breaker again. Only the model's own failures count (`counts`), and
+only answers of the model are recorded at all: a caller's mistake, its own
+short deadline, its going away, a busy queue or the router's shedding say
+nothing of the model, either way.
 """
 
 from __future__ import annotations
@@ -18,10 +19,19 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import hashlib
+import json
+import os
+import pathlib
 import random
+import time
+
+from services.common import errors
+from services.common.tensors import split_bytes_elements
 
 COUNTED_CODES = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN", "DEADLINE_EXCEEDED"})
 HALF_OPEN_STEPS = (0.10, 0.25, 0.50)
+SAMPLE_CONTENTS = ("off", "redacted", "full")
 
 
 class State(enum.Enum):
@@ -37,6 +47,18 @@ class BreakerPolicy:
     window_s: float = 10.0
     min_requests: int = 20
     open_s: float = 5.0
+    # A DEADLINE_EXCEEDED of a request whose own time budget was shorter than this
+    # is the caller's deadline, not the model's failure: a model that is really
+    # hung times out requests with ample budgets too, so nothing is missed, and a
+    # caller sending tiny deadlines cannot open the breaker for everyone.
+    min_counted_timeout_s: float = 1.0
+
+    def counts(self, code_name: str, budget_s: float) -> bool:
+        """Whether a failure with this status, of a request that had `budget_s`
+        in all, is the model's own."""
+        if code_name == "DEADLINE_EXCEEDED":
+            return budget_s >= self.min_counted_timeout_s
+        return code_name in COUNTED_CODES
 
 
 class Breaker:
@@ -97,38 +119,57 @@ class Breaker:
 
 class FailureSamples:
     """Requests that failed with a counted error, appended to a JSON-lines file
-    for later analysis: time, model, status, message and the inputs in short
-    (texts cut to 200 characters, other tensors by shape), at most
-    `per_minute` lines a minute so a failing model cannot fill the disk."""
+    for later analysis, at most `per_minute` lines a minute and `max_bytes` a
+    file: past it the file becomes `<path>.1` (one rotated file is kept), so
+    the two never pass twice the bound. What a line holds of the inputs is
+    `content`: "redacted" (shapes, and of each text a short hash keyed by a
+    secret of this process, so repeats of one text show without the text),
+    "full" (texts cut to 200 characters) or "off" (no file at all)."""
 
-    def __init__(self, path: str, per_minute: int = 120):
-        import pathlib
+    TEXTS_PER_TENSOR = 8
+    TEXT_CHARS = 200
 
+    def __init__(self, path: str, per_minute: int = 120, content: str = "redacted", max_bytes: int = 8 << 20):
+        if content not in SAMPLE_CONTENTS:
+            raise ValueError(f"failure samples content must be one of {SAMPLE_CONTENTS}, got {content!r}")
         self._path = pathlib.Path(path)
-        self._path.parent.mkdir(parents=True, exist_ok=True)
+        self._rotated = self._path.with_name(self._path.name + ".1")
+        self._content = content
+        self._max_bytes = max_bytes
+        if content != "off":
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+        self._size = self._path.stat().st_size if self._path.is_file() else 0
+        self._key = os.urandom(16)
         self._per_minute = per_minute
         self._minute, self._written = -1, 0
 
     def record(self, model: str, error, request) -> None:
-        import json
-        import time
-
-        from services.common.tensors import split_bytes_elements
-
+        if self._content == "off":
+            return
         now = time.time()
         if int(now // 60) != self._minute:
             self._minute, self._written = int(now // 60), 0
         if self._written >= self._per_minute:
             return
         self._written += 1
-        inputs = []
-        for tensor in request.inputs:
-            if tensor.datatype == "BYTES":
-                texts = [t.decode("utf-8", "replace")[:200] for t in split_bytes_elements(tensor.data, tensor.name)[:8]]
-                inputs.append({"name": tensor.name, "shape": list(tensor.shape), "texts": texts})
+        inputs = [self._describe(tensor) for tensor in request.inputs]
+        line = {"time": round(now, 3), "model": model, "status": error.code_name,
+                "message": errors.clipped(error.message), "tier": request.tier, "inputs": inputs}
+        data = (json.dumps(line, ensure_ascii=False) + "\n").encode()
+        if self._size and self._size + len(data) > self._max_bytes:
+            os.replace(self._path, self._rotated)
+            self._size = 0
+        with self._path.open("ab") as f:
+            f.write(data)
+        self._size += len(data)
+
+    def _describe(self, tensor) -> dict:
+        described = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+        if tensor.datatype == "BYTES":
+            texts = split_bytes_elements(tensor.data, tensor.name)[:self.TEXTS_PER_TENSOR]
+            if self._content == "full":
+                described["texts"] = [t.decode("utf-8", "replace")[:self.TEXT_CHARS] for t in texts]
             else:
-                inputs.append({"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)})
-        line = {"time": round(now, 3), "model": model, "status": error.code_name, "message": error.message,
-                "tier": request.tier, "inputs": inputs}
-        with self._path.open("a") as f:
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+                described["text_hashes"] = [hashlib.blake2b(t, digest_size=8, key=self._key).hexdigest()
+                                            for t in texts]
+        return described

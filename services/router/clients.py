@@ -67,7 +67,7 @@ class BatcherClient:
             await asyncio.sleep(self._poll_s)
 
     async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                     tier: int, timeout_s: float) -> tuple[str, list[TensorData]]:
+                     tier: int, timeout_s: float, tenant: str = "", weight: float = 1.0) -> tuple[str, list[TensorData]]:
         proto_inputs = tensors_to_proto(inputs)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -75,7 +75,8 @@ class BatcherClient:
         def build(request_id: int):  # when it is sent: the batcher counts timeout_ms from when it reads it
             timeout_ms = min(max(1, int((deadline - loop.time()) * 1000)), 2**32 - 1)
             return batcher_pb2.SubmitRequest(id=request_id, model=model, version=version, inputs=proto_inputs,
-                                             outputs=outputs, priority=tier, timeout_ms=timeout_ms)
+                                             outputs=outputs, priority=tier, timeout_ms=timeout_ms, tenant=tenant,
+                                             tenant_weight=weight)
 
         # The batcher answers DEADLINE_EXCEEDED by then; past it (plus a margin
         # for the answer's trip), the batcher is not answering at all.

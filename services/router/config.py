@@ -51,12 +51,36 @@ class RouterConfig(ServingLimits):
     breaker_min_requests: int = dataclasses.field(default=20, metadata={"help": "answers a window needs before it can change the breaker"})
     breaker_open_s: float = dataclasses.field(default=5.0, metadata={"help": "how long an open breaker degrades everything before probing"})
     failure_samples_path: str = dataclasses.field(default="", metadata={"help": "JSON-lines file for requests that failed while a breaker counted (empty: none)"})
+    tenants_file: str = dataclasses.field(default="", metadata={
+        "help": "the tenant registry (YAML: tenants, their credentials, tiers and limits; docs/security.md); "
+                "empty: every caller is anonymous and standard, and credentials are refused"})
+    trust_tier_header: bool = dataclasses.field(default=False, metadata={
+        "help": "the old mode: believe the tier a request claims (x-user-tier, the OIP priority) whoever sends "
+                "it; for a router that only trusted callers can reach"})
+    trust_sidecar_identity: bool = dataclasses.field(default=False, metadata={
+        "help": "the router sits behind its own Istio sidecar: take the peer principal from "
+                "x-forwarded-client-cert and a tenant from jwt_tenant_header (the mesh refuses client copies)"})
+    jwt_tenant_header: str = dataclasses.field(default="x-infermesh-jwt-tenant", metadata={
+        "help": "the header Istio's RequestAuthentication writes a verified token's tenant claim into"})
     drain_grace_s: float = dataclasses.field(default=10.0)
     log_level: str = dataclasses.field(default="info")
+    breaker_min_counted_timeout_ms: float = dataclasses.field(default=1000.0, metadata={
+        "help": "a DEADLINE_EXCEEDED counts against a model's breaker only for a request whose own deadline was at "
+                "least this far: a shorter one is the caller's, and a model that is really hung times out "
+                "requests with ample deadlines too"})
+    failure_samples_content: str = dataclasses.field(default="redacted", metadata={
+        "help": "what a failure sample holds of the inputs: redacted (shapes and a keyed hash of each text), "
+                "full (texts cut to 200 characters) or off (no samples written)"})
+    failure_samples_max_bytes: int = dataclasses.field(default=8 * 1024 * 1024, metadata={
+        "help": "bound on the failure-samples file; past it the file becomes <path>.1 (one rotated file is kept)"})
 
     def __post_init__(self):
         super().__post_init__()
         require(self.max_request_bytes >= 1024, f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        require(not (self.trust_tier_header and self.tenants_file),
+                "trust_tier_header believes every claim: it cannot go with a tenants_file, whose tiers it would ignore")
+        require(self.jwt_tenant_header == self.jwt_tenant_header.lower() and self.jwt_tenant_header.strip(),
+                f"jwt_tenant_header must be a lower-case header name, got {self.jwt_tenant_header!r}")
         require(self.max_stream_message_bytes == 0 or self.max_stream_message_bytes >= 1024,
                 f"max_stream_message_bytes must be 0 or >= 1024, got {self.max_stream_message_bytes}")
         require(self.stream_idle_timeout_s >= 0, f"stream_idle_timeout_s must be >= 0, got {self.stream_idle_timeout_s}")
@@ -84,9 +108,24 @@ class RouterConfig(ServingLimits):
         require(self.breaker_window_s > 0 and self.breaker_open_s > 0 and self.breaker_min_requests >= 1,
                 f"breaker window, open time and minimum requests must be positive, got {self.breaker_window_s}, "
                 f"{self.breaker_open_s}, {self.breaker_min_requests}")
+        require(self.breaker_min_counted_timeout_ms >= 0,
+                f"breaker_min_counted_timeout_ms must be >= 0, got {self.breaker_min_counted_timeout_ms}")
+        require(self.failure_samples_content in ("off", "redacted", "full"),
+                f"failure_samples_content must be off, redacted or full, got {self.failure_samples_content!r}")
+        require(self.failure_samples_max_bytes >= 64 * 1024,
+                f"failure_samples_max_bytes must be >= 65536 (a sample line fits), got {self.failure_samples_max_bytes}")
 
     def breaker_policy(self):
         from services.router.breaker import BreakerPolicy
 
         return BreakerPolicy(self.breaker_open_error_rate, self.breaker_recover_error_rate, self.breaker_window_s,
-                             self.breaker_min_requests, self.breaker_open_s)
+                             self.breaker_min_requests, self.breaker_open_s, self.breaker_min_counted_timeout_ms / 1000)
+
+    def failure_samples(self):
+        """The failure-samples file, or None where there is none."""
+        from services.router.breaker import FailureSamples
+
+        if not self.failure_samples_path or self.failure_samples_content == "off":
+            return None
+        return FailureSamples(self.failure_samples_path, content=self.failure_samples_content,
+                              max_bytes=self.failure_samples_max_bytes)

@@ -10,22 +10,25 @@ import functools
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
-from services.common import errors
+from services.common import errors, identity
 from services.common.tensors import NUMPY_DTYPES, TensorData, count_bytes_elements, element_count
 from services.router import metrics
-from services.router.breaker import COUNTED_CODES, Breaker, BreakerPolicy, FailureSamples, State
+from services.router.breaker import Breaker, BreakerPolicy, FailureSamples, State
 from services.router.bypass import AdaptiveBypass
 from services.router.nearcache import NearCache
+from services.router.tenants import RateLimiter
 
 log = logging.getLogger(__name__)
 
 STANDARD, VIP = 0, 1
 SINGLE_FLIGHT_LINGER_S = 0.05
 MAX_SHED_MS = 1000  # the longest a batcher's "retry after" makes the router refuse a level by itself
-TIERS = {"standard": STANDARD, "vip": VIP}
-TIER_NAMES = {tier: name for name, tier in TIERS.items()}
+TIERS = identity.TIERS
+TIER_NAMES = identity.TIER_NAMES
+ANONYMOUS_STANDARD = identity.Tenant(identity.ANONYMOUS, STANDARD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +75,11 @@ class InferRequest:
     id: str
     inputs: list[TensorData]
     outputs: list[str]
-    tier: int = STANDARD
+    tier: int = STANDARD  # the tier it runs at: its tenant's answer to claimed_tier
     timeout_s: float | None = None
     cache_bypass: bool = False
+    claimed_tier: int | None = None  # what the request asked for (x-user-tier, the OIP priority), if anything
+    tenant: identity.Tenant = ANONYMOUS_STANDARD
 
 
 @dataclasses.dataclass
@@ -89,7 +94,8 @@ class InferResult:
 
 class Batcher(Protocol):
     async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                     tier: int, timeout_s: float) -> tuple[str, list[TensorData]]: ...
+                     tier: int, timeout_s: float, tenant: str = identity.ANONYMOUS,
+                     weight: float = 1.0) -> tuple[str, list[TensorData]]: ...
 
 
 class Cache(Protocol):
@@ -128,8 +134,11 @@ class Catalog:
 class Router:
     def __init__(self, catalog: Catalog, batcher: Batcher, cache: Cache | None, bypass: AdaptiveBypass | None = None,
                  default_timeout_s: float = 60.0, near: NearCache | None = None,
-                 breaker_policy: BreakerPolicy | None = None, failure_samples: FailureSamples | None = None):
+                 breaker_policy: BreakerPolicy | None = None, failure_samples: FailureSamples | None = None,
+                 limiter: RateLimiter | None = None, tenant_label: Callable[[str], str] = lambda name: name):
         self.catalog = catalog
+        self._limiter = limiter if limiter is not None else RateLimiter()
+        self._tenant_label = tenant_label
         self._breaker_policy = breaker_policy or BreakerPolicy()
         self._breakers: dict[str, Breaker] = {}
         self._failure_samples = failure_samples
@@ -142,8 +151,9 @@ class Router:
         # asked for), the deadline it runs with, and how many callers wait on it.
         self._running: dict[tuple[bytes, int, str], tuple[asyncio.Task, float]] = {}
         self._waiting: dict[tuple[bytes, int, str], int] = {}
-        # (model, tier) -> a refusal of the batcher that requests like it would get too (Shed).
-        self._shedding: dict[tuple[str, int], Shed] = {}
+        # (model, tier, tenant) -> a refusal of the batcher that requests like it would get too (Shed):
+        # per tenant, as a tenant over its share is refused where others are not.
+        self._shedding: dict[tuple[str, int, str], Shed] = {}
 
     def signature(self, model: str, version: str = "") -> tuple[ModelSignature, str]:
         """The model's signature and the concrete version a request would use."""
@@ -167,6 +177,8 @@ class Router:
         started = time.perf_counter()
         code = "INTERNAL"
         try:
+            # Before anything else: a tenant over its rate costs the mesh no more than this.
+            self._limiter.take(request.tenant, _rows_asked(request))
             result = await self._infer(request)
             code = "OK"
             return result
@@ -181,6 +193,7 @@ class Router:
             labels = (request.model if self.catalog.get(request.model) else "unknown", TIER_NAMES[request.tier], code)
             metrics.REQUESTS_BY[labels].inc()
             metrics.LATENCY_BY[labels].observe(time.perf_counter() - started)
+            metrics.TENANT_REQUESTS_BY[self._tenant_label(request.tenant.name), code].inc()
 
     async def _infer(self, request: InferRequest) -> InferResult:
         """Through the model's circuit breaker when it has a fallback: while the
@@ -198,11 +211,13 @@ class Router:
         try:
             result = await self._infer_primary(request)
         except errors.InfermeshError as exc:
-            counted = exc.code_name in COUNTED_CODES
-            changed = breaker.record(loop.time(), failed=counted)
-            self._publish_breaker(sig.name, breaker, changed)
-            if not counted:
+            # Only the model's own failures are recorded: one the caller brought on
+            # itself (a bad request, its own short deadline) or a busy queue says
+            # nothing of the model, and counted as a success it would dilute real failures.
+            budget_s = request.timeout_s if request.timeout_s is not None else self._default_timeout_s
+            if not self._breaker_policy.counts(exc.code_name, budget_s):
                 raise
+            self._publish_breaker(sig.name, breaker, breaker.record(loop.time(), failed=True))
             if self._failure_samples is not None:
                 self._failure_samples.record(sig.name, exc, request)
             if breaker.state is State.CLOSED:
@@ -249,10 +264,11 @@ class Router:
         if request.cache_bypass:
             metrics.CACHE_BY["bypassed"].inc()
             used, outputs = await self._submit(sig.name, request.version, inputs, request.outputs, request.tier,
-                                               deadline)
+                                               deadline, request.tenant)
             return InferResult(sig.name, used, request.id, outputs, cached=False)
         digest = request_digest(sig.name, version, inputs, request.outputs, sig.revision(version))
-        flight = Flight(digest, sig.name, version, inputs, request.outputs, request.tier, deadline, request.version)
+        flight = Flight(digest, sig.name, version, inputs, request.outputs, request.tier, deadline, request.version,
+                        request.tenant)
         used, outputs, cached = await self._single_flight(flight)
         return InferResult(sig.name, used, request.id, outputs, cached=cached)
 
@@ -277,7 +293,8 @@ class Router:
                 if self._cache is None or self._bypass.is_bypassed(flight.model):
                     # Nothing to look up first: a shed level is refused right here, in the
                     # caller's own step, not one turn of the event loop later in a task.
-                    self._refuse_if_shed(flight.model, flight.tier, flight.deadline, flight.inputs[0].rows)
+                    self._refuse_if_shed(flight.model, flight.tier, flight.deadline, flight.inputs[0].rows,
+                                         flight.tenant.name)
                 task, runs_until = asyncio.create_task(self._resolve(flight)), flight.deadline
                 self._running[key] = (task, runs_until)
                 task.add_done_callback(lambda done, key=key, model=flight.model: self._finished(key, model, done))
@@ -333,7 +350,7 @@ class Router:
             metrics.CACHE_BY["bypassed"].inc()
             self._bypass.observe(flight.model, flight.digest)
         used, outputs = await self._submit(flight.model, flight.requested, flight.inputs, flight.outputs, flight.tier,
-                                           flight.deadline)
+                                           flight.deadline, flight.tenant)
         if use_cache and used == flight.version:  # an answer from another version is not this key's
             # Under the generation the lookup read: a purge since makes it unreachable, as it should.
             self._cache.store(flight.model, flight.digest, outputs, generation)
@@ -341,30 +358,31 @@ class Router:
         return used, outputs, False
 
     async def _submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str], tier: int,
-                      deadline: float) -> tuple[str, list[TensorData]]:
+                      deadline: float, tenant: identity.Tenant) -> tuple[str, list[TensorData]]:
         now = asyncio.get_running_loop().time()
         remaining = deadline - now
         if remaining <= 0:
             raise errors.DeadlineExceeded(f"request for model '{model}' reached its deadline before it could be queued")
         rows = inputs[0].rows
-        self._refuse_if_shed(model, tier, deadline, rows)
+        self._refuse_if_shed(model, tier, deadline, rows, tenant.name)
         try:
-            return await self._batcher.submit(model, version, inputs, outputs, tier, remaining)
+            return await self._batcher.submit(model, version, inputs, outputs, tier, remaining, tenant.name,
+                                              tenant.weight)
         except errors.ResourceExhausted as exc:
             if exc.retry_after_ms:
                 # The hint is how long until a place frees, or how much time this request
                 # lacked: a request as large then needs about its own time plus the hint.
-                self._shedding[(model, tier)] = Shed(now + min(exc.retry_after_ms, MAX_SHED_MS) / 1000,
+                self._shedding[(model, tier, tenant.name)] = Shed(now + min(exc.retry_after_ms, MAX_SHED_MS) / 1000,
                                                      remaining + exc.retry_after_ms / 1000, rows, exc.message)
             raise
 
-    def _refuse_if_shed(self, model: str, tier: int, deadline: float, rows: int) -> None:
+    def _refuse_if_shed(self, model: str, tier: int, deadline: float, rows: int, tenant: str) -> None:
         """The batcher refused this level lately, and this request is at least as
         large as the refused one and has no more time than that one would have
         needed: refuse it here, before it costs the batcher anything. A request
         with more time, or fewer rows (the refusal may have been for the size of
         a batch that would not finish in time), still goes through."""
-        shed = self._shedding.get((model, tier))
+        shed = self._shedding.get((model, tier, tenant))
         if shed is None:
             return
         now = asyncio.get_running_loop().time()
@@ -406,6 +424,13 @@ class Flight:
     # version is answered by whichever version serves when it runs (during a
     # swap, the catalog here may be a moment behind the model servers).
     requested: str = ""
+    tenant: identity.Tenant = ANONYMOUS_STANDARD  # its first caller's: whose share at the batcher it takes
+
+
+def _rows_asked(request: InferRequest) -> int:
+    """The rows a request asks for, as its shapes say before validation (at least 1)."""
+    shape = request.inputs[0].shape if request.inputs else ()
+    return max(1, shape[0]) if shape else 1
 
 
 def validate(sig: ModelSignature, request: InferRequest) -> list[TensorData]:

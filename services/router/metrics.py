@@ -33,9 +33,18 @@ BREAKER_TRANSITIONS = prometheus_client.Counter(
 DEGRADED = prometheus_client.Counter(
     "infermesh_router_degraded_total",
     "Requests answered in place of a failing model, by model and source (cache, fallback).", ["model", "source"])
+AUTH_REFUSALS = prometheus_client.Counter(
+    "infermesh_router_auth_refusals_total",
+    "Calls refused for who they are from: unauthenticated (missing or unknown credentials), tier_denied (a tier "
+    "beyond the tenant's), rate_limited (over the tenant's rate).", ["reason"])
+TENANT_REQUESTS = prometheus_client.Counter(
+    "infermesh_router_tenant_requests_total",
+    "Inference requests answered, by tenant (the first 50 of the registry by name, the rest as 'other') and gRPC "
+    "status code.", ["tenant", "code"])
 
 # The per-request ones, by label values without labels()' lock (services.common.metrics.Children).
 REQUESTS_BY = Children(REQUESTS)
 LATENCY_BY = Children(LATENCY)
 CACHE_BY = Children(CACHE)
 BREAKER_STATE_BY = Children(BREAKER_STATE)
+TENANT_REQUESTS_BY = Children(TENANT_REQUESTS)

@@ -39,13 +39,17 @@ def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], 
         else:
             data = _contents_bytes(tensor)
         inputs.append(TensorData(tensor.name, tensor.datatype, tuple(tensor.shape), data))
-    tier_name = metadata.get("x-user-tier", "standard").lower()
-    if tier_name not in TIERS:
-        raise errors.InvalidArgument(f"metadata x-user-tier is {errors.shown(tier_name)}; expected one of {sorted(TIERS)}")
-    tier = TIERS[tier_name]
+    claimed = None  # the tier the request asks for; who may use it is the caller's tenant's to say
+    tier_name = metadata.get("x-user-tier")
+    if tier_name is not None:
+        tier_name = tier_name.lower()
+        if tier_name not in TIERS:
+            raise errors.InvalidArgument(f"metadata x-user-tier is {errors.shown(tier_name)}; expected one of "
+                                         f"{sorted(TIERS)}")
+        claimed = TIERS[tier_name]
     if not request.parameters:  # the usual case: none of the checks below applies
         return InferRequest(model=request.model_name, version=request.model_version, id=request.id, inputs=inputs,
-                            outputs=[o.name for o in request.outputs], tier=tier, timeout_s=timeout_s)
+                            outputs=[o.name for o in request.outputs], claimed_tier=claimed, timeout_s=timeout_s)
     # The OIP/Triton request parameters: priority (1 is the highest level, 0 the
     # default) and timeout in microseconds, which may only shorten the deadline.
     priority = _int_parameter(request, "priority")
@@ -53,7 +57,7 @@ def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], 
         if priority not in PRIORITY_LEVELS:
             raise errors.InvalidArgument(
                 f"parameter 'priority' is {priority}; levels are 1 (VIP) and 2 (standard), 0 for the default")
-        tier = PRIORITY_LEVELS[priority]
+        claimed = PRIORITY_LEVELS[priority]
     timeout_us = _int_parameter(request, "timeout")
     if timeout_us is not None:
         if timeout_us <= 0:
@@ -66,7 +70,7 @@ def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], 
         id=request.id,
         inputs=inputs,
         outputs=[o.name for o in request.outputs],
-        tier=tier,
+        claimed_tier=claimed,
         timeout_s=timeout_s,
     )
 

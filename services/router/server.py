@@ -6,12 +6,13 @@ import logging
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from services.common import errors, serving
+from services.common import errors, identity, serving
 from services.common.budget import ByteBudget
 from services.common.streams import answer_concurrently
 from services.router.config import RouterConfig
 from services.router.core import Router
 from services.router.oip import metadata_to_proto, request_from_proto, response_to_proto
+from services.router.tenants import Authenticator, Settings
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -27,9 +28,10 @@ DATA_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, router: Router, max_stream_inflight: int, max_request_bytes: int,
-                 draining: asyncio.Event | None = None, budget: ByteBudget | None = None,
-                 stream_idle_s: float | None = None):
+                 draining: asyncio.Event | None = None, authenticator: Authenticator | None = None,
+                 budget: ByteBudget | None = None, stream_idle_s: float | None = None):
         self._router = router
+        self._auth = authenticator if authenticator is not None else Authenticator(_NO_REGISTRY)
         self._max_stream_inflight = max_stream_inflight
         self._max_request_bytes = max_request_bytes  # of a stream message
         self._draining = draining  # set when the router drains: idle streams end then
@@ -64,14 +66,25 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         raise _model_control_elsewhere("RepositoryModelUnload")
 
     async def ModelInfer(self, request, context):
-        infer_request = request_from_proto(request, _metadata(context), context.time_remaining())
+        metadata = _metadata(context)
+        tenant = self._auth.caller(metadata, identity.certificate_identities(context))
+        infer_request = self._as(tenant, request_from_proto(request, metadata, context.time_remaining()))
         return response_to_proto(await self._router.infer(infer_request))
+
+    def _as(self, tenant, infer_request):
+        """The request as its tenant's: the tier it may use (PERMISSION_DENIED beyond)."""
+        infer_request.tenant = tenant
+        infer_request.tier = self._auth.tier(tenant, infer_request.claimed_tier)
+        return infer_request
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Requests run concurrently; each gets one response, in completion
         order. A failed request is an error_message on the stream, which stays
-        open; a request over the size limit fails alone."""
+        open; a request over the size limit fails alone. The stream's
+        credentials are checked once, before it is read: unknown ones end it
+        with UNAUTHENTICATED."""
         metadata = _metadata(context)
+        tenant = self._auth.caller(metadata, identity.certificate_identities(context))
 
         async def answer(request):
             if isinstance(request, serving.Malformed):
@@ -79,7 +92,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if isinstance(request, serving.Oversized):
                 raise errors.ResourceExhausted(
                     f"request of {request.size} bytes exceeds the limit of {self._max_request_bytes} bytes")
-            result = await self._router.infer(request_from_proto(request, metadata, context.time_remaining()))
+            result = await self._router.infer(self._as(tenant, request_from_proto(request, metadata,
+                                                                                  context.time_remaining())))
             return pb.ModelStreamInferResponse(infer_response=response_to_proto(result))
 
         async def handle(request):
@@ -101,6 +115,9 @@ def _message_size(request) -> int:
     if isinstance(request, (serving.Oversized, serving.Malformed)):
         return request.size
     return request.ByteSize()
+
+
+_NO_REGISTRY = Settings(registry=None)
 
 
 def _model_control_elsewhere(method: str) -> errors.InfermeshError:
@@ -128,7 +145,7 @@ def _stream_error(request, exc: errors.InfermeshError) -> pb.ModelStreamInferRes
 
 
 async def build_server(config: RouterConfig, router: Router, port: int | None = None,
-                       draining: asyncio.Event | None = None):
+                       draining: asyncio.Event | None = None, authenticator: Authenticator | None = None):
     """Returns (server, bound_port, health servicer); the server is started.
     Once `draining` is set, each stream ends as soon as nothing is in flight on it."""
     # The transport takes up to 4x the limit so that on a stream one oversized
@@ -140,7 +157,7 @@ async def build_server(config: RouterConfig, router: Router, port: int | None = 
                                 limits=config, data_methods=DATA_METHODS, budget=budget,
                                 max_stream_message_bytes=config.stream_message_bytes)
     servicer = InferenceServicer(router, config.max_stream_inflight, config.stream_message_bytes, draining,
-                                 budget, config.stream_idle_timeout_s or None)
+                                 authenticator, budget, config.stream_idle_timeout_s or None)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{config.host}:{config.port if port is None else port}")
