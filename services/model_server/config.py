@@ -4,7 +4,7 @@ import dataclasses
 import os
 from typing import ClassVar
 
-from services.common.budget import GIB, ServingLimits
+from services.common.budget import GIB, KIB, ServingLimits
 from services.common.config import require
 
 CONTROL_MODES = ("none", "explicit", "poll")
@@ -17,6 +17,10 @@ class ModelServerConfig(ServingLimits):
 
     memory_limit_bytes: int = dataclasses.field(default=6 * GIB, metadata={
         "help": "the memory this process may use (its pod's limit); sizes request_budget_bytes when that is 0"})
+    # A load's overrides may be 64 KiB (MAX_OVERRIDES_BYTES), refused by their own rule, which names the parameter.
+    max_control_request_bytes: int = dataclasses.field(default=256 * KIB, metadata={
+        "help": "largest request of a control RPC (health, metadata, model control, listings); larger gets "
+                "RESOURCE_EXHAUSTED"})
     model_repository: str = dataclasses.field(default="build/models", metadata={"help": "model repository folder"})
     host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = dataclasses.field(default=0, metadata={"help": "gRPC port, 0 picks a free one"})

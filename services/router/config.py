@@ -86,10 +86,6 @@ class RouterConfig(ServingLimits):
         require(self.stream_idle_timeout_s >= 0, f"stream_idle_timeout_s must be >= 0, got {self.stream_idle_timeout_s}")
         self.check_largest("max_request_bytes", self.max_request_bytes)
         self.check_largest("max_stream_message_bytes", self.stream_message_bytes)
-
-    @property
-    def stream_message_bytes(self) -> int:
-        return self.max_stream_message_bytes or self.max_request_bytes
         require(self.default_timeout_s > 0, f"default_timeout_s must be > 0, got {self.default_timeout_s}")
         require(self.batcher_streams >= 1, f"batcher_streams must be >= 1, got {self.batcher_streams}")
         require(0 <= self.batcher_linger_ms <= 100, f"batcher_linger_ms must be in [0, 100], got {self.batcher_linger_ms}")
@@ -114,6 +110,10 @@ class RouterConfig(ServingLimits):
                 f"failure_samples_content must be off, redacted or full, got {self.failure_samples_content!r}")
         require(self.failure_samples_max_bytes >= 64 * 1024,
                 f"failure_samples_max_bytes must be >= 65536 (a sample line fits), got {self.failure_samples_max_bytes}")
+
+    @property
+    def stream_message_bytes(self) -> int:
+        return self.max_stream_message_bytes or self.max_request_bytes
 
     def breaker_policy(self):
         from services.router.breaker import BreakerPolicy
