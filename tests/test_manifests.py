@@ -182,6 +182,19 @@ MISTAKES = {
         lambda d: _find(d, "RequestAuthentication", "router")["spec"]["jwtRules"][0]["outputClaimToHeaders"][0].update(
             header="x-infermesh:tenant"),
         "header name x-infermesh:tenant is not a valid header name"),
+    "pod memory limit below its service's budget and baseline": (
+        lambda d: (_container(d, "batcher")["resources"]["limits"].update(memory="512Mi"),
+                   _container(d, "batcher")["env"].append(
+                       {"name": "INFERMESH_BATCHER_REQUEST_BUDGET_BYTES", "value": str(192 << 20)})),
+        "Deployment/batcher: services.batcher's config from container batcher's environment is refused"),
+    "explicit byte budget the pod's limit does not cover": (
+        lambda d: _container(d, "router")["env"].extend([
+            {"name": "INFERMESH_ROUTER_MEMORY_LIMIT_BYTES", "value": str(4 << 30)},
+            {"name": "INFERMESH_ROUTER_REQUEST_BUDGET_BYTES", "value": str(512 << 20)}]),
+        "Deployment/router: container router's memory limit 1073741824 bytes is below what services.router may take"),
+    "pod with no memory limit": (
+        lambda d: _container(d, "cache")["resources"].pop("limits"),
+        "Deployment/cache: container cache has no memory limit"),
     "dashboard query of a metric we do not export": (
         _break_dashboard, "infermesh_router_answers_total is not a series our services export"),
 }

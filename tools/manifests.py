@@ -20,7 +20,8 @@ rendered by the real kustomize (bin/kustomize, built by `make setup`), then:
   AuthorizationPolicy; routes that carry bidirectional streams have no
   timeout; outlier detection can eject with the pool's fewest replicas;
   autoscalers read metrics that prometheus-adapter serves and our services
-  export, and own the replica count of what they scale; the dashboard's queries name metrics and labels that exist.
+  export, and own the replica count of what they scale; the dashboard's queries name metrics and labels that exist;
+  each pod's memory limit covers its service's byte budget plus that service's baseline.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ import pathlib
 import re
 import subprocess
 import sys
+import typing
 import urllib.parse
 
 import grpc
 import yaml
 
+from services.common.budget import HELD_COPIES
 from services.common.traffic import GRPC_RETRY_ON, HTTP_RETRY_ON, PolicyError, parse_duration
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -473,6 +476,52 @@ def exported_metrics() -> dict[str, frozenset[str]]:
     return names
 
 
+QUANTITY = re.compile(r"^([0-9.]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+QUANTITY_UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6,
+                  "G": 10**9, "T": 10**12}
+
+
+def quantity_bytes(value) -> int | None:
+    """A Kubernetes memory quantity (1Gi, 512Mi, 1e9 as 1000000000) in bytes; None when not one."""
+    match = QUANTITY.match(str(value))
+    return int(float(match.group(1)) * QUANTITY_UNITS[match.group(2)]) if match else None
+
+
+def memory_problems(module: str, container: dict) -> list[str]:
+    """The container's memory limit must cover what its service may take with
+    its byte budget full (baseline + copies x budget), with its config built
+    from the container's environment as the service would build it (the
+    downward API's limits.memory read as the limit itself)."""
+    from services.common.config import _parse
+
+    limit = quantity_bytes((container.get("resources") or {}).get("limits", {}).get("memory", ""))
+    if limit is None:
+        return [f"container {container['name']} has no memory limit: services.{module}'s byte budget would bound "
+                "nothing the kernel enforces"]
+    path, cls_name = SERVICES[module][0].split(":")
+    cls = getattr(importlib.import_module(path), cls_name)
+    prefix = SERVICES[module][1]
+    hints = typing.get_type_hints(cls)
+    fields = {}
+    for env in container.get("env", []):
+        name = env["name"][len(prefix):].lower() if env["name"].startswith(prefix) else None
+        if name not in hints:
+            continue
+        if "value" in env:
+            fields[name] = _parse(hints[name], str(env["value"]))
+        elif ((env.get("valueFrom") or {}).get("resourceFieldRef") or {}).get("resource") == "limits.memory":
+            fields[name] = limit
+    try:
+        config = cls(**fields)
+    except (TypeError, ValueError) as exc:
+        return [f"services.{module}'s config from container {container['name']}'s environment is refused: {exc}"]
+    if config.memory_needed_bytes > limit:
+        return [f"container {container['name']}'s memory limit {limit} bytes is below what services.{module} may "
+                f"take: baseline {config.baseline_bytes} + its byte budget {config.budget_bytes} x "
+                f"{HELD_COPIES} copies = {config.memory_needed_bytes} bytes"]
+    return []
+
+
 def _short_host(host: str, namespace: str) -> str:
     """A VirtualService host as a Service name in the rules' namespace."""
     for suffix in (f".{namespace}.svc.cluster.local", f".{namespace}.svc", f".{namespace}"):
@@ -547,6 +596,13 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
                     if env["name"].startswith(prefix) and env["name"][len(prefix):].lower() not in config_fields(module):
                         found.append(f"Deployment/{workload.name}: {env['name']} sets no field of services.{module}'s "
                                      f"config (fields: {', '.join(sorted(config_fields(module)))})")
+
+    # Memory: each pod's limit covers its service's byte budget and baseline.
+    for workload in workloads:
+        for container in workload.containers:
+            module = workload.service_module(container)
+            if module in SERVICES:
+                found += [f"Deployment/{workload.name}: {p}" for p in memory_problems(module, container)]
 
     # Who calls whom: a host:port in a container's environment is a call that the
     # callee's AuthorizationPolicy must allow from the caller's service account.

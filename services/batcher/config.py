@@ -1,15 +1,19 @@
 """The batcher's configuration."""
 
 import dataclasses
+from typing import ClassVar
 
 from services.batcher.core import STANDARD, VIP, LevelPolicy, QueuePolicy
 from services.batcher.policy import POLICIES
 from services.common import tls
+from services.common.budget import MIB, ServingLimits
 from services.common.config import require
 
 
 @dataclasses.dataclass(frozen=True)
-class BatcherConfig:
+class BatcherConfig(ServingLimits):
+    baseline_bytes: ClassVar[int] = 256 * MIB
+
     model_servers: tuple[str, ...] = dataclasses.field(
         default=("127.0.0.1:8011",), metadata={"help": "model_server replicas, comma-separated host:port"}
     )
@@ -61,7 +65,9 @@ class BatcherConfig:
         return [p.strip() for p in self.traffic_policy.split(",") if p.strip()]
 
     def __post_init__(self):
+        super().__post_init__()
         tls.check(self)
+        self.check_largest("max_message_bytes", self.max_message_bytes)
         require(len(self.model_servers) > 0, "model_servers must name at least one host:port")
         require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
         require(self.max_queue_delay_ms >= 0, f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms}")

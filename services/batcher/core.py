@@ -247,10 +247,16 @@ class Pending:
     tag: float = 0.0  # its start tag in its level's fair queueing (FairLevel)
     seq: int = 0  # its arrival there
     shape: tuple = ()  # (name, dimensions past the batch one) per input: only requests alike share a batch
+    rows: int = dataclasses.field(init=False)
 
-    @property
-    def rows(self) -> int:
-        return self.inputs[0].rows
+    def __post_init__(self):
+        self.rows = self.inputs[0].rows
+
+    def answered(self, _future=None) -> None:
+        """Drops the request's tensors: answered while it waits (expired, refused,
+        cancelled), it may stay in its level's deque until the batching task
+        passes it, and must not hold its bytes there meanwhile."""
+        self.inputs = []
 
     def taken(self) -> None:
         """From here on the batch's own timeout governs, not the queue's deadline timer."""
@@ -693,6 +699,8 @@ class ModelQueue:
         """Sends one batch and answers its requests. A `rerun` is one request of
         a failed batch run alone: its queue wait was observed with the batch,
         and it is not split again."""
+        if rerun and batch[0].future.done():  # answered (its caller gone) before its turn: its tensors are dropped
+            return
         loop = asyncio.get_running_loop()
         now = loop.time()
         # A batch runs by its latest request's deadline: by its earliest, a VIP request with time to
@@ -909,6 +917,7 @@ class Batcher:
                        length=length, shape=tuple((t.name, t.shape[1:]) for t in inputs), tenant=tenant,
                        weight=weight)
         queue.put(item)
+        item.future.add_done_callback(item.answered)
         if item.deadline is not None:
             item.timer = loop.call_at(queue.give_up_at(item), queue.give_up, item)
         try:

@@ -9,6 +9,7 @@ from services.batcher.config import BatcherConfig
 from services.batcher.core import Batcher
 from services.batcher.replicas import ReplicaSet
 from services.common import errors, serving, tls
+from services.common.budget import ByteBudget
 from services.common.protoconv import error_to_proto, tensors_from_proto, tensors_to_proto
 from services.common.streams import Framing, answer_concurrently
 
@@ -16,16 +17,19 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = batcher_pb2.DESCRIPTOR.services_by_name["Batcher"].full_name
 MAX_INFLIGHT_PER_STREAM = 8192
 MAX_FIELDS = 1 << 17  # of one Submit or SubmitMany message, its requests' and tensors' included
+DATA_METHODS = frozenset({"Submit", "SubmitMany"})
 # The frames of SubmitMany, both ways (the router packs its own the same way).
 FRAMING = Framing(pack=lambda requests: batcher_pb2.SubmitManyResponse(responses=requests),
                   unpack=lambda frame: frame.requests)
 
 
 class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
-    def __init__(self, batcher: Batcher, replicas: ReplicaSet, draining: asyncio.Event):
+    def __init__(self, batcher: Batcher, replicas: ReplicaSet, draining: asyncio.Event,
+                 budget: ByteBudget | None = None):
         self._batcher = batcher
         self._replicas = replicas
         self._draining = draining
+        self._budget = budget  # each request is held in it from when it is read until answered
 
     async def Submit(self, request_iterator, context):
         """Answers every request of the stream exactly once, in completion
@@ -72,7 +76,7 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
             return error(request, errors.Internal("internal error in the batcher; see its log"))
 
         return answer_concurrently(request_iterator, handle, on_error, MAX_INFLIGHT_PER_STREAM, self._draining,
-                                   framing)
+                                   framing, budget=self._budget, on_refused=error)
 
     async def ListModels(self, request, context):
         return batcher_pb2.ListModelsResponse(models=self._replicas.models())
@@ -83,10 +87,12 @@ async def build_server(config: BatcherConfig, batcher: Batcher, replicas: Replic
     """Returns (server, bound_port, health servicer); the server is started."""
     # A frame of the router's holds at most 256 requests of a few fields each
     # per input: a message of many more was built to be slow to parse.
-    server = serving.new_server("batcher", config.max_message_bytes, decoders={
+    server = serving.new_server("batcher", config.max_message_bytes, limits=config, data_methods=DATA_METHODS,
+                                decoders={
         "Submit": serving.BoundedDecoder(batcher_pb2.SubmitRequest, MAX_FIELDS, "Submit"),
         "SubmitMany": serving.BoundedDecoder(batcher_pb2.SubmitManyRequest, MAX_FIELDS, "SubmitMany")})
-    batcher_pb2_grpc.add_BatcherServicer_to_server(BatcherServicer(batcher, replicas, draining), server)
+    budget = ByteBudget("batcher", config.budget_bytes)
+    batcher_pb2_grpc.add_BatcherServicer_to_server(BatcherServicer(batcher, replicas, draining, budget), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
     bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}",
                      tls.server_credentials(config))

@@ -1,13 +1,17 @@
 """The cache service's configuration."""
 
 import dataclasses
+from typing import ClassVar
 
 from services.common import tls
+from services.common.budget import MIB, ServingLimits
 from services.common.config import require
 
 
 @dataclasses.dataclass(frozen=True)
-class CacheConfig:
+class CacheConfig(ServingLimits):
+    baseline_bytes: ClassVar[int] = 256 * MIB
+
     redis_url: str = dataclasses.field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis (L1) URL; redis:// or unix://"})
     host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = dataclasses.field(default=0, metadata={"help": "gRPC port, 0 picks a free one"})
@@ -35,7 +39,9 @@ class CacheConfig:
     log_level: str = dataclasses.field(default="info")
 
     def __post_init__(self):
+        super().__post_init__()
         tls.check(self)
+        self.check_largest("max_message_bytes", self.max_message_bytes)
         require(self.ttl_s >= 1, f"ttl_s must be >= 1, got {self.ttl_s}")
         require(self.redis_timeout_ms > 0, f"redis_timeout_ms must be > 0, got {self.redis_timeout_ms}")
         require(self.breaker_open_s >= 0, f"breaker_open_s must be >= 0, got {self.breaker_open_s}")

@@ -11,6 +11,7 @@ from services.cache import codec, metrics
 from services.cache.config import CacheConfig
 from services.cache.core import STALE, ResultCache
 from services.common import errors, identity, serving, tls
+from services.common.budget import ByteBudget
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.streams import answer_concurrently
 
@@ -52,11 +53,12 @@ def checked_outputs(index: int, request) -> list:
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
     def __init__(self, cache: ResultCache, admin_token: str, draining: asyncio.Event,
-                 admin: identity.AdminGate | None = None):
+                 admin: identity.AdminGate | None = None, budget: ByteBudget | None = None):
         self._cache = cache
         self._admin_token = admin_token
         self._admin = admin if admin is not None else identity.AdminGate(None, "cache")
         self._draining = draining
+        self._budget = budget  # a stored result is held in it from when it is read until it is written
 
     async def Lookup(self, request_iterator, context):
         """One answer per lookup, in completion order; anything unreadable is a miss."""
@@ -94,14 +96,34 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 counts["stale" if future.result() == STALE else "stored"] += 1
 
         index = 0
+        budget = self._budget
         try:
             async for request in request_iterator:
+                held = request.ByteSize() if budget is not None else 0
+                if held:
+                    try:
+                        budget.acquire(held, f"StoreRequest {index} of this stream")
+                    except errors.ResourceExhausted as exc:  # dropped, as a store that failed: the caller waits on none
+                        log.debug("store refused: %s", exc.message)
+                        index += 1
+                        counts["failed"] += 1
+                        continue
                 generation = request.generation if request.HasField("generation") else None
-                future = self._cache.put(request.model, request.digest, checked_outputs(index, request), generation)
+                try:
+                    future = self._cache.put(request.model, request.digest, checked_outputs(index, request),
+                                             generation)
+                except BaseException:
+                    if held:
+                        budget.release(held)
+                    raise
                 index += 1
                 if future is None:
+                    if held:
+                        budget.release(held)
                     counts["failed"] += 1
                     continue
+                if held:
+                    future.add_done_callback(lambda _, held=held: budget.release(held))
                 pending.add(future)
                 future.add_done_callback(settle)
         except errors.InvalidArgument:
@@ -145,9 +167,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
 async def build_server(config: CacheConfig, cache: ResultCache, draining: asyncio.Event, port: int | None = None):
     """Returns (server, bound_port, health servicer); the server is started."""
-    server = serving.new_server("cache", config.max_message_bytes)
+    server = serving.new_server("cache", config.max_message_bytes, limits=config,
+                                data_methods=frozenset({"Lookup", "Store"}))
     admin = identity.AdminGate.from_file(config.tenants_file, "cache")
-    cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache, config.admin_token, draining, admin), server)
+    budget = ByteBudget("cache", config.budget_bytes)
+    cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache, config.admin_token, draining, admin, budget),
+                                               server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
     bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}",
                      tls.server_credentials(config))

@@ -49,3 +49,18 @@ def scrape(url: str, timeout_s: float = 5.0) -> dict[tuple[str, tuple], float]:
     text = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
     return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
             for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+HELD_REQUEST_BYTES = prometheus_client.Gauge(
+    "infermesh_held_request_bytes",
+    "Bytes of the requests a service holds now (its byte budget counts them), by service.",
+    ["service"],
+)
+BUDGET_BYTES = prometheus_client.Gauge(
+    "infermesh_request_budget_bytes", "The byte budget of the requests a service holds at once, by service.",
+    ["service"],
+)
+BUDGET_REFUSALS = prometheus_client.Counter(
+    "infermesh_budget_refusals_total", "Requests refused because they would pass the service's byte budget.",
+    ["service"],
+)

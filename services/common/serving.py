@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import collector, errors, wire
+from services.common.budget import ByteBudget, ServingLimits
 from services.common.config import add_dataclass_arguments, from_arguments
 from services.common.metrics import RPC_LATENCY_BY, RPC_REQUESTS_BY
 
@@ -112,14 +113,22 @@ class ErrorHandling:
     method's Decoder where it has one), so that a
     message that is not valid protobuf is INVALID_ARGUMENT rather than grpc's
     UNKNOWN, and a unary request over `max_request_bytes` is
-    RESOURCE_EXHAUSTED naming both sizes (stream messages over it arrive
-    wrapped in Oversized, and with it set unreadable ones in Malformed). A
+    RESOURCE_EXHAUSTED naming both sizes (stream messages over
+    `max_stream_message_bytes`, by default the same, arrive wrapped in
+    Oversized, and with it set unreadable ones in Malformed); the requests of
+    unary methods other than `data_methods` are held to
+    `max_control_request_bytes`, and those of data methods to `budget`. A
     method the servicer leaves unimplemented is UNIMPLEMENTED."""
 
-    def __init__(self, service: str, max_request_bytes: int | None = None,
-                 decoders: dict[str, Decoder] | None = None):
+    def __init__(self, service: str, max_request_bytes: int | None = None, max_control_request_bytes: int | None = None,
+                 data_methods: frozenset[str] = frozenset(), budget: ByteBudget | None = None,
+                 max_stream_message_bytes: int | None = None, decoders: dict[str, Decoder] | None = None):
         self._service = service
         self._max_request_bytes = max_request_bytes
+        self._max_stream_message_bytes = max_stream_message_bytes or max_request_bytes
+        self._max_control_request_bytes = max_control_request_bytes
+        self._data_methods = data_methods
+        self._budget = budget
         self._decoders = decoders or {}
         # One thread: large messages are decoded one at a time, so that the
         # loop shares the GIL with one decode at most.
@@ -136,8 +145,13 @@ class ErrorHandling:
         if decoder is not None:
             parse = _Decoding(decoder, self._decode_thread)
         if handler.unary_unary:
+            if method in self._data_methods:
+                limit, budget = self._max_request_bytes, self._budget
+            else:
+                limit, budget = self._max_control_request_bytes, None
             return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary, method, parse), response_serializer=handler.response_serializer)
+                self._wrap_unary(handler.unary_unary, method, parse, limit, budget),
+                response_serializer=handler.response_serializer)
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
                 self._wrap_stream(handler.stream_stream, method, parse), response_serializer=handler.response_serializer)
@@ -160,7 +174,7 @@ class ErrorHandling:
             raise errors.InvalidArgument(f"{method} request of {len(raw)} bytes is not a valid message: {exc}") from None
 
     def _too_large(self, raw: bytes) -> bool:
-        return self._max_request_bytes is not None and len(raw) > self._max_request_bytes
+        return self._max_stream_message_bytes is not None and len(raw) > self._max_stream_message_bytes
 
     async def _messages(self, raw_iterator, parse, method: str):
         async for raw in raw_iterator:
@@ -170,7 +184,7 @@ class ErrorHandling:
             try:
                 message = await self._parse(parse, raw, method)
             except errors.InfermeshError as exc:
-                if self._max_request_bytes is None:
+                if self._max_stream_message_bytes is None:
                     raise
                 yield Malformed(len(raw), exc, parse.decoder.partial(raw) if isinstance(parse, _Decoding) else None)
                 continue
@@ -180,14 +194,20 @@ class ErrorHandling:
         RPC_REQUESTS_BY[self._service, method, code].inc()
         RPC_LATENCY_BY[self._service, method].observe(time.perf_counter() - started)
 
-    def _wrap_unary(self, behavior, method, parse):
+    def _wrap_unary(self, behavior, method, parse, limit: int | None, budget: ByteBudget | None):
+        """A unary method whose requests are at most `limit` bytes and, given a
+        budget, held within it from before they are parsed until answered."""
         async def wrapper(raw, context):
             started = time.perf_counter()
             try:
-                if self._too_large(raw):
+                if limit is not None and len(raw) > limit:
                     raise errors.ResourceExhausted(
-                        f"{method} request of {len(raw)} bytes exceeds the limit of {self._max_request_bytes} bytes")
-                response = await behavior(await self._parse(parse, raw, method), context)
+                        f"{method} request of {len(raw)} bytes exceeds the limit of {limit} bytes")
+                if budget is None:
+                    response = await behavior(await self._parse(parse, raw, method), context)
+                else:
+                    with budget.hold(len(raw), f"{method} request"):
+                        response = await behavior(await self._parse(parse, raw, method), context)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 await self._abort(context, exc, method, started)
             self._record(method, _code_name(context), started)
@@ -308,37 +328,56 @@ class _WrappedGenericHandler(grpc.GenericRpcHandler):
 
 
 def new_server(service: str, max_message_bytes: int, max_concurrent_rpcs: int | None = None,
-               max_request_bytes: int | None = None, reuse_port: bool = False,
+               max_request_bytes: int | None = None, reuse_port: bool = False, limits: ServingLimits | None = None,
+               data_methods: frozenset[str] = frozenset(), budget: ByteBudget | None = None,
+               max_stream_message_bytes: int | None = None,
                decoders: dict[str, Decoder] | None = None) -> ErrorHandledServer:
     """A grpc.aio server whose handlers are error-handled (ErrorHandling).
     `max_message_bytes` is the transport's hard limit; `max_request_bytes`,
-    when set and lower, is checked per request so that one oversized message
-    fails alone. With `reuse_port`, other processes may bind the same port
-    (SO_REUSEPORT) and the kernel spreads connections among them. `decoders`
-    read the requests of the methods they name (by method name)."""
+    when set and lower, is checked per request of the `data_methods` (the
+    inference ones) so that one oversized message fails alone, and the
+    requests of every other unary method are held to the control limit of
+    `limits`. Unary data requests are held in `budget`; streams hold theirs
+    per message (answer_concurrently). With `reuse_port`, other processes may
+    bind the same port (SO_REUSEPORT) and the kernel spreads connections
+    among them. `decoders` read the requests of the methods they name (by
+    method name)."""
     server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs,
-                             options=server_options(max_message_bytes, reuse_port))
-    return ErrorHandledServer(server, ErrorHandling(service, max_request_bytes, decoders))
+                             options=server_options(max_message_bytes, reuse_port, limits))
+    control = limits.max_control_request_bytes if limits is not None else None
+    return ErrorHandledServer(server, ErrorHandling(service, max_request_bytes, control, data_methods, budget,
+                                                    max_stream_message_bytes, decoders))
 
 
-KEEPALIVE_MS = 15_000  # how often our clients ping a quiet connection
+KEEPALIVE_MS = 15_000  # how often our clients ping a connection with calls in flight
 
 
-def server_options(max_message_bytes: int, reuse_port: bool = False) -> list[tuple[str, int]]:
+def server_options(max_message_bytes: int, reuse_port: bool = False,
+                   limits: ServingLimits | None = None) -> list[tuple[str, int]]:
     """Our clients ping long-lived streams every KEEPALIVE_MS to notice a frozen
-    peer: the server must take pings that often on a connection with no data,
-    or, at its default of one per 5 minutes, it answers the third with GOAWAY
-    too_many_pings and every idle stream (the router's to the cache and to the
-    batcher) breaks every few minutes. The port is the process's own (a second
-    server on it fails to bind, rather than silently sharing its callers)
-    unless `reuse_port` asks for SO_REUSEPORT."""
-    return [
+    peer: the server must take pings that often while calls are open, or, at
+    its default of one per 5 minutes, it answers the third with GOAWAY
+    too_many_pings and every long-lived stream (the router's to the cache and
+    to the batcher) breaks every few minutes. Pings on a connection with no
+    call are not taken: such a connection is idle, and closes after
+    max_connection_idle_s. The port is the process's own (a second server on
+    it fails to bind, rather than silently sharing its callers) unless
+    `reuse_port` asks for SO_REUSEPORT."""
+    options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", int(reuse_port)),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS * 2 // 3),
-        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.keepalive_permit_without_calls", 0),
     ]
+    if limits is not None:
+        options.append(("grpc.max_concurrent_streams", limits.max_concurrent_streams))
+        for option, seconds in (("grpc.max_connection_idle_ms", limits.max_connection_idle_s),
+                                ("grpc.max_connection_age_ms", limits.max_connection_age_s),
+                                ("grpc.max_connection_age_grace_ms", limits.max_connection_age_grace_s)):
+            if seconds > 0:
+                options.append((option, max(1, min(int(1000 * seconds), 2**31 - 1))))
+    return options
 
 
 MAX_RECONNECT_BACKOFF_MS = 2_000
@@ -355,7 +394,7 @@ def client_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str,
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.keepalive_permit_without_calls", 0),  # servers refuse those pings (server_options)
         ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
 

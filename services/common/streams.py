@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 import grpc
 
 from services.common import errors
+from services.common.budget import ByteBudget
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +165,12 @@ class StreamMux:
         self._stream: _Stream | None = None
         self._retired: set[_Stream] = set()
         self.opened = 0  # streams opened so far
-        # Requests' timeouts: (deadline, id, future) in a heap and one timer for
+        # Requests' timeouts: [deadline, id, future] in a heap and one timer for
         # its head, rather than a timer per request (asyncio's timers compare
         # in Python, and under load they cost more than the rest of a request).
-        self._deadlines: list[tuple[float, int, asyncio.Future]] = []
+        # An answered request's entry stays until its deadline or a compaction,
+        # but its future (which holds the response) is dropped at once.
+        self._deadlines: list[list] = []
         self._timer: asyncio.TimerHandle | None = None
         self._timed = 0  # requests with a timeout still waiting: the rest of the heap is answered
 
@@ -223,29 +226,32 @@ class StreamMux:
         future = loop.create_future()
         stream.pending[request_id] = future
         stream.put((request_id, build), urgent)  # built as it is sent (_Stream.messages)
-        if timeout_s is not None:
-            self._expire_at(loop, loop.time() + timeout_s, request_id, future)
+        entry = self._expire_at(loop, loop.time() + timeout_s, request_id, future) if timeout_s is not None else None
         try:
             return await future
         finally:
-            if timeout_s is not None:
+            if entry is not None:
+                entry[2] = None  # answered: the heap must not keep its response alive until the deadline
                 self._timed -= 1
             if (stream.pending.pop(request_id, None) is not None and not stream.closed and not stream.retired
                     and self._cancel_message):
                 stream.put(self._cancel_message(request_id))
 
-    def _expire_at(self, loop, deadline: float, request_id: int, future: asyncio.Future) -> None:
+    def _expire_at(self, loop, deadline: float, request_id: int, future: asyncio.Future) -> list:
+        """Arms the request's timeout; returns its heap entry (ids are unique, so futures are never compared)."""
         heap = self._deadlines
         if len(heap) >= 4096 and len(heap) >= 4 * self._timed:
             # Answered entries stay until their deadline; once they are three in four, they go.
-            heap[:] = [entry for entry in heap if not entry[2].done()]
+            heap[:] = [entry for entry in heap if entry[2] is not None]
             heapq.heapify(heap)
-        heapq.heappush(heap, (deadline, request_id, future))
+        entry = [deadline, request_id, future]
+        heapq.heappush(heap, entry)
         self._timed += 1
         if heap[0][1] == request_id:  # the earliest now: the timer moves up
             if self._timer is not None:
                 self._timer.cancel()
             self._timer = loop.call_at(deadline, self._expire)
+        return entry
 
     def _expire(self) -> None:
         """Fails the requests whose timeout has passed with TimeoutError, as
@@ -254,7 +260,7 @@ class StreamMux:
         now, heap = loop.time(), self._deadlines
         while heap and heap[0][0] <= now:
             _, _, future = heapq.heappop(heap)
-            if not future.done():
+            if future is not None and not future.done():
                 future.set_exception(TimeoutError())
         self._timer = loop.call_at(heap[0][0], self._expire) if heap else None
 
@@ -270,6 +276,10 @@ class StreamMux:
         await asyncio.gather(*(s.reader for s in streams if s.reader is not None), return_exceptions=True)
 
 
+def _byte_size(message) -> int:
+    return message.ByteSize()
+
+
 async def answer_concurrently(
     request_iterator,
     handle: Callable[[object], Awaitable[object | None]],
@@ -277,6 +287,10 @@ async def answer_concurrently(
     max_unsent: int,
     draining: asyncio.Event | None = None,
     framing: Framing | None = None,
+    budget: ByteBudget | None = None,
+    on_refused: Callable[[object, errors.ResourceExhausted], object] | None = None,
+    size: Callable[[object], int] = _byte_size,
+    idle_s: float | None = None,
 ) -> AsyncIterator:
     """The server side of a multiplexed stream, as an async generator.
 
@@ -286,16 +300,21 @@ async def answer_concurrently(
     for messages that need none, such as cancellations); at most max_unsent
     requests are unanswered or answered-but-unsent, after which reading
     pauses; the stream ends once the input has ended and every answer is
-    sent, or, after `draining` is set, as soon as nothing is in flight. A
+    sent, or, after `draining` is set, as soon as nothing is in flight, or,
+    given `idle_s`, once nothing has been in flight or read for that long. A
     message that cannot be read ends the stream with INVALID_ARGUMENT after
     the answers already due. When the caller goes away, work in flight is
-    cancelled.
+    cancelled. Given a `budget`, each request's `size` is held in it from
+    when it is read until handle has answered it (or been cancelled); one
+    that does not fit is answered by `on_refused` and never handled.
     """
     outbox: asyncio.Queue = asyncio.Queue()
     slots = asyncio.Semaphore(max_unsent)
     tasks: set[asyncio.Task] = set()
     broken: list[Exception] = []
     ended = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    last_read = [loop.time()]
 
     def maybe_finish() -> None:
         if not tasks and (ended.is_set() or (draining is not None and draining.is_set())):
@@ -318,16 +337,28 @@ async def answer_concurrently(
 
     def done(task: asyncio.Task) -> None:
         tasks.discard(task)
+        last_read[0] = loop.time()  # idle counts from the last answer too
         maybe_finish()
 
     async def read() -> None:
         unpack = framing.unpack if framing is not None else None
         try:
             async for message in request_iterator:
+                last_read[0] = loop.time()
                 for request in unpack(message) if unpack is not None else (message,):
                     await slots.acquire()
+                    held = 0
+                    if budget is not None:
+                        held = size(request)
+                        try:
+                            budget.acquire(held, "stream message")
+                        except errors.ResourceExhausted as exc:
+                            outbox.put_nowait(on_refused(request, exc))  # its slot frees once it is sent
+                            continue
                     task = asyncio.create_task(run(request))
                     tasks.add(task)
+                    if held:  # a done callback: it runs even for a task cancelled before it started
+                        task.add_done_callback(lambda _, held=held: budget.release(held))
                     task.add_done_callback(done)
         except asyncio.CancelledError:
             raise
@@ -340,12 +371,23 @@ async def answer_concurrently(
         await draining.wait()
         maybe_finish()
 
+    async def watch_idle() -> None:
+        """Ends the stream once it has been idle for idle_s: an idle stream
+        must not hold one of the server's calls for good."""
+        while True:
+            quiet_s = loop.time() - last_read[0]
+            if quiet_s >= idle_s and not tasks and outbox.empty():
+                outbox.put_nowait(None)
+                return
+            await asyncio.sleep(max(idle_s - quiet_s, idle_s / 4))
+
     def release(count: int) -> None:
         for _ in range(count):
             slots.release()
 
     reader = asyncio.create_task(read())
-    watcher = asyncio.create_task(watch_drain()) if draining is not None else None
+    watchers = [asyncio.create_task(watch()) for watch, wanted in ((watch_drain, draining is not None),
+                                                                   (watch_idle, bool(idle_s))) if wanted]
     try:
         async with contextlib.aclosing(framed(outbox, framing, _unchanged, release)) as messages:
             async for message in messages:
@@ -356,7 +398,7 @@ async def answer_concurrently(
                 f"the request stream could not be read: {type(exc).__name__}: {exc}")
     finally:
         reader.cancel()
-        if watcher is not None:
+        for watcher in watchers:
             watcher.cancel()
         for task in list(tasks):
             task.cancel()

@@ -2,15 +2,26 @@
 
 import dataclasses
 import os
+from typing import ClassVar
 
 from services.common import tls
+from services.common.budget import GIB, KIB, ServingLimits
 from services.common.config import require
 
 CONTROL_MODES = ("none", "explicit", "poll")
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelServerConfig:
+class ModelServerConfig(ServingLimits):
+    # The runtime and the models' sessions (minilm, its variants, their arenas), what it takes serving nothing.
+    baseline_bytes: ClassVar[int] = 2 * GIB
+
+    memory_limit_bytes: int = dataclasses.field(default=6 * GIB, metadata={
+        "help": "the memory this process may use (its pod's limit); sizes request_budget_bytes when that is 0"})
+    # A load's overrides may be 64 KiB (MAX_OVERRIDES_BYTES), refused by their own rule, which names the parameter.
+    max_control_request_bytes: int = dataclasses.field(default=256 * KIB, metadata={
+        "help": "largest request of a control RPC (health, metadata, model control, listings); larger gets "
+                "RESOURCE_EXHAUSTED"})
     model_repository: str = dataclasses.field(default="build/models", metadata={"help": "model repository folder"})
     host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = dataclasses.field(default=0, metadata={"help": "gRPC port, 0 picks a free one"})
@@ -45,7 +56,9 @@ class ModelServerConfig:
     log_level: str = dataclasses.field(default="info")
 
     def __post_init__(self):
+        super().__post_init__()
         tls.check(self)
+        self.check_largest("max_message_bytes", self.max_message_bytes)
         require(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
         require(self.model_control_mode in CONTROL_MODES,
                 f"model_control_mode must be one of {CONTROL_MODES}, got {self.model_control_mode!r}")

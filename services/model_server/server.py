@@ -13,6 +13,7 @@ from infermesh.common.v1 import tensor_pb2
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
 from services.common import errors, identity, serving, tls
+from services.common.budget import ByteBudget
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.model_server import metrics
 from services.model_server.config import ModelServerConfig
@@ -160,10 +161,12 @@ async def build_server(config: ModelServerConfig, manager: ModelManager, port: i
     """Returns (server, bound_port, health servicer); the server is started and
     health follows the models' readiness."""
     # A batch holds a few fields per input whatever its size: a message of
-    # many more was built to be slow to parse, and is refused unparsed.
+    # many more was built to be slow to parse, and is refused unparsed. Execute
+    # holds its batch in the byte budget from before it is parsed until it is answered.
     execute = serving.BoundedDecoder(model_server_pb2.ExecuteRequest, MAX_FIELDS, "Execute")
-    server = serving.new_server("model_server", config.max_message_bytes, config.max_concurrent_rpcs,
-                                decoders={"Execute": execute})
+    server = serving.new_server("model_server", config.max_message_bytes, config.max_concurrent_rpcs, limits=config,
+                                data_methods=frozenset({"Execute"}),
+                                budget=ByteBudget("model_server", config.budget_bytes), decoders={"Execute": execute})
     model_server_pb2_grpc.add_ModelServerServicer_to_server(ModelServerServicer(manager, config.label_map), server)
     admin = identity.AdminGate.from_file(config.tenants_file, "model server")
     oip_grpc.add_GRPCInferenceServiceServicer_to_server(RepositoryServicer(manager, admin), server)

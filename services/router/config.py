@@ -1,13 +1,17 @@
 """The router's configuration."""
 
 import dataclasses
+from typing import ClassVar
 
 from services.common import tls
+from services.common.budget import MIB, ServingLimits
 from services.common.config import require
 
 
 @dataclasses.dataclass(frozen=True)
-class RouterConfig:
+class RouterConfig(ServingLimits):
+    baseline_bytes: ClassVar[int] = 256 * MIB  # an idle router's RSS is about a third of this
+
     batcher: str = dataclasses.field(default="127.0.0.1:8021", metadata={"help": "batcher host:port"})
     cache: str = dataclasses.field(default="", metadata={"help": "cache service host:port; empty disables caching"})
     host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to bind"})
@@ -16,9 +20,15 @@ class RouterConfig:
     reuse_port: bool = dataclasses.field(default=False, metadata={
         "help": "let other router processes bind the same gRPC port (SO_REUSEPORT): the kernel spreads "
                 "connections among them; off, a second process on the port fails to start"})
-    max_request_bytes: int = dataclasses.field(default=16 * 1024 * 1024, metadata={"help": "largest request message; larger gets RESOURCE_EXHAUSTED"})
-    max_concurrent_rpcs: int = dataclasses.field(default=4096)
+    max_request_bytes: int = dataclasses.field(default=16 * 1024 * 1024, metadata={"help": "largest ModelInfer request; larger gets RESOURCE_EXHAUSTED"})
+    max_stream_message_bytes: int = dataclasses.field(default=0, metadata={
+        "help": "largest ModelStreamInfer message; a larger one is answered RESOURCE_EXHAUSTED alone, the stream "
+                "goes on; 0: max_request_bytes"})
+    max_concurrent_rpcs: int = dataclasses.field(default=4096, metadata={"help": "calls served at once, streams included"})
     max_stream_inflight: int = dataclasses.field(default=1024, metadata={"help": "requests in flight per ModelStreamInfer stream"})
+    stream_idle_timeout_s: float = dataclasses.field(default=120.0, metadata={
+        "help": "a ModelStreamInfer stream with nothing in flight and nothing sent for this long is ended (OK), "
+                "so that idle streams do not hold the calls of max_concurrent_rpcs; 0 keeps them"})
     batcher_streams: int = dataclasses.field(default=4, metadata={"help": "bidi streams multiplexing requests to the batcher"})
     batcher_linger_ms: float = dataclasses.field(default=1.0, metadata={
         "help": "while requests are in flight to the batcher, how long a new one may wait to share a stream "
@@ -80,12 +90,18 @@ class RouterConfig:
                 "raw_input_contents (parsing typed ones costs a step per element)"})
 
     def __post_init__(self):
+        super().__post_init__()
         tls.check(self)
         require(self.max_request_bytes >= 1024, f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         require(not (self.trust_tier_header and self.tenants_file),
                 "trust_tier_header believes every claim: it cannot go with a tenants_file, whose tiers it would ignore")
         require(self.jwt_tenant_header == self.jwt_tenant_header.lower() and self.jwt_tenant_header.strip(),
                 f"jwt_tenant_header must be a lower-case header name, got {self.jwt_tenant_header!r}")
+        require(self.max_stream_message_bytes == 0 or self.max_stream_message_bytes >= 1024,
+                f"max_stream_message_bytes must be 0 or >= 1024, got {self.max_stream_message_bytes}")
+        require(self.stream_idle_timeout_s >= 0, f"stream_idle_timeout_s must be >= 0, got {self.stream_idle_timeout_s}")
+        self.check_largest("max_request_bytes", self.max_request_bytes)
+        self.check_largest("max_stream_message_bytes", self.stream_message_bytes)
         require(self.default_timeout_s > 0, f"default_timeout_s must be > 0, got {self.default_timeout_s}")
         require(self.batcher_streams >= 1, f"batcher_streams must be >= 1, got {self.batcher_streams}")
         require(0 <= self.batcher_linger_ms <= 100, f"batcher_linger_ms must be in [0, 100], got {self.batcher_linger_ms}")
@@ -118,6 +134,10 @@ class RouterConfig:
 
         return RequestLimits(self.max_inputs, self.max_outputs, self.max_parameters, self.max_typed_elements,
                              self.max_text_bytes)
+
+    @property
+    def stream_message_bytes(self) -> int:
+        return self.max_stream_message_bytes or self.max_request_bytes
 
     def breaker_policy(self):
         from services.router.breaker import BreakerPolicy

@@ -7,6 +7,7 @@ from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.common import errors, serving, tls
+from services.common.budget import ByteBudget
 from services.common.streams import answer_concurrently
 from services.router.config import RouterConfig
 from services.router.core import Router
@@ -22,14 +23,20 @@ def _metadata(context) -> dict[str, str]:
     return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
+DATA_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, router: Router, max_stream_inflight: int, max_request_bytes: int,
-                 draining: asyncio.Event | None = None, authenticator: Authenticator | None = None):
+                 draining: asyncio.Event | None = None, authenticator: Authenticator | None = None,
+                 budget: ByteBudget | None = None, stream_idle_s: float | None = None):
         self._router = router
         self._auth = authenticator if authenticator is not None else Authenticator(_NO_REGISTRY)
         self._max_stream_inflight = max_stream_inflight
-        self._max_request_bytes = max_request_bytes
+        self._max_request_bytes = max_request_bytes  # of a stream message
         self._draining = draining  # set when the router drains: idle streams end then
+        self._budget = budget  # each stream message is held in it until answered
+        self._stream_idle_s = stream_idle_s
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -99,8 +106,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return _stream_error(request, errors.Internal("internal error in the router; see its log"))
 
         async for response in answer_concurrently(request_iterator, handle, on_error, self._max_stream_inflight,
-                                                  self._draining):
+                                                  self._draining, budget=self._budget, on_refused=_stream_error,
+                                                  size=_message_size, idle_s=self._stream_idle_s):
             yield response
+
+
+def _message_size(request) -> int:
+    if isinstance(request, (serving.Oversized, serving.Malformed)):
+        return request.size
+    return request.ByteSize()
 
 
 _NO_REGISTRY = Settings(registry=None)
@@ -139,10 +153,15 @@ async def build_server(config: RouterConfig, router: Router, port: int | None = 
     # The transport takes up to 4x the limit so that on a stream one oversized
     # request fails alone instead of taking the whole stream down with it.
     decoder = RequestDecoder(router.limits)
-    server = serving.new_server("router", min(4 * config.max_request_bytes, 2**31 - 1), config.max_concurrent_rpcs,
+    largest = max(config.max_request_bytes, config.stream_message_bytes)
+    budget = ByteBudget("router", config.budget_bytes)
+    server = serving.new_server("router", min(4 * largest, 2**31 - 1), config.max_concurrent_rpcs,
                                 max_request_bytes=config.max_request_bytes, reuse_port=config.reuse_port,
+                                limits=config, data_methods=DATA_METHODS, budget=budget,
+                                max_stream_message_bytes=config.stream_message_bytes,
                                 decoders={"ModelInfer": decoder, "ModelStreamInfer": decoder})
-    servicer = InferenceServicer(router, config.max_stream_inflight, config.max_request_bytes, draining, authenticator)
+    servicer = InferenceServicer(router, config.max_stream_inflight, config.stream_message_bytes, draining,
+                                 authenticator, budget, config.stream_idle_timeout_s or None)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
     bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}",
