@@ -16,6 +16,8 @@ Sections (each a function returning its rows, so that more can be added):
   a running router: crashes, hangs, refusals naming no field, CPU per refusal.
 - fairness: bench/fairness.py, two standard tenants, one at five times its
   share; the other's p99 with the flood over its p99 alone.
+- budgets: bench/budgets.py, every service's RSS with the model server
+  blocked under maximum-size unary, stream and idle-stream load.
 
     .venv/bin/python -m bench.hardening --runs 3
 
@@ -31,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from bench import fairness
+from bench import budgets, fairness
 from bench.report import (chosen_seed, cpu_times, goal_verdict, machine, phase_order, process_cpu_s, progress,
                           seed_argument, span, spread, steal_share, write)
 from services.launcher.mesh import Mesh
@@ -252,6 +254,9 @@ def markdown(report: dict) -> str:
         lines.append("")
     if report.get("fairness"):
         lines += ["## Two tenants of one tier (bench/fairness.py)\n", fairness.markdown(report["fairness"])]
+    if report.get("budgets"):
+        lines += ["## RSS under the byte-budget load (bench/budgets.py)\n",
+                  budgets.markdown(report["budgets"]).split("\n", 2)[2]]  # under this heading, not its own
     return "\n".join(lines)
 
 
@@ -262,8 +267,8 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="size of the pathological requests (1: 16 MB)")
     parser.add_argument("--fuzz-in-process", type=int, default=100_000)
     parser.add_argument("--fuzz-router", type=int, default=10_000)
-    parser.add_argument("--sections", default="health,fuzz,fairness",
-                        help="comma-separated: health, fuzz, fairness (bench.fairness)")
+    parser.add_argument("--sections", default="health,fuzz,fairness,budgets",
+                        help="comma-separated: health, fuzz, fairness (bench.fairness), budgets (bench.budgets)")
     parser.add_argument("--models", type=pathlib.Path, default=ROOT / "build" / "models")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
     parser.add_argument("--pinger", help=argparse.SUPPRESS)  # internal: run as the pinger process
@@ -286,6 +291,9 @@ def main() -> int:
     if "fairness" in sections:
         progress("two tenants of one tier (bench.fairness)")
         report["fairness"] = fairness.measure(args.runs, args.seconds, seed)
+    if "budgets" in sections:
+        progress("RSS under the byte-budget load (bench.budgets)")
+        report["budgets"] = budgets.measure(budgets.Settings(), args.runs, seed)
     write(args.out, "hardening", report, markdown(report))
     return 0
 
