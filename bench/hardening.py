@@ -216,7 +216,7 @@ def fuzz_counts(in_process: int, through_router: int, seed: int) -> list[dict]:
 # ---------------------------------------------------------------- the report
 
 def markdown(report: dict) -> str:
-    lines = [f"# Trust and limits\n", f"Machine: {report['machine']}. Command: `{report['command']}`. "
+    lines = ["# Trust and limits\n", f"Machine: {report['machine']}. Command: `{report['command']}`. "
              f"{report['runs']} run(s), {report['seconds']} s per phase, seed {report['seed']} "
              f"(phase orders: {'; '.join(' → '.join(o) for o in report['orders'])}).\n"]
     if report.get("health"):
