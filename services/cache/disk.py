@@ -147,8 +147,7 @@ class DiskStore:
                 stored += footprint(key, value)
             if stored > self._max_bytes:
                 # A little room, so that not every write evicts; little, as the eviction holds up the
-                # writes behind it (at a 128 MiB bound the evicting write took 74-80 ms freeing a tenth,
-                # 17-19 ms freeing a fiftieth; a 3 GiB bound scales that up 24-fold).
+                # writes behind it, for a time that grows with what it frees and with the bound.
                 stored = self._evict(txn, stored, self._max_bytes - self._max_bytes // EVICT_ROOM_DIVISOR)
             txn.put(_META_BYTES, str(stored).encode(), db=self._meta)
         self.stored_bytes = stored

@@ -34,9 +34,7 @@ def _die_with_parent() -> None:
 
 # Local model servers run below the router and the batcher: the model is the heavy, batched
 # part and takes whatever CPU is left, while the hops in front of it are light and decide
-# latency, a refusal's most of all. Measured under twice the saturation rate with one model
-# server (2 cores, 3 runs side by side): refusal p99 13-22 ms at nice 5 against 27-41 ms at 0,
-# requests served within the runs' spread.
+# latency, a refusal's most of all (bench/batching.py runs its layouts at this niceness).
 MODEL_SERVER_NICE = 5
 
 

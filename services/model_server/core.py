@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 
 PROBE_PRIORITY = -1  # below standard traffic: a probe waits while callers' batches are waiting
 # Execution is not preemptive: a golden probe run as one batch (minilm's: 12 texts,
-# padded to the longest, 256 tokens) held the instance for 1.8 s on a busy CPU and
-# every VIP batch waited behind it. Run in slices of one row, any caller's batch that
-# waits goes between two of them, and waits for one probe text at most.
+# padded to the longest, 256 tokens) holds the instance for as long as a full batch of
+# long texts, and every VIP batch would wait behind it. Run in slices of one row, any
+# caller's batch that waits goes between two of them, and waits for one probe text at most.
 PROBE_SLICE_ROWS = 1
 MAX_OVERRIDES_BYTES = 64 << 10  # a load's overrides: a few config fields
 
