@@ -246,7 +246,10 @@ def mesh_arguments(settings: Settings) -> dict:
     size = str(settings.request_mib * MIB)
     memory = {name: ("--memory-limit-bytes", str(settings.memory_bytes(name))) for name in SERVICES}
     return {
-        "router_args": (*memory["router"], "--max-request-bytes", size, "--max-stream-message-bytes", size),
+        # Texts as long as the load's (the default limit is 64 KiB a text): the requests must be
+        # accepted and held, not refused at the edge, for the budgets to be what bounds them.
+        "router_args": (*memory["router"], "--max-request-bytes", size, "--max-stream-message-bytes", size,
+                        "--max-text-bytes", size),
         # Polls far apart: a stopped model server stays a ready replica, so its batches hang rather than
         # being refused UNAVAILABLE once its polls fail.
         "batcher_args": (*memory["batcher"], "--replica-poll-s", "60"),
@@ -307,7 +310,7 @@ def measure(settings: Settings, runs: int, seed: int | None) -> dict:
                 "unexpected_codes": sorted(set(codes) - EXPECTED_CODES),
             })
     return {"machine": machine(), "runs": runs, "seed": seed, "settings": dataclasses.asdict(settings),
-            "command": " ".join(sys.argv), "results": results, "rows": table}
+            "command": "python -m bench.budgets " + " ".join(sys.argv[1:]), "results": results, "rows": table}
 
 
 def markdown(report: dict) -> str:
