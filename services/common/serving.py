@@ -4,8 +4,10 @@ reflection, readiness announcement and graceful shutdown."""
 import argparse
 import asyncio
 import concurrent.futures
+import ctypes
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -483,6 +485,26 @@ def configure_logging(level: str, service: str) -> None:
     )
 
 
+def die_with_parent() -> None:
+    """Asks the kernel for SIGTERM when the process that started this one ends
+    (PR_SET_PDEATHSIG), where the launcher asked for it (DIE_WITH_PARENT names
+    its pid); a parent already gone ends this process now."""
+    parent = os.environ.get(DIE_WITH_PARENT)
+    if not parent:
+        return
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+# Set by the launcher (services/launcher/mesh.py) for the services it starts: each asks
+# for its own death signal as it starts, since code run between fork and exec
+# (preexec_fn) makes Python fork a process whose gRPC threads are running, and the
+# child may then abort in gRPC's poller.
+DIE_WITH_PARENT = "INFERMESH_DIE_WITH_PARENT"
+
+
 def main(config_cls, env_prefix: str, serve, description: str) -> int:
     """The whole of a service's __main__: parse and check the config once,
     configure logging, run `serve(config)` until a signal drains it."""
@@ -492,6 +514,7 @@ def main(config_cls, env_prefix: str, serve, description: str) -> int:
         config = from_arguments(config_cls, parser.parse_args())
     except ValueError as exc:
         parser.error(str(exc))
+    die_with_parent()  # a local mesh's service ends with its launcher
     configure_logging(config.log_level, env_prefix.removeprefix("INFERMESH_").rstrip("_").lower())
     collector.measure_pauses()
     asyncio.run(serve(config))

@@ -7,7 +7,6 @@ router binds the public host, the others an internal one (loopback unless
 told). With a certificate folder (`make certs`) every hop is mutual TLS.
 """
 
-import ctypes
 import json
 import os
 import pathlib
@@ -23,13 +22,11 @@ import grpc
 import redis
 
 from services.common import identity, tls
+from services.common.serving import DIE_WITH_PARENT
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 # Local model servers run below the router and the batcher: the model is the heavy, batched
@@ -38,14 +35,14 @@ def _die_with_parent() -> None:
 MODEL_SERVER_NICE = 5
 
 
-def _lower_priority(nice: int) -> None:
-    """Lowers this process's CPU priority by `nice`. Where the kernel schedules
+def _lower_priority(pid: int, nice: int) -> None:
+    """Lowers a child's CPU priority by `nice`. Where the kernel schedules
     each session as a group (autogroup, on by default in many distributions),
     a process's own niceness only ranks it within its session, and every
     service here is a session of its own: the session's niceness is set too."""
-    os.nice(nice)
+    os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice))
     try:
-        with open("/proc/self/autogroup", "w") as autogroup:
+        with open(f"/proc/{pid}/autogroup", "w") as autogroup:
             autogroup.write(str(nice))
     except OSError:
         pass  # no autogroup scheduling here: the process's niceness is what counts
@@ -69,14 +66,12 @@ class Process:
         # Our services print one ready line on stdout; other programs' output is their log.
         stdout = subprocess.PIPE if announces else (stderr or subprocess.DEVNULL)
         # A session of its own: a terminal's Ctrl-C reaches only the launcher,
-        # which then stops the services in order; and the child dies with us.
-        def prepare() -> None:
-            _die_with_parent()
-            if nice:
-                _lower_priority(nice)
-
-        self.popen = subprocess.Popen(argv, stdout=stdout, stderr=stderr, cwd=ROOT, env=env,
-                                      start_new_session=True, preexec_fn=prepare)
+        # which then stops the services in order; and the child dies with us
+        # (die_with_parent, as it starts). No code runs between fork and exec.
+        self.popen = subprocess.Popen(argv, stdout=stdout, stderr=stderr, cwd=ROOT,
+                                      env={**env, DIE_WITH_PARENT: str(os.getpid())}, start_new_session=True)
+        if nice:
+            _lower_priority(self.popen.pid, nice)
         if stderr is not None:
             stderr.close()
         self.info: dict = {}
