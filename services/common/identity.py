@@ -117,7 +117,7 @@ class Registry:
     def __init__(self, tenants: list[Tenant], keys: dict[str, str], certificates: dict[str, str],
                  principals: dict[str, str], anonymous: Tenant | None, source: str = "registry"):
         self.tenants = {t.name: t for t in tenants}
-        self._keys = [(stored, name) for stored, name in keys.items()]
+        self._keys = list(keys.items())  # (stored hash, tenant): every one is compared (_by_key)
         self._certificates = certificates
         self._principals = principals
         self.anonymous = anonymous
@@ -155,8 +155,8 @@ class Registry:
                 raise RegistryError(f"{at}: a tenant's name must be a non-empty string other than '{ANONYMOUS}'")
             tenant, credentials = _tenant(name, body or {}, at)
             tenants.append(tenant)
-            for kind, found in zip(("keys", "certificates", "principals"), credentials):
-                table = {"keys": keys, "certificates": certificates, "principals": principals}[kind]
+            for kind, table, found in zip(("keys", "certificates", "principals"), (keys, certificates, principals),
+                                          credentials):
                 for value in found:
                     if value in table and table[value] != name:
                         raise RegistryError(f"{at}: {kind} entry {value!r} is also tenant '{table[value]}''s")

@@ -67,9 +67,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         metadata = _metadata(context)
-        tenant = self._auth.caller(metadata, tls.peer_identities(context), tuple(context.invocation_metadata() or ()))
+        tenant = self._caller(context, metadata)
         infer_request = self._as(tenant, request_from_proto(request, metadata, context.time_remaining()))
         return response_to_proto(await self._router.infer(infer_request))
+
+    def _caller(self, context, metadata: dict[str, str]):
+        """The call's tenant: by its credentials, the verified client certificate,
+        and (behind a trusted sidecar) the identity headers as sent."""
+        return self._auth.caller(metadata, tls.peer_identities(context), tuple(context.invocation_metadata() or ()))
 
     def _as(self, tenant, infer_request):
         """The request as its tenant's: the tier it may use (PERMISSION_DENIED beyond)."""
@@ -84,7 +89,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         credentials are checked once, before it is read: unknown ones end it
         with UNAUTHENTICATED."""
         metadata = _metadata(context)
-        tenant = self._auth.caller(metadata, tls.peer_identities(context), tuple(context.invocation_metadata() or ()))
+        tenant = self._caller(context, metadata)
 
         async def answer(request):
             if isinstance(request, serving.Malformed):
