@@ -69,7 +69,11 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
         assert any("redis-server" in n for n in names)
 
         running = json.loads(run_file.read_text())
-        assert set(running) == {"router", "batcher", "cache", "model_server", "redis", "metrics"}
+        assert set(running) == {"router", "batcher", "cache", "model_server", "redis", "metrics", "launcher",
+                                "services"}
+        assert running["launcher"] == launcher.pid
+        assert {s["pid"] for s in running["services"].values()} == children
+        assert all(s["state"] == "running" and s["ready"] for s in running["services"].values()), running
         assert set(running["metrics"]) == {"router", "batcher", "cache", "model_server"}
         assert "infermesh_batcher_queue_length" in urllib.request.urlopen(running["metrics"]["batcher"]).read().decode()
         purge = subprocess.run([sys.executable, "-m", "services.cache.admin", "purge", "minilm", "--run-file",

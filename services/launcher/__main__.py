@@ -13,6 +13,14 @@ from services.meshctl import tenants
 
 
 
+def write_run_file(path: pathlib.Path, where: dict, status: dict) -> None:
+    """The run file, replaced whole: readers never see half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps({**where, "services": status}, indent=1))
+    partial.replace(path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", default="build/models", help="model repository")
@@ -62,7 +70,8 @@ def main() -> int:
                     redis_url=args.redis_url, l2_path=args.l2_path, log_dir=args.log_dir,
                     model_server_labels=(args.model_server_labels,) if args.model_server_labels else (),
                     batcher_args=("--traffic-policy", args.traffic_policy) if args.traffic_policy else (),
-                    routers=args.routers)
+                    routers=args.routers, supervise=True,
+                    on_event=lambda message: print(f"infermesh: {message}", file=sys.stderr, flush=True))
     except MeshError as exc:
         print(f"infermesh cannot start: {exc}", file=sys.stderr)
         return 1
@@ -77,28 +86,26 @@ def main() -> int:
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
-    # Where every service listens, for operators' tools (services.cache.admin, ...):
-    # written whole before "ready" is said, so whoever waits for that line finds it.
-    args.run_file.parent.mkdir(parents=True, exist_ok=True)
-    partial = args.run_file.with_name(args.run_file.name + ".tmp")
-    partial.write_text(json.dumps(
-        {name: p.info.get("grpc") for name, p in mesh.processes.items() if name != "redis"}
-        | ({"tls_dir": args.tls_dir} if args.tls_dir else {})  # services.cache.admin presents its admin-dev certificate
-        | {"redis": mesh.redis_url,
-           "metrics": {name: mesh.metrics_url(name) for name in mesh.processes if name != "redis"}},
-        indent=1))
-    partial.replace(args.run_file)
+    # Where every service listens, for operators' tools (services.cache.admin, ...), and
+    # how each is doing (meshctl services): written whole before "ready" is said, so
+    # whoever waits for that line finds it, then again whenever a service's state changes.
+    where = ({name: p.info.get("grpc") for name, p in mesh.processes.items() if name != "redis"}
+             | ({"tls_dir": args.tls_dir} if args.tls_dir else {})  # services.cache.admin presents admin-dev's
+             | {"redis": mesh.redis_url,
+                "metrics": {name: mesh.metrics_url(name) for name in mesh.processes if name != "redis"},
+                "launcher": os.getpid()})
+    shown = mesh.status()
+    write_run_file(args.run_file, where, shown)
     routers = f"{args.routers} routers on " if args.routers > 1 else "router "
     print(f"infermesh ready: {routers}gRPC {mesh.router}{' (mutual TLS)' if mesh.tls_dir else ''}, "
           f"metrics {mesh.router_metrics} "
           f"(Ctrl-C drains and stops)", flush=True)
     try:
-        while not stopping:
-            dead = mesh.dead()
-            if dead:
-                print(f"infermesh: {', '.join(dead)} exited; stopping the mesh", file=sys.stderr, flush=True)
-                mesh.stop()
-                return 1
+        while not stopping:  # the supervisor restarts what exits; the run file follows its view
+            status = mesh.status()
+            if status != shown:
+                write_run_file(args.run_file, where, status)
+                shown = status
             time.sleep(0.2)
     finally:
         print("infermesh: draining and stopping ...", flush=True)

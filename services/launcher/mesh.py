@@ -16,13 +16,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import redis
 
 from services.common import identity, tls
 from services.common.serving import DIE_WITH_PARENT
+from services.launcher.supervisor import RestartPolicy, Supervisor
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -58,39 +61,71 @@ class MeshError(RuntimeError):
 
 
 class Process:
+    """One child process; `respawn` starts it again with the same command line,
+    pinned to the ports it announced the first time."""
+
     def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path | None, env: dict[str, str],
                  announces: bool = True, nice: int = 0):
         self.name = name
+        self.argv = argv
         self.log_path = log_dir / f"{name}.log" if log_dir else None
+        self.env = env
+        self.announces = announces
+        self.nice = nice
+        self.info: dict = {}
+        self._buffer = b""
+        self._launch(argv)
+
+    def _launch(self, argv: list[str]) -> None:
         stderr = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - lives with the child
         # Our services print one ready line on stdout; other programs' output is their log.
-        stdout = subprocess.PIPE if announces else (stderr or subprocess.DEVNULL)
+        stdout = subprocess.PIPE if self.announces else (stderr or subprocess.DEVNULL)
         # A session of its own: a terminal's Ctrl-C reaches only the launcher,
         # which then stops the services in order; and the child dies with us
         # (die_with_parent, as it starts). No code runs between fork and exec.
         self.popen = subprocess.Popen(argv, stdout=stdout, stderr=stderr, cwd=ROOT,
-                                      env={**env, DIE_WITH_PARENT: str(os.getpid())}, start_new_session=True)
-        if nice:
-            _lower_priority(self.popen.pid, nice)
+                                      env={**self.env, DIE_WITH_PARENT: str(os.getpid())}, start_new_session=True)
+        if self.nice:
+            _lower_priority(self.popen.pid, self.nice)
         if stderr is not None:
             stderr.close()
-        self.info: dict = {}
+        self._buffer = b""
+
+    def respawn(self) -> None:
+        """Starts the process again (the last one has exited), on the ports it had:
+        its callers reconnect to the address they know."""
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+        pinned = []
+        if self.announces and self.info:
+            pinned = ["--port", self.info["grpc"].rsplit(":", 1)[1]]
+            if self.info.get("metrics"):
+                pinned += ["--metrics-port", self.info["metrics"].rsplit(":", 1)[1]]
+        self._launch([*self.argv, *pinned])  # the last of a repeated option wins
 
     def wait_ready(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
-        buffer = b""
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
                 raise MeshError(f"{self.name} exited with code {self.popen.returncode} before it was ready\n{self.log_tail()}")
-            readable, _, _ = select.select([self.popen.stdout], [], [], 0.1)
-            if readable:
-                chunk = os.read(self.popen.stdout.fileno(), 65536)
-                buffer += chunk
-                for line in buffer.splitlines():
-                    if line.startswith(b"{") and b'"ready"' in line:
-                        self.info = json.loads(line)
-                        return self.info
+            if self.poll_ready(0.1):
+                return self.info
         raise MeshError(f"{self.name} was not ready within {timeout_s:.0f}s\n{self.log_tail()}")
+
+    def poll_ready(self, wait_s: float = 0.0) -> bool:
+        """Reads what the process has printed (waiting up to wait_s) and says
+        whether its ready line is among it; `info` is then that line. A process
+        that does not announce itself is ready once it runs."""
+        if not self.announces:
+            return self.alive()
+        readable, _, _ = select.select([self.popen.stdout], [], [], wait_s)
+        if readable:
+            self._buffer += os.read(self.popen.stdout.fileno(), 65536)
+            for line in self._buffer.splitlines():
+                if line.startswith(b"{") and b'"ready"' in line:
+                    self.info = json.loads(line)
+                    return True
+        return False
 
     def log_tail(self, lines: int = 30) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -137,6 +172,9 @@ class Mesh:
         tenants_file: str | os.PathLike | None = None,
         internal_host: str = "127.0.0.1",
         tls_dir: str | os.PathLike | None = None,
+        supervise: bool = False,
+        restart_policy: RestartPolicy = RestartPolicy(),
+        on_event: Callable[[str], None] | None = None,
     ):
         self.models = str(models)
         self.host = host  # the router's, public
@@ -178,6 +216,10 @@ class Mesh:
         self.tenants_file = str(tenants_file) if tenants_file else None
         self.keys: dict[str, str] = {}
         self.processes: dict[str, Process] = {}
+        self.lock = threading.RLock()  # `processes` and each one's restarts, shared with the supervisor
+        # Supervised, a service that exits or stops answering is restarted (supervisor.py);
+        # `on_event` is told of each exit and restart (make run prints them).
+        self.supervisor = Supervisor(self, restart_policy, on_event) if supervise else None
         self.redis_dir: str | None = None
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
@@ -204,6 +246,8 @@ class Mesh:
             if cache is not None:
                 router_argv += ["--cache", cache.wait_ready(self.ready_timeout_s)["grpc"]]
             self.start_routers(router_argv)
+            if self.supervisor is not None:
+                self.supervisor.start()
         except BaseException:
             self.stop()
             raise
@@ -269,9 +313,24 @@ class Mesh:
         return argv
 
     def _spawn(self, name: str, module: str, args: list[str], nice: int = 0) -> Process:
-        process = Process(name, self.argv(module, args), self.log_dir, self.env, nice=nice)
-        self.processes[name] = process
+        with self.lock:
+            process = Process(name, self.argv(module, args), self.log_dir, self.env, nice=nice)
+            self.processes[name] = process
         return process
+
+    def probe_channel(self, address: str) -> grpc.Channel:
+        """A channel the supervisor checks a service's health on (TLS where the mesh is)."""
+        credentials = self.client_credentials()
+        return grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+
+    def status(self) -> dict[str, dict]:
+        """Each service's pid, state, restarts and ready flag (the supervisor's view,
+        or, unsupervised, whether each process runs)."""
+        if self.supervisor is not None:
+            return self.supervisor.status()
+        with self.lock:
+            return {name: {"pid": p.popen.pid, "state": "running" if p.alive() else "stopped", "restarts": 0,
+                           "ready": p.alive(), "last_exit": ""} for name, p in self.processes.items()}
 
     def _tls_args(self, module: str) -> list[str]:
         if self.tls_dir is None:
@@ -304,7 +363,8 @@ class Mesh:
         return self._spawn("cache", "services.cache", argv)
 
     def stop_service(self, name: str) -> None:
-        process = self.processes.pop(name, None)
+        with self.lock:
+            process = self.processes.pop(name, None)
         if process is not None:
             process.stop(15)
 
@@ -319,8 +379,9 @@ class Mesh:
         argv = [executable, "--port", "0", "--bind", "127.0.0.1", "--unixsocket", socket_path, "--unixsocketperm", "700",
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--maxmemory", "512mb",
                 "--maxmemory-policy", "allkeys-lru", "--dir", self.redis_dir]
-        process = Process("redis", argv, self.log_dir, self.env, announces=False)
-        self.processes["redis"] = process
+        with self.lock:
+            process = Process("redis", argv, self.log_dir, self.env, announces=False)
+            self.processes["redis"] = process
         self.redis_url = f"unix://{socket_path}"
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -338,6 +399,8 @@ class Mesh:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Drains the router first, then the services behind it, then Redis."""
+        if self.supervisor is not None:
+            self.supervisor.hold()  # nothing restarts what is being stopped
         order = [*self.router_names(), "batcher", "cache",
                  *[n for n in self.processes if n.startswith("model_server")], "redis"]
         for name in self.router_names():  # the routers drain together, each finishing its own calls
@@ -345,12 +408,15 @@ class Mesh:
             if process is not None and process.alive():
                 process.popen.send_signal(signal.SIGTERM)
         for name in order:
-            process = self.processes.pop(name, None)
+            with self.lock:
+                process = self.processes.pop(name, None)
             if process is not None:
                 process.stop(grace_s)
         if self.redis_dir is not None:
             shutil.rmtree(self.redis_dir, ignore_errors=True)
             self.redis_dir = None
+        if self.supervisor is not None:
+            self.supervisor.close()  # after the processes it started: they end with its thread
 
     def __enter__(self) -> "Mesh":
         return self.start()

@@ -6,6 +6,7 @@
     python -m services.meshctl rollback model-server
     python -m services.meshctl rollout model-server green --step 10 --interval-s 30
     python -m services.meshctl tenants add acme --tier vip   (services/meshctl/tenants.py)
+    python -m services.meshctl services    (a local mesh's processes: pid, state, restarts, ready)
 
 Edits go to the policy file (default mesh/istio/model-server-traffic.yaml),
 keeping its comments and order; a running local mesh picks them up within a
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     rollout.add_argument("--threshold", type=int, default=1, help="failed checks before rolling back")
     rollout.add_argument("--run-file", type=pathlib.Path, default=DEFAULT_RUN_FILE)
     rollout.add_argument("--metrics", help="the batcher's metrics URL (instead of --run-file)")
+    services = commands.add_parser("services", help="a local mesh's services: pid, state, restarts and ready flag")
+    services.add_argument("--run-file", type=pathlib.Path, default=DEFAULT_RUN_FILE)
     tenants.add_commands(commands)
     args = parser.parse_args(argv)
     if args.command == "tenants":
@@ -118,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             from services.meshctl.live import Cluster
 
             live = Cluster(args.namespace, args.context, args.kubeconfig)
-        if args.command == "status":
+        if args.command == "services":
+            for line in core.services_table(args.run_file):
+                print(line)
+        elif args.command == "status":
             current = core.weights(args.file, args.host)
             if live is not None and live.weights(args.host) != current:
                 print(f"warning: the live VirtualService has {live.weights(args.host)}, the file {current}",

@@ -125,6 +125,26 @@ def subset_health(samples: dict, subset: str) -> dict:
             "p99_s": None if math.isinf(p99) else p99}
 
 
+def services_table(run_file: pathlib.Path) -> list[str]:
+    """The lines `meshctl services` prints: each service of the local mesh that
+    `run_file` describes, as its launcher's supervisor sees it."""
+    try:
+        info = json.loads(run_file.read_text())
+    except (OSError, ValueError):
+        raise MeshctlError(f"{run_file}: no running mesh described (start one with 'make run')") from None
+    services = info.get("services")
+    if not isinstance(services, dict):
+        raise MeshctlError(f"{run_file} lists no services (written by an older launcher?)")
+    launcher = info.get("launcher")
+    if isinstance(launcher, int) and not pathlib.Path(f"/proc/{launcher}").exists():
+        raise MeshctlError(f"{run_file} is stale: its launcher (pid {launcher}) is gone")
+    lines = [f"{'service':<16} {'pid':>8} {'state':<9} {'restarts':>8} {'ready':<5} last exit"]
+    for name, s in services.items():
+        lines.append(f"{name:<16} {s.get('pid') or '-':>8} {s.get('state', '?'):<9} {s.get('restarts', 0):>8} "
+                     f"{'yes' if s.get('ready') else 'no':<5} {s.get('last_exit') or '-'}")
+    return lines
+
+
 def batcher_metrics_url(run_file: pathlib.Path) -> str:
     try:
         info = json.loads(run_file.read_text())
