@@ -34,8 +34,9 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
     async def Submit(self, request_iterator, context):
         """Answers every request of the stream exactly once, in completion
         order. A cancel message drops its request before it runs; when the
-        caller goes away, all of its requests are dropped. While draining, new
-        requests are refused with UNAVAILABLE and the stream ends once idle."""
+        caller goes away, all of its requests are dropped. Once draining, the
+        requests read are answered and the stream ends UNAVAILABLE: the
+        caller sends what it has no answer for to another replica."""
         async for response in self._answer(request_iterator):
             yield response
 
@@ -58,8 +59,6 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
                 return None
             if request.id in running:
                 return error(request, errors.InvalidArgument(f"request id {request.id} is already in flight on this stream"))
-            if self._draining.is_set():
-                return error(request, errors.Unavailable("the batcher is draining; retry on another replica"))
             running[request.id] = asyncio.current_task()
             try:
                 version, outputs = await self._batcher.submit(

@@ -98,6 +98,12 @@ async def framed(outbox: asyncio.Queue, framing: Framing | None, prepare: Callab
                 sent(len(frame))
 
 
+class StreamLost(errors.Unavailable):
+    """UNAVAILABLE: the stream a request went on ended or broke before its
+    answer came; the server may or may not have run it (inference is
+    idempotent, so sending it again is safe)."""
+
+
 def _unchanged(message):
     return message
 
@@ -192,7 +198,7 @@ class StreamMux:
         return stream
 
     async def _read(self, stream: _Stream, call) -> None:
-        error: errors.InfermeshError = errors.Unavailable(f"{self._name} closed the stream")
+        error: errors.InfermeshError = StreamLost(f"{self._name} closed the stream before answering")
         unpack = self._framing.unpack if self._framing is not None else None
         try:
             async for message in call:
@@ -201,7 +207,8 @@ class StreamMux:
                     if future is not None and not future.done():
                         future.set_result(response)
         except grpc.aio.AioRpcError as exc:
-            error = errors.Unavailable(f"{self._name} is unreachable ({exc.code().name}: {exc.details()})")
+            error = StreamLost(f"the stream to {self._name} ended before answering ({exc.code().name}: "
+                               f"{exc.details()})")
             log.warning("stream to %s failed: %s", self._name, exc.code().name)
         except asyncio.CancelledError:
             call.cancel()
@@ -300,9 +307,13 @@ async def answer_concurrently(
     for messages that need none, such as cancellations); at most max_unsent
     requests are unanswered or answered-but-unsent, after which reading
     pauses; the stream ends once the input has ended and every answer is
-    sent, or, after `draining` is set, as soon as nothing is in flight, or,
-    given `idle_s`, once nothing has been in flight or read for that long. A
-    message that cannot be read ends the stream with INVALID_ARGUMENT after
+    sent, or, given `idle_s`, once nothing has been in flight or read for
+    that long (with UNAVAILABLE: one may be on the wire). Once `draining` is set nothing more is read: the requests
+    already read (in flight, or in hand between the read and their task) are
+    answered, then the stream ends with UNAVAILABLE (OK where the input had
+    ended): the caller learns that whatever it sent and got no answer for was
+    never read, and sends it again elsewhere. A stream never ends OK with a
+    request unanswered. A message that cannot be read ends the stream with INVALID_ARGUMENT after
     the answers already due. When the caller goes away, work in flight is
     cancelled. Given a `budget`, each request's `size` is held in it from
     when it is read until handle has answered it (or been cancelled); one
@@ -315,9 +326,16 @@ async def answer_concurrently(
     ended = asyncio.Event()
     loop = asyncio.get_running_loop()
     last_read = [loop.time()]
+    in_hand = [0]  # messages read whose requests have no task yet
+    finished = [False]
+    idled: list[float] = []  # set when the stream ends for being idle
+
+    def is_draining() -> bool:
+        return draining is not None and draining.is_set()
 
     def maybe_finish() -> None:
-        if not tasks and (ended.is_set() or (draining is not None and draining.is_set())):
+        if not finished[0] and not tasks and not in_hand[0] and (ended.is_set() or is_draining()):
+            finished[0] = True
             outbox.put_nowait(None)
 
     async def run(request) -> None:
@@ -345,21 +363,28 @@ async def answer_concurrently(
         try:
             async for message in request_iterator:
                 last_read[0] = loop.time()
-                for request in unpack(message) if unpack is not None else (message,):
-                    await slots.acquire()
-                    held = 0
-                    if budget is not None:
-                        held = size(request)
-                        try:
-                            budget.acquire(held, "stream message")
-                        except errors.ResourceExhausted as exc:
-                            outbox.put_nowait(on_refused(request, exc))  # its slot frees once it is sent
-                            continue
-                    task = asyncio.create_task(run(request))
-                    tasks.add(task)
-                    if held:  # a done callback: it runs even for a task cancelled before it started
-                        task.add_done_callback(lambda _, held=held: budget.release(held))
-                    task.add_done_callback(done)
+                in_hand[0] += 1
+                try:
+                    for request in unpack(message) if unpack is not None else (message,):
+                        await slots.acquire()
+                        held = 0
+                        if budget is not None:
+                            held = size(request)
+                            try:
+                                budget.acquire(held, "stream message")
+                            except errors.ResourceExhausted as exc:
+                                outbox.put_nowait(on_refused(request, exc))  # its slot frees once it is sent
+                                continue
+                        task = asyncio.create_task(run(request))
+                        tasks.add(task)
+                        if held:  # a done callback: it runs even for a task cancelled before it started
+                            task.add_done_callback(lambda _, held=held: budget.release(held))
+                        task.add_done_callback(done)
+                finally:
+                    in_hand[0] -= 1
+                if is_draining():
+                    maybe_finish()
+                    return  # nothing more is read; the stream ends once these are answered
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported once the answers due are sent
@@ -376,7 +401,9 @@ async def answer_concurrently(
         must not hold one of the server's calls for good."""
         while True:
             quiet_s = loop.time() - last_read[0]
-            if quiet_s >= idle_s and not tasks and outbox.empty():
+            if quiet_s >= idle_s and not tasks and not in_hand[0] and outbox.empty() and not finished[0]:
+                finished[0] = True
+                idled.append(quiet_s)
                 outbox.put_nowait(None)
                 return
             await asyncio.sleep(max(idle_s - quiet_s, idle_s / 4))
@@ -396,6 +423,12 @@ async def answer_concurrently(
             exc = broken[0]
             raise exc if isinstance(exc, errors.InfermeshError) else errors.InvalidArgument(
                 f"the request stream could not be read: {type(exc).__name__}: {exc}")
+        if not ended.is_set() and idled:  # a request sent just now may be on the wire: not OK
+            raise errors.Unavailable(f"the stream was idle for {idled[0]:.1f}s and is closed; every request read "
+                                     f"on it was answered; open a new stream for more")
+        if not ended.is_set() and is_draining():
+            raise errors.Unavailable("the server is draining: every request it read on this stream was answered, "
+                                     "any other was not read; send it again on a new stream")
     finally:
         reader.cancel()
         for watcher in watchers:

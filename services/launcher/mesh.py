@@ -169,6 +169,7 @@ class Mesh:
         model_server_nice: int | tuple[int, ...] = MODEL_SERVER_NICE,
         ready_timeout_s: float = 120.0,
         routers: int = 1,
+        batchers: int = 1,
         tenants_file: str | os.PathLike | None = None,
         internal_host: str = "127.0.0.1",
         tls_dir: str | os.PathLike | None = None,
@@ -210,6 +211,11 @@ class Mesh:
             raise ValueError(f"routers must be >= 1, got {routers}")
         # Router processes sharing the public port (SO_REUSEPORT): "router", then "router-2", ...
         self.router_count = routers
+        if batchers < 1:
+            raise ValueError(f"batchers must be >= 1, got {batchers}")
+        # Batcher processes: "batcher", then "batcher-2", ...; the routers reach them all
+        # through one channel, each new stream to the next ready one (round robin).
+        self.batcher_count = batchers
         # The services' tenant registry (the router's tenants, the control RPCs' admins);
         # without one, a development registry of its own (a VIP, a standard and an admin
         # tenant) whose keys are in `keys`.
@@ -237,12 +243,13 @@ class Mesh:
                 for i in range(self.model_server_count)
             ]
             addresses = ",".join(p.wait_ready(self.ready_timeout_s)["grpc"] for p in servers)
-            batcher = self._spawn("batcher", "services.batcher", ["--model-servers", addresses, *self.batcher_args])
+            batchers = [self._spawn(name, "services.batcher", ["--model-servers", addresses, *self.batcher_args])
+                        for name in self.batcher_names()]
             cache = None
             if self.use_cache:
                 cache = self.start_cache()
-            batcher_address = batcher.wait_ready(self.ready_timeout_s)["grpc"]
-            router_argv = ["--batcher", batcher_address, "--tenants-file", self._tenants()]  # one registry for all
+            batcher_addresses = ",".join(b.wait_ready(self.ready_timeout_s)["grpc"] for b in batchers)
+            router_argv = ["--batcher", batcher_addresses, "--tenants-file", self._tenants()]  # one registry for all
             if cache is not None:
                 router_argv += ["--cache", cache.wait_ready(self.ready_timeout_s)["grpc"]]
             self.start_routers(router_argv)
@@ -285,6 +292,9 @@ class Mesh:
 
     def router_names(self) -> list[str]:
         return ["router", *(f"router-{i}" for i in range(2, self.router_count + 1))]
+
+    def batcher_names(self) -> list[str]:
+        return ["batcher", *(f"batcher-{i}" for i in range(2, self.batcher_count + 1))]
 
     def _core_share(self) -> list[str]:
         """Several model servers on one machine split its cores, as pods do a
@@ -401,7 +411,7 @@ class Mesh:
         """Drains the router first, then the services behind it, then Redis."""
         if self.supervisor is not None:
             self.supervisor.hold()  # nothing restarts what is being stopped
-        order = [*self.router_names(), "batcher", "cache",
+        order = [*self.router_names(), *self.batcher_names(), "cache",
                  *[n for n in self.processes if n.startswith("model_server")], "redis"]
         for name in self.router_names():  # the routers drain together, each finishing its own calls
             process = self.processes.get(name)

@@ -10,7 +10,7 @@ from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from services.common import errors, tls
 from services.common.serving import client_options
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
-from services.common.streams import Framing, StreamMux
+from services.common.streams import Framing, StreamLost, StreamMux
 from services.common.tensors import TensorData
 from services.router import metrics
 from services.router.core import VIP, Catalog, ModelSignature, Spec
@@ -19,7 +19,25 @@ log = logging.getLogger(__name__)
 
 
 STREAM_TURN_S = 0.02
+# A request whose stream was lost goes once more, if this much of its time is left
+# (less would only turn into DEADLINE_EXCEEDED), after the batcher's channel is back
+# or RETRY_WAIT_S has passed: a restarted batcher serves again within about that.
+MIN_RETRY_S = 0.05
+RETRY_WAIT_S = 5.0
+RETRY_PAUSE_S = 0.05
 FAILED_POLLS = 3  # catalog polls in a row that fail before the router stops offering the batcher's models
+
+
+def batcher_target(address: str) -> tuple[str, list]:
+    """The channel target and options for one batcher address (a Kubernetes
+    Service: the sidecar spreads the streams) or a comma-separated list of
+    IP:port (a local mesh's several batchers): each new stream then goes to the
+    next ready one (round robin), so a draining batcher, which takes no new
+    stream, hands its callers to the others."""
+    if "," not in address:
+        return address, client_options()
+    return f"ipv4:{address}", [*client_options(), ("grpc.lb_policy_name", "round_robin"),
+                                ("grpc.default_authority", address.split(",", 1)[0])]
 
 
 def submit_framing(linger_s: float) -> Framing:
@@ -35,7 +53,8 @@ class BatcherClient:
 
     def __init__(self, address: str, streams: int, catalog: Catalog, poll_s: float, stream_max_age_s: float = 0.0,
                  linger_s: float = 0.0, credentials: grpc.ChannelCredentials | None = None):
-        self._channel = tls.aio_channel(address, credentials, client_options())
+        target, options = batcher_target(address)
+        self._channel = tls.aio_channel(target, credentials, options)
         self._stub = batcher_pb2_grpc.BatcherStub(self._channel)
         framing = submit_framing(linger_s)
         self._muxes = [
@@ -81,12 +100,37 @@ class BatcherClient:
         # The batcher answers DEADLINE_EXCEEDED by then; past it (plus a margin
         # for the answer's trip), the batcher is not answering at all.
         try:
-            response = await self._mux(loop).request(build, timeout_s + 1.0, urgent=tier == VIP)
+            try:
+                response = await self._mux(loop).request(build, timeout_s + 1.0, urgent=tier == VIP)
+            except StreamLost as lost:
+                response = await self._again(lost, build, deadline, tier)
         except TimeoutError:
             raise errors.Unavailable(f"the batcher did not answer within {timeout_s + 1.0:.1f}s") from None
         if response.HasField("error"):
             raise errors.from_code(response.error.code, response.error.message, response.error.retry_after_ms)
         return response.version, tensors_from_proto(response.outputs)
+
+    async def _again(self, lost: StreamLost, build, deadline: float, tier: int):
+        """Sends a request whose stream was lost once more, on a new stream (to
+        whichever batcher the channel reaches now), once the channel is ready
+        again; UNAVAILABLE with both reasons if that fails too or no time is left."""
+        loop = asyncio.get_running_loop()
+        if deadline - loop.time() < MIN_RETRY_S:
+            raise errors.Unavailable(f"{lost}; no time left to send it again") from None
+        # A moment for the channel to see the connection that broke, so that
+        # "ready" below means a new one, not the old one not yet known dead.
+        await asyncio.sleep(min(RETRY_PAUSE_S, max(0.0, deadline - loop.time() - MIN_RETRY_S)))
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), min(RETRY_WAIT_S, deadline - loop.time()))
+        except TimeoutError:
+            pass  # the second try says why it fails
+        try:
+            response = await self._mux(loop).request(build, max(0.0, deadline - loop.time()) + 1.0, urgent=tier == VIP)
+        except StreamLost as again:
+            metrics.RETRIES.labels("failed").inc()
+            raise errors.Unavailable(f"{lost}; sent again: {again}") from None
+        metrics.RETRIES.labels("ok").inc()
+        return response
 
     def _mux(self, loop) -> StreamMux:
         """The streams take turns by time, STREAM_TURN_S each, not request by

@@ -1,6 +1,7 @@
 """The router's configuration."""
 
 import dataclasses
+import ipaddress
 from typing import ClassVar
 
 from services.common import tls
@@ -12,7 +13,9 @@ from services.common.config import require
 class RouterConfig(ServingLimits):
     baseline_bytes: ClassVar[int] = 256 * MIB  # an idle router's RSS is about a third of this
 
-    batcher: str = dataclasses.field(default="127.0.0.1:8021", metadata={"help": "batcher host:port"})
+    batcher: str = dataclasses.field(default="127.0.0.1:8021", metadata={
+        "help": "batcher host:port (a Kubernetes Service), or several IPv4:port comma-separated (each new stream "
+                "to the next ready one)"})
     cache: str = dataclasses.field(default="", metadata={"help": "cache service host:port; empty disables caching"})
     host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = dataclasses.field(default=8001, metadata={"help": "gRPC port (Triton's default), 0 picks a free one"})
@@ -92,6 +95,11 @@ class RouterConfig(ServingLimits):
     def __post_init__(self):
         super().__post_init__()
         tls.check(self)
+        if "," in self.batcher:
+            for entry in self.batcher.split(","):
+                host, _, port = entry.rpartition(":")
+                require(_is_ipv4(host) and port.isdigit() and 0 < int(port) < 65536,
+                        f"batcher: a list of batchers takes IPv4:port entries, got {entry!r} in {self.batcher!r}")
         require(self.max_request_bytes >= 1024, f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         require(not (self.trust_tier_header and self.tenants_file),
                 "trust_tier_header believes every claim: it cannot go with a tenants_file, whose tiers it would ignore")
@@ -153,3 +161,11 @@ class RouterConfig(ServingLimits):
             return None
         return FailureSamples(self.failure_samples_path, content=self.failure_samples_content,
                               max_bytes=self.failure_samples_max_bytes)
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True

@@ -41,6 +41,10 @@ TENANT_REQUESTS = prometheus_client.Counter(
     "infermesh_router_tenant_requests_total",
     "Inference requests answered, by tenant (the first 50 of the registry by name, the rest as 'other') and gRPC "
     "status code.", ["tenant", "code"])
+RETRIES = prometheus_client.Counter(
+    "infermesh_router_batcher_retries_total",
+    "Requests sent to the batcher a second time because the stream they went on ended or broke before their "
+    "answer (a batcher restarted or drained), by outcome: ok, or failed.", ["outcome"])
 
 # The per-request ones, by label values without labels()' lock (services.common.metrics.Children).
 REQUESTS_BY = Children(REQUESTS)
