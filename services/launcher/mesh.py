@@ -174,6 +174,7 @@ class Mesh:
         internal_host: str = "127.0.0.1",
         tls_dir: str | os.PathLike | None = None,
         supervise: bool = False,
+        model_server_via: Callable[[str], str] | None = None,
         restart_policy: RestartPolicy = RestartPolicy(),
         on_event: Callable[[str], None] | None = None,
     ):
@@ -226,6 +227,9 @@ class Mesh:
         # Supervised, a service that exits or stops answering is restarted (supervisor.py);
         # `on_event` is told of each exit and restart (make run prints them).
         self.supervisor = Supervisor(self, restart_policy, on_event) if supervise else None
+        # Given a model server's address, the one the batchers call it at instead (a
+        # fault-injecting proxy of bench/chaos.py in front of it).
+        self.model_server_via = model_server_via
         self.redis_dir: str | None = None
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
@@ -243,6 +247,8 @@ class Mesh:
                 for i in range(self.model_server_count)
             ]
             addresses = ",".join(p.wait_ready(self.ready_timeout_s)["grpc"] for p in servers)
+            if self.model_server_via is not None:
+                addresses = ",".join(self.model_server_via(a) for a in addresses.split(","))
             batchers = [self._spawn(name, "services.batcher", ["--model-servers", addresses, *self.batcher_args])
                         for name in self.batcher_names()]
             cache = None

@@ -33,7 +33,7 @@ class RestartPolicy:
     base_delay_s: float = 0.5  # after the first exit
     max_delay_s: float = 30.0  # the doubling stops here
     stable_s: float = 60.0  # ready this long: the next exit waits base_delay_s again
-    probe_period_s: float = 1.0  # a liveness and readiness check per service this often
+    probe_period_s: float = 2.0  # a liveness and readiness check per service this often
     probe_timeout_s: float = 1.0
     failure_threshold: int = 5  # liveness checks in a row unanswered: killed and restarted
     start_timeout_s: float = 180.0  # not ready this long after a restart: killed and restarted
