@@ -676,6 +676,21 @@ def disruption_budgets(workload: Workload, budgets: list[dict], replicas: int) -
     return []
 
 
+def fewest_replicas(workload: Workload, autoscalers: list[dict]) -> int:
+    """The replica count a Deployment may run with: its autoscaler's minReplicas, else spec.replicas."""
+    hpa = next((h for h in autoscalers if h["spec"]["scaleTargetRef"]["name"] == workload.name), None)
+    return hpa["spec"].get("minReplicas", 1) if hpa else workload.doc["spec"].get("replicas", 1)
+
+
+def stopping_problems(docs: list[dict]) -> list[str]:
+    """Disruption budgets and stop timings of every Deployment among `docs`."""
+    workloads = [Workload(d) for d in docs if d["kind"] == "Deployment"]
+    budgets = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    autoscalers = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    return [problem for w in workloads
+            for problem in disruption_budgets(w, budgets, fewest_replicas(w, autoscalers)) + drain_problems(w)]
+
+
 def _budget_count(value, replicas: int) -> int:
     """A PDB's count of pods: an integer, or a percentage of replicas rounded up as Kubernetes does."""
     if isinstance(value, str) and value.endswith("%"):
@@ -714,9 +729,7 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
         return [w for w in workloads if w.selected_by(service["spec"].get("selector", {}))]
 
     def replicas(workload: Workload) -> int:
-        hpa = next((h for h in by_kind.get("HorizontalPodAutoscaler", [])
-                    if h["spec"]["scaleTargetRef"]["name"] == workload.name), None)
-        return hpa["spec"].get("minReplicas", 1) if hpa else workload.doc["spec"].get("replicas", 1)
+        return fewest_replicas(workload, by_kind.get("HorizontalPodAutoscaler", []))
 
     # Services: protocol-named ports that reach a container port of every pod behind them.
     for name, service in services.items():
@@ -908,12 +921,9 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
         selector = pdb["spec"].get("selector", {}).get("matchLabels", {})
         if not any(w.selected_by(selector) for w in workloads):
             found.append(f"{name_of(pdb)}: its selector {selector} matches no Deployment")
-    for workload in workloads:
-        found += disruption_budgets(workload, by_kind.get("PodDisruptionBudget", []), replicas(workload))
-
-    # Stopping a pod: out of its endpoints before it drains, and not killed while draining.
-    for workload in workloads:
-        found += drain_problems(workload)
+    # Stopping a pod: one budget per Deployment; out of its endpoints before it drains,
+    # and neither it nor its sidecar killed while draining.
+    found += stopping_problems(docs)
 
     # The dashboard asks for metrics and labels that exist.
     for config_map in by_kind.get("ConfigMap", []):
