@@ -10,6 +10,7 @@ import shutil
 import subprocess
 
 import pytest
+import yaml
 
 from services.common import traffic
 from tools import manifests
@@ -195,6 +196,12 @@ MISTAKES = {
     "pod with no memory limit": (
         lambda d: _container(d, "cache")["resources"].pop("limits"),
         "Deployment/cache: container cache has no memory limit"),
+    "a model-server pool without a disruption budget": (
+        lambda d: d.remove(_find(d, "PodDisruptionBudget", "model-server-green")),
+        "Deployment/model-server-green: no PodDisruptionBudget selects its pods"),
+    "a budget that, at production's three routers, lets none go": (
+        lambda d: _find(d, "PodDisruptionBudget", "router")["spec"].update(maxUnavailable=None, minAvailable=3),
+        "PodDisruptionBudget/router: minAvailable 3 with Deployment/router's 3 replica(s) allows no eviction"),
     "dashboard query of a metric we do not export": (
         _break_dashboard, "infermesh_router_answers_total is not a series our services export"),
 }
@@ -211,6 +218,8 @@ def test_each_check_catches_its_mistake(mistake, production, istio):
             for port in doc["spec"]["ports"]:
                 if port.get("appProtocol", "") is None:
                     del port["appProtocol"]
+        if doc["kind"] == "PodDisruptionBudget" and doc["spec"].get("maxUnavailable", "") is None:
+            del doc["spec"]["maxUnavailable"]
     found = manifests.problems(docs, istio)
     assert any(expected in p for p in found), "\n".join(found)
 
@@ -258,19 +267,6 @@ def test_a_release_goes_to_green_alone_then_to_blue_and_the_vip_pool(tmp_path):
 
 
 @pytest.mark.service
-def test_each_sidecar_carries_connections_until_its_service_has_drained(production):
-    """Istio's sidecar stops 5 s after SIGTERM unless told otherwise; our services
-    drain for up to their drain grace (10 s, the cache 5 s), within the pod's grace."""
-    drain_grace_s = {"router": 10, "batcher": 10, "cache": 5}
-    for deployment in (d for d in production if d["kind"] == "Deployment" and d["metadata"]["name"] != "redis"):
-        name = deployment["metadata"]["name"]
-        pod = deployment["spec"]["template"]
-        config = json.loads(pod["metadata"]["annotations"]["proxy.istio.io/config"])
-        sidecar_s = traffic.parse_duration(config["terminationDrainDuration"], name)
-        assert drain_grace_s.get(name, 10) < sidecar_s < pod["spec"]["terminationGracePeriodSeconds"], name
-
-
-@pytest.mark.service
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.name for p in OVERLAYS])
 def test_a_router_that_keeps_failure_samples_keeps_them_redacted(overlay):
     """Callers' texts stay out of a pod's disk: wherever a router is given a
@@ -312,3 +308,142 @@ def test_the_namespace_is_strict_mutual_tls_and_the_router_verifies_jwts(product
     assert {"model-server", "batcher", "cache"} <= allowed
     (authentication,) = [d for d in production if d["kind"] == "RequestAuthentication"]
     assert authentication["spec"]["selector"] == {"matchLabels": {"app": "router"}}
+
+
+# ---------------------------------------------------------------- stopping a pod (unit: no kustomize)
+
+BASE = manifests.ROOT / "mesh" / "kubernetes" / "base"
+
+
+def _base():
+    """Every resource of the base as written: a unit test starts no kustomize, and
+    the rules about stopping a pod read only what each Deployment's file says."""
+    return [d for path in sorted(BASE.rglob("*.yaml")) for d in yaml.safe_load_all(path.read_text())
+            if d and "kind" in d]
+
+
+def _proxy_config(docs, deployment, **changes):
+    annotations = _find(docs, "Deployment", deployment)["spec"]["template"]["metadata"]["annotations"]
+    config = {**json.loads(annotations["proxy.istio.io/config"]), **changes}
+    annotations["proxy.istio.io/config"] = json.dumps({k: v for k, v in config.items() if v is not None})
+
+
+def _set_env(docs, deployment, name, value):
+    env = _container(docs, deployment)["env"]
+    env[:] = [e for e in env if e["name"] != name] + ([{"name": name, "value": value}] if value is not None else [])
+
+
+def _default_drain_grace_s(module):
+    import dataclasses
+    import importlib
+
+    path, cls = manifests.SERVICES[module][0].split(":")
+    return next(f.default for f in dataclasses.fields(getattr(importlib.import_module(path), cls))
+                if f.name == "drain_grace_s")
+
+
+@pytest.mark.unit
+def test_every_shipped_deployment_has_a_budget_and_stops_in_order():
+    docs = _base()
+    deployments = {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"}
+    assert deployments == {"router", "batcher", "cache", "model-server", "redis"}
+    assert manifests.stopping_problems(docs) == []
+    for name in deployments - {"redis"}:  # each of our services: the hook withdraws, then waits
+        assert manifests.pre_stop(_container(docs, name)) == (8.0, True), name
+
+
+STOPPING_MISTAKES = {
+    "a Deployment without a budget": (
+        lambda d: d.remove(_find(d, "PodDisruptionBudget", "cache")),
+        "Deployment/cache: no PodDisruptionBudget selects its pods"),
+    "a budget that selects other pods": (
+        lambda d: _find(d, "PodDisruptionBudget", "router")["spec"]["selector"].update(matchLabels={"app": "routers"}),
+        "Deployment/router: no PodDisruptionBudget selects its pods"),
+    "two budgets for one Deployment": (
+        lambda d: d.append({**copy.deepcopy(_find(d, "PodDisruptionBudget", "batcher")),
+                            "metadata": {"name": "batcher-again"}}),
+        "Deployment/batcher: 2 PodDisruptionBudgets select its pods"),
+    "a budget that lets no pod go": (
+        lambda d: _find(d, "PodDisruptionBudget", "router")["spec"].update(maxUnavailable=0),
+        "PodDisruptionBudget/router: maxUnavailable 0 with Deployment/router's 2 replica(s) allows no eviction"),
+    "a budget that keeps every replica of the autoscaler's fewest": (
+        lambda d: (_find(d, "PodDisruptionBudget", "batcher")["spec"].pop("maxUnavailable"),
+                   _find(d, "PodDisruptionBudget", "batcher")["spec"].update(minAvailable="100%")),
+        "PodDisruptionBudget/batcher: minAvailable 100% with Deployment/batcher's 2 replica(s) allows no eviction"),
+    "a budget that lets every pod go": (
+        lambda d: _find(d, "PodDisruptionBudget", "model-server")["spec"].update(maxUnavailable="100%"),
+        "PodDisruptionBudget/model-server: maxUnavailable 100% with Deployment/model-server's 2 replicas lets "
+        "every one be evicted at once"),
+    "a grace period shorter than preStop + drain + margin": (
+        lambda d: _find(d, "Deployment", "cache")["spec"]["template"]["spec"].update(terminationGracePeriodSeconds=15),
+        "Deployment/cache: terminationGracePeriodSeconds 15 is below container cache's preStop 8 s + drain grace 5 s "
+        "(env INFERMESH_CACHE_DRAIN_GRACE_S) + margin 5 s = 18 s"),
+    "a longer drain grace in the environment the grace period does not follow": (
+        lambda d: _set_env(d, "router", "INFERMESH_ROUTER_DRAIN_GRACE_S", "20"),
+        "Deployment/router: terminationGracePeriodSeconds 30 is below container router's preStop 8 s + drain grace "
+        "20 s (env INFERMESH_ROUTER_DRAIN_GRACE_S) + margin 5 s = 33 s"),
+    "a drain grace in the args, which win over the environment": (
+        lambda d: _container(d, "batcher")["args"].extend(["--drain-grace-s", "25"]),
+        "Deployment/batcher: terminationGracePeriodSeconds 30 is below container batcher's preStop 8 s + drain grace "
+        "25 s (args --drain-grace-s) + margin 5 s = 38 s"),
+    "no drain grace given: the config's default counts": (
+        lambda d: (_set_env(d, "model-server", "INFERMESH_MODEL_SERVER_DRAIN_GRACE_S", None),
+                   _find(d, "Deployment", "model-server")["spec"]["template"]["spec"].update(
+                       terminationGracePeriodSeconds=20)),
+        f"Deployment/model-server: terminationGracePeriodSeconds 20 is below container model-server's preStop 8 s + "
+        f"drain grace {_default_drain_grace_s('model_server'):g} s (services.model_server's default drain_grace_s)"),
+    "a drain grace that is no number": (
+        lambda d: _set_env(d, "cache", "INFERMESH_CACHE_DRAIN_GRACE_S", "5s"),
+        "Deployment/cache: container cache's drain grace (env INFERMESH_CACHE_DRAIN_GRACE_S) is not a number"),
+    "a preStop hook that only sleeps": (
+        lambda d: _container(d, "router")["lifecycle"]["preStop"]["exec"].update(command=["sh", "-c", "sleep 8"]),
+        "Deployment/router: container router's lifecycle.preStop does not withdraw services.router (kill -USR1 1)"),
+    "no preStop hook: readiness cannot fail before the drain": (
+        lambda d: _container(d, "batcher").pop("lifecycle"),
+        "Deployment/batcher: container batcher's readinessProbe periodSeconds 2 x failureThreshold 2 + 3 s for "
+        "callers to learn it = 7 s is longer than lifecycle.preStop's delay 0 s"),
+    "a readiness probe too slow for the preStop delay": (
+        lambda d: _container(d, "cache")["readinessProbe"].update(periodSeconds=5),
+        "Deployment/cache: container cache's readinessProbe periodSeconds 5 x failureThreshold 2 + 3 s for callers to "
+        "learn it = 13 s is longer than lifecycle.preStop's delay 8 s"),
+    "a readiness probe left to Kubernetes' defaults": (
+        lambda d: [_container(d, "model-server")["readinessProbe"].pop(k) for k in ("periodSeconds", "failureThreshold")],
+        "Deployment/model-server: container model-server's readinessProbe periodSeconds 10 x failureThreshold 3"),
+    "a readiness probe that cannot see NOT_SERVING": (
+        lambda d: _container(d, "router").update(readinessProbe={"tcpSocket": {"port": 8001}, "periodSeconds": 2}),
+        "Deployment/router: container router's readinessProbe is no gRPC health probe"),
+    "a sidecar that stops carrying calls before preStop + drain are over": (
+        lambda d: _proxy_config(d, "router", terminationDrainDuration="15s"),
+        "Deployment/router: the sidecar's drain 15 s (proxy.istio.io/config terminationDrainDuration 15s) is shorter "
+        "than container router's preStop 8 s + drain grace 10 s (env INFERMESH_ROUTER_DRAIN_GRACE_S) = 18 s"),
+    "a sidecar left to Istio's default drain": (
+        lambda d: _proxy_config(d, "cache", terminationDrainDuration=None),
+        "Deployment/cache: the sidecar's drain 5 s (Istio's default terminationDrainDuration) is shorter than "
+        "container cache's preStop 8 s + drain grace 5 s"),
+    "a sidecar drain the grace period cuts short": (
+        lambda d: _proxy_config(d, "model-server", terminationDrainDuration="60s"),
+        "Deployment/model-server: the sidecar's drain 60 s (proxy.istio.io/config terminationDrainDuration 60s) is "
+        "not within terminationGracePeriodSeconds 45"),
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mistake", STOPPING_MISTAKES)
+def test_each_stopping_rule_catches_its_mistake(mistake):
+    docs = _base()
+    break_it, expected = STOPPING_MISTAKES[mistake]
+    break_it(docs)
+    found = manifests.stopping_problems(docs)
+    assert any(expected in p for p in found), "\n".join(found)
+
+
+@pytest.mark.unit
+def test_a_pod_without_a_sidecar_or_one_that_waits_for_its_connections_has_no_drain_duration_to_check():
+    docs = _base()
+    _proxy_config(docs, "cache", terminationDrainDuration="1s")
+    assert any("the sidecar's drain 1 s" in p for p in manifests.stopping_problems(docs))
+    _proxy_config(docs, "cache", proxyMetadata={"EXIT_ON_ZERO_ACTIVE_CONNECTIONS": "true"})
+    assert manifests.stopping_problems(docs) == []
+    _proxy_config(docs, "cache", proxyMetadata=None)
+    _find(docs, "Deployment", "cache")["spec"]["template"]["metadata"]["annotations"]["sidecar.istio.io/inject"] = "false"
+    assert manifests.stopping_problems(docs) == []

@@ -21,7 +21,12 @@ rendered by the real kustomize (bin/kustomize, built by `make setup`), then:
   timeout; outlier detection can eject with the pool's fewest replicas;
   autoscalers read metrics that prometheus-adapter serves and our services
   export, and own the replica count of what they scale; the dashboard's queries name metrics and labels that exist;
-  each pod's memory limit covers its service's byte budget plus that service's baseline.
+  each pod's memory limit covers its service's byte budget plus that service's baseline;
+  every Deployment has one PodDisruptionBudget that lets a pod go but not all;
+  a stopped pod leaves its endpoints before it drains (preStop withdraws it and
+  outwaits the readiness probe) and neither it nor its sidecar is cut off
+  mid-drain (terminationGracePeriodSeconds, terminationDrainDuration, each
+  service's drain grace from its args, environment or config default).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import grpc
 import yaml
 
 from services.common.budget import HELD_COPIES
+from services.common.serving import WITHDRAW_SIGNAL
 from services.common.traffic import GRPC_RETRY_ON, HTTP_RETRY_ON, PolicyError, parse_duration
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -522,6 +528,176 @@ def memory_problems(module: str, container: dict) -> list[str]:
     return []
 
 
+# Stopping a pod (docs/kubernetes.md, Rollouts and drains): the preStop hook withdraws
+# the service and waits while callers learn it; SIGTERM then starts the drain.
+ENDPOINT_PROPAGATION_S = 3.0  # a not-ready endpoint reaching every caller's sidecar (istiod's push) and kube-proxy
+SHUTDOWN_MARGIN_S = 5.0  # after the drain: closing clients, and the kubelet's own latency
+ISTIO_TERMINATION_DRAIN_S = 5.0  # pilot-agent's terminationDrainDuration when a pod sets none
+KUBERNETES_GRACE_S = 30  # terminationGracePeriodSeconds when a pod sets none
+WITHDRAW_KILL = re.compile(rf"\bkill\s+(?:-s\s+)?-?(?:SIG)?({WITHDRAW_SIGNAL.name.removeprefix('SIG')}|"
+                           rf"{int(WITHDRAW_SIGNAL)})\s+1\b")
+SLEEP = re.compile(r"\bsleep\s+([0-9]+(?:\.[0-9]+)?)\b")
+
+
+def drain_grace(module: str, container: dict) -> tuple[float | None, str]:
+    """The drain grace a container's service runs with and where it comes from:
+    its args (--drain-grace-s), else its environment, else its config's default."""
+    path, cls_name = SERVICES[module][0].split(":")
+    field = next(f for f in dataclasses.fields(getattr(importlib.import_module(path), cls_name))
+                 if f.name == "drain_grace_s")
+    args = [*container.get("command", []), *container.get("args", [])]
+    for i, arg in enumerate(args):
+        if arg == "--drain-grace-s" and i + 1 < len(args):
+            return _seconds(args[i + 1]), "args --drain-grace-s"
+        if arg.startswith("--drain-grace-s="):
+            return _seconds(arg.partition("=")[2]), "args --drain-grace-s"
+    variable = f"{SERVICES[module][1]}DRAIN_GRACE_S"
+    for env in container.get("env", []):
+        if env["name"] == variable:
+            return _seconds(env.get("value")), f"env {variable}"
+    return float(field.default), f"services.{module}'s default drain_grace_s"
+
+
+def _seconds(value) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def pre_stop(container: dict) -> tuple[float, bool]:
+    """How long a container's preStop hook holds off SIGTERM (0 without one) and
+    whether it withdraws the service first (WITHDRAW_SIGNAL to the process)."""
+    hook = (container.get("lifecycle") or {}).get("preStop") or {}
+    if "sleep" in hook:
+        return float(hook["sleep"].get("seconds", 0)), False
+    command = " ".join(str(part) for part in (hook.get("exec") or {}).get("command", []))
+    return sum(float(s) for s in SLEEP.findall(command)), WITHDRAW_KILL.search(command) is not None
+
+
+def sidecar_drain(pod_template: dict) -> tuple[float | None, str]:
+    """How long the pod's Istio sidecar carries connections after its SIGTERM
+    (None: no sidecar, or it waits for zero connections instead of a time)."""
+    metadata = pod_template.get("metadata", {})
+    annotations, labels = metadata.get("annotations") or {}, metadata.get("labels") or {}
+    if "false" in (annotations.get("sidecar.istio.io/inject"), labels.get("sidecar.istio.io/inject")):
+        return None, "no sidecar"
+    config = json.loads(annotations.get("proxy.istio.io/config") or "{}")
+    if str((config.get("proxyMetadata") or {}).get("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "")).lower() == "true":
+        return None, "EXIT_ON_ZERO_ACTIVE_CONNECTIONS"
+    if "terminationDrainDuration" not in config:
+        return ISTIO_TERMINATION_DRAIN_S, "Istio's default terminationDrainDuration"
+    return parse_duration(config["terminationDrainDuration"], "terminationDrainDuration"), \
+        f"proxy.istio.io/config terminationDrainDuration {config['terminationDrainDuration']}"
+
+
+def drain_problems(workload: Workload) -> list[str]:
+    """A stopped pod leaves its endpoints before it drains and is not killed
+    while draining: preStop withdraws the service (readiness fails) and waits
+    longer than the readiness probe takes to see it plus callers to learn it;
+    the grace period covers preStop + drain grace + margin; the sidecar,
+    stopped at once (its SIGTERM does not wait for the app's preStop), carries
+    connections through preStop + drain grace and exits within the grace."""
+    found = []
+    pod = workload.doc["spec"]["template"]
+    grace = pod["spec"].get("terminationGracePeriodSeconds", KUBERNETES_GRACE_S)
+    try:
+        sidecar_s, sidecar_from = sidecar_drain(pod)
+    except (json.JSONDecodeError, PolicyError) as exc:
+        return [f"Deployment/{workload.name}: proxy.istio.io/config: {exc}"]
+    at = f"Deployment/{workload.name}"
+    for container in workload.containers:
+        module = workload.service_module(container)
+        if module not in SERVICES:
+            continue
+        name = container["name"]
+        drain_s, drain_from = drain_grace(module, container)
+        if drain_s is None:
+            found.append(f"{at}: container {name}'s drain grace ({drain_from}) is not a number of seconds")
+            continue
+        delay_s, withdraws = pre_stop(container)
+        if not withdraws:
+            found.append(f"{at}: container {name}'s lifecycle.preStop does not withdraw services.{module} "
+                         f"(kill -{WITHDRAW_SIGNAL.name.removeprefix('SIG')} 1): its readiness stays true until "
+                         "SIGTERM, so callers learn of the stop only once it drains")
+        probe = container.get("readinessProbe") or {}
+        if "grpc" not in probe:
+            found.append(f"{at}: container {name}'s readinessProbe is no gRPC health probe: it cannot see the "
+                         "withdrawal's NOT_SERVING")
+        else:
+            period, threshold = probe.get("periodSeconds", 10), probe.get("failureThreshold", 3)
+            seen_s = period * threshold + ENDPOINT_PROPAGATION_S
+            if seen_s > delay_s:
+                found.append(f"{at}: container {name}'s readinessProbe periodSeconds {period} x failureThreshold "
+                             f"{threshold} + {ENDPOINT_PROPAGATION_S:g} s for callers to learn it = {seen_s:g} s is "
+                             f"longer than lifecycle.preStop's delay {delay_s:g} s: the pod still takes calls when "
+                             "SIGTERM starts its drain")
+        needed_s = delay_s + drain_s + SHUTDOWN_MARGIN_S
+        if grace < needed_s:
+            found.append(f"{at}: terminationGracePeriodSeconds {grace} is below container {name}'s preStop "
+                         f"{delay_s:g} s + drain grace {drain_s:g} s ({drain_from}) + margin "
+                         f"{SHUTDOWN_MARGIN_S:g} s = {needed_s:g} s: the drain would be killed")
+        if sidecar_s is not None and sidecar_s < delay_s + drain_s:
+            found.append(f"{at}: the sidecar's drain {sidecar_s:g} s ({sidecar_from}) is shorter than container "
+                         f"{name}'s preStop {delay_s:g} s + drain grace {drain_s:g} s ({drain_from}) = "
+                         f"{delay_s + drain_s:g} s: its sidecar would stop carrying its calls mid-drain")
+    if sidecar_s is not None and sidecar_s >= grace:
+        found.append(f"{at}: the sidecar's drain {sidecar_s:g} s ({sidecar_from}) is not within "
+                     f"terminationGracePeriodSeconds {grace}: it would be killed, not exit")
+    return found
+
+
+def disruption_budgets(workload: Workload, budgets: list[dict], replicas: int) -> list[str]:
+    """Exactly one PodDisruptionBudget selects the Deployment's pods, and at its
+    fewest replicas it lets one be evicted (a node drain would hang otherwise)
+    while keeping one serving where there are two or more."""
+    at = f"Deployment/{workload.name}"
+    mine = [b for b in budgets if workload.selected_by(b["spec"].get("selector", {}).get("matchLabels", {}))]
+    if not mine:
+        return [f"{at}: no PodDisruptionBudget selects its pods ({workload.labels}): a node drain may evict "
+                "every replica at once"]
+    if len(mine) > 1:
+        return [f"{at}: {len(mine)} PodDisruptionBudgets select its pods ({', '.join(map(name_of, mine))}): "
+                "the eviction API refuses to evict such pods"]
+    (budget,) = mine
+    spec = budget["spec"]
+    if "maxUnavailable" in spec:
+        field, value = "maxUnavailable", spec["maxUnavailable"]
+        allowed = _budget_count(value, replicas)
+    else:
+        field, value = "minAvailable", spec.get("minAvailable", 1)
+        allowed = replicas - _budget_count(value, replicas)
+    if allowed < 1:
+        return [f"{name_of(budget)}: {field} {value} with {at}'s {replicas} replica(s) allows no eviction: a "
+                "node drain would wait forever"]
+    if replicas >= 2 and allowed >= replicas:
+        return [f"{name_of(budget)}: {field} {value} with {at}'s {replicas} replicas lets every one be evicted "
+                "at once"]
+    return []
+
+
+def fewest_replicas(workload: Workload, autoscalers: list[dict]) -> int:
+    """The replica count a Deployment may run with: its autoscaler's minReplicas, else spec.replicas."""
+    hpa = next((h for h in autoscalers if h["spec"]["scaleTargetRef"]["name"] == workload.name), None)
+    return hpa["spec"].get("minReplicas", 1) if hpa else workload.doc["spec"].get("replicas", 1)
+
+
+def stopping_problems(docs: list[dict]) -> list[str]:
+    """Disruption budgets and stop timings of every Deployment among `docs`."""
+    workloads = [Workload(d) for d in docs if d["kind"] == "Deployment"]
+    budgets = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    autoscalers = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    return [problem for w in workloads
+            for problem in disruption_budgets(w, budgets, fewest_replicas(w, autoscalers)) + drain_problems(w)]
+
+
+def _budget_count(value, replicas: int) -> int:
+    """A PDB's count of pods: an integer, or a percentage of replicas rounded up as Kubernetes does."""
+    if isinstance(value, str) and value.endswith("%"):
+        return -(-int(value[:-1]) * replicas // 100)
+    return int(value)
+
+
 def _short_host(host: str, namespace: str) -> str:
     """A VirtualService host as a Service name in the rules' namespace."""
     for suffix in (f".{namespace}.svc.cluster.local", f".{namespace}.svc", f".{namespace}"):
@@ -553,9 +729,7 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
         return [w for w in workloads if w.selected_by(service["spec"].get("selector", {}))]
 
     def replicas(workload: Workload) -> int:
-        hpa = next((h for h in by_kind.get("HorizontalPodAutoscaler", [])
-                    if h["spec"]["scaleTargetRef"]["name"] == workload.name), None)
-        return hpa["spec"].get("minReplicas", 1) if hpa else workload.doc["spec"].get("replicas", 1)
+        return fewest_replicas(workload, by_kind.get("HorizontalPodAutoscaler", []))
 
     # Services: protocol-named ports that reach a container port of every pod behind them.
     for name, service in services.items():
@@ -747,6 +921,9 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
         selector = pdb["spec"].get("selector", {}).get("matchLabels", {})
         if not any(w.selected_by(selector) for w in workloads):
             found.append(f"{name_of(pdb)}: its selector {selector} matches no Deployment")
+    # Stopping a pod: one budget per Deployment; out of its endpoints before it drains,
+    # and neither it nor its sidecar killed while draining.
+    found += stopping_problems(docs)
 
     # The dashboard asks for metrics and labels that exist.
     for config_map in by_kind.get("ConfigMap", []):

@@ -450,21 +450,40 @@ def announce(service: str, **addresses) -> None:
     print(json.dumps({"ready": service, **addresses}), flush=True)
 
 
+# Sent by a pod's preStop hook (mesh/kubernetes): readiness turns false while the
+# service still answers, so callers move away before SIGTERM starts the drain.
+WITHDRAW_SIGNAL = signal.SIGUSR1
+
+
 async def run_until_signal(
     server: grpc.aio.Server, health_servicer, grace_s: float, on_stop: Callable[[], object] | None = None,
     draining: asyncio.Event | None = None,
 ) -> None:
     """Waits for SIGTERM or SIGINT, then drains: health NOT_SERVING, `draining`
     set (long-lived streams end once idle), stop taking new calls, let
-    in-flight ones finish within grace_s, then run on_stop."""
+    in-flight ones finish within grace_s, then run on_stop. WITHDRAW_SIGNAL
+    before it turns health NOT_SERVING for good while serving on, so that
+    readiness fails and the pod leaves its endpoints before the drain."""
     frozen = collector.freeze_startup_heap()  # what the service built before serving lives as long as it does
     log.info("%d objects built at startup are out of the garbage collector's walks", frozen)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    withdrawals: set[asyncio.Future] = set()
+
+    def withdraw() -> None:
+        log.info("withdrawn: health NOT_SERVING, still serving until SIGTERM")
+        withdrawal = asyncio.ensure_future(health_servicer.enter_graceful_shutdown())
+        withdrawals.add(withdrawal)
+        withdrawal.add_done_callback(withdrawals.discard)
+
+    loop.add_signal_handler(WITHDRAW_SIGNAL, withdraw)
     termination = asyncio.ensure_future(server.wait_for_termination())
-    await asyncio.wait([termination, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    try:
+        await asyncio.wait([termination, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        loop.remove_signal_handler(WITHDRAW_SIGNAL)
     log.info("draining (grace %.1fs)", grace_s)
     await health_servicer.enter_graceful_shutdown()
     if draining is not None:
