@@ -36,6 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 UNARY = "/inference.GRPCInferenceService/ModelInfer"
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 MLP_WIDTH = 64
+OUTPUT = {"minilm": "EMBEDDING", "mlp": "OUTPUT0"}  # the output each model answers with
 MINILM_MIN_COSINE = 0.999  # bench/peers.py's agreement bound
 MLP_MAX_ABS = 1e-4  # the mesh's golden probe for mlp
 # A stream's status that grpc.aio replaced with INTERNAL "Internal error from Core"
@@ -377,8 +378,6 @@ class LoadResult:
     accounting: Accounting
 
 
-OUTPUT = {"minilm": "EMBEDDING", "mlp": "OUTPUT0", "minilm-lite": "EMBEDDING"}
-
 
 @dataclasses.dataclass(slots=True)
 class Outgoing:
@@ -463,7 +462,10 @@ class ChaosLoad:
             channels = [grpc.aio.secure_channel(self.address, self.channel_credentials, options=options)
                         for _ in range(config.channels)]
         streams = _spread(config.callers, config.stream_share)
-        vips = _spread(config.callers, config.vip_share)
+        # VIP callers spread over both kinds: a share of the streams, and of the unary callers.
+        vip_streams = iter(_spread(sum(streams), config.vip_share))
+        vip_unary = iter(_spread(config.callers - sum(streams), config.vip_share))
+        vips = [next(vip_streams) if stream else next(vip_unary) for stream in streams]
         self.accounting.started = time.monotonic()
         self.started.set()
         callers = [asyncio.create_task((self._stream_caller if streams[i] else self._unary_caller)(
