@@ -152,6 +152,8 @@ class Pipe:
 
 
 class Proxy:
+    """Accepts connections, opens one upstream for each, and pipes both ways under the faults."""
+
     def __init__(self, upstream: tuple[str, int], buffer_bytes: int, seed: int | None = None):
         self.upstream = upstream
         self.buffer_bytes = buffer_bytes
@@ -195,7 +197,7 @@ class Proxy:
             while line := await reader.readline():
                 writer.write(json.dumps(self.command(line.decode(errors="replace").split())).encode() + b"\n")
                 await writer.drain()
-        except ConnectionError:
+        except (ConnectionError, ValueError):  # gone, or a line past the reader's limit
             pass
         finally:
             writer.close()
