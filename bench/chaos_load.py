@@ -276,16 +276,19 @@ class Accounting:
 
 
 def recovery(accounting: Accounting, fault_at: float, window_s: float = 1.0, factor: float = 1.5,
-             baseline_s: float = 10.0, step_s: float = 0.1, min_ok: int = 5) -> dict:
+             baseline_s: float = 10.0, baseline_until: float | None = None, step_s: float = 0.1,
+             min_ok: int = 5) -> dict:
     """After a fault at `fault_at` (time.monotonic()): first_ok_s, from the fault to
     the first OK answer to a request sent at or after it; p99_back_s, from the fault
     to the end of the first window of `window_s` (sliding by step_s, by answer time)
     holding at least min_ok answers, all OK, whose OK p99 is within `factor` times
-    p99_before_ms (the OK p99 of answers in the baseline_s before the fault).
-    None where it never happened in the run."""
+    p99_before_ms (the OK p99 of answers in the baseline_s before baseline_until,
+    the fault unless given: a quiet stretch when faults follow each other closely).
+    None where it never happened in the run; p99_back_s is window_s at the least."""
     events = accounting.events()
+    until = fault_at if baseline_until is None else baseline_until
     before = sorted(latency for at, status, latency in events
-                    if status == "OK" and fault_at - baseline_s <= at < fault_at)
+                    if status == "OK" and until - baseline_s <= at < until)
     p99_before = _percentile(before, 0.99)
     first_ok = next((at - fault_at for at, status, latency in events
                      if status == "OK" and at >= fault_at and at - latency >= fault_at), None)

@@ -107,6 +107,10 @@ def test_recovery_times_after_a_fault():
     # The first all-OK 1 s window past the slow answer, with 5 answers at least.
     assert 2.4 <= got["p99_back_s"] <= 2.6
     assert recovery(accounting, fault_at=20.0)["p99_back_s"] is None  # no answers after it
+    # A baseline taken elsewhere: the slow stretch after the fault is then normal.
+    slow_baseline = recovery(accounting, fault_at=10.0, baseline_s=1.0, baseline_until=11.5)
+    assert slow_baseline["p99_before_ms"] == pytest.approx(500.0)
+    assert slow_baseline["p99_back_s"] == pytest.approx(2.0, abs=0.01)  # the first window past the errors
     buckets = accounting.buckets()
     assert buckets[10]["status"] == {"UNAVAILABLE": 10} and buckets[10]["ok"] == 0
     assert buckets[0]["p50_ms"] == pytest.approx(10.0)
