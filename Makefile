@@ -19,7 +19,7 @@ $(shell mkdir -p $(VERSIONS); \
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
 .PHONY: setup venv system-deps ghz kustomize istio-crds kube-test-server stubs models tenants certs run test \
-  test-fast test-e2e test-stress check-manifests bench peers bench-peers clean
+  test-fast test-e2e test-stress check-manifests bench chaos inflight soak peers bench-peers clean
 
 setup: venv system-deps ghz kustomize istio-crds kube-test-server stubs models tenants
 	@echo "setup complete: 'make run' starts the mesh, 'make test' runs the tests"
@@ -147,6 +147,17 @@ check-manifests: kustomize istio-crds
 
 bench:
 	$(PY) -m bench.throughput
+
+# Faults under load (bench/chaos.py), 10,000 in flight and 3x saturation
+# (bench/inflight.py), 30 minutes at 70% of saturation (bench/soak.py); ARGS passes on.
+chaos: stubs models ghz
+	$(PY) -m bench.chaos $(ARGS)
+
+inflight: stubs models ghz
+	$(PY) -m bench.inflight $(ARGS)
+
+soak: stubs models ghz
+	$(PY) -m bench.soak $(ARGS)
 
 # The peer servers of bench/peers.py (PyTriton, Ray Serve), each in a virtual
 # environment of its own: PyTriton needs numpy<2, the project numpy 2. Not part

@@ -56,7 +56,8 @@ def pyplot():
 
 def save_figure(fig, path: pathlib.Path, report: dict, what: str = "") -> None:
     """Titles a benchmark's figure with the machine and the number of runs, and writes it."""
-    fig.suptitle(f"{what + '; ' if what else ''}{report['machine']}; medians of {report['runs']} runs", fontsize=9)
+    runs = f"medians of {report['runs']} runs" if report["runs"] != 1 else "one run"
+    fig.suptitle(f"{what + '; ' if what else ''}{report['machine']}; {runs}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
