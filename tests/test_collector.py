@@ -38,7 +38,8 @@ def test_the_startup_heap_leaves_the_collectors_walks_and_still_dies_by_referenc
     try:
         built = Built()
         frozen = collector.freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 0
+        # Another thread (a gRPC poller, a client's) may free a frozen object meanwhile: never more.
+        assert frozen >= gc.get_freeze_count() > 0.99 * frozen
         assert sample("infermesh_gc_frozen_objects") == frozen
         assert not any(obj is built for obj in gc.get_objects())  # no generation holds it now
         gone = []
