@@ -6,10 +6,11 @@ from services.batcher.policy import (
     AdaptivePolicy, ArrivalRate, BaselinePolicy, FixedPolicy, QueueView, RowCost, make_policy,
 )
 from services.common.latency import LatencyProfile
+from services.common.tier import Tier
 
 pytestmark = pytest.mark.unit
 
-VIP, STANDARD = 1, 0
+VIP, STANDARD = Tier.VIP, Tier.STANDARD
 
 
 def view(now=10.0, oldest=10.0, level=STANDARD, waiting=1, running=(), max_rows=64, slots=1):

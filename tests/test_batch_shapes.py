@@ -25,7 +25,7 @@ from tests.test_batcher_core import GatedBackend
 class ShapeBackend(GatedBackend):
     """Records the shape of each batch; answers each row's sum."""
 
-    async def execute(self, model, version, inputs, outputs, timeout_s, priority=0):
+    async def execute(self, model, version, inputs, outputs, timeout_s, tier=0):
         self.batches.append(list(inputs[0].shape))
         await self.gate.wait()
         x = to_numpy(inputs[0])

@@ -6,7 +6,8 @@ import numpy as np
 import prometheus_client
 import pytest
 
-from services.batcher.core import STANDARD, VIP, Batcher, LevelPolicy, ModelLimits, QueuePolicy, ServiceRate
+from services.batcher.core import Batcher, LevelPolicy, ModelLimits, QueuePolicy, ServiceRate
+from services.common.tier import Tier
 from services.common import errors
 from services.common.latency import CAUTIOUS_DEVIATIONS, MovingTime
 from services.common.tensors import TensorData, from_numpy, to_numpy
@@ -38,7 +39,7 @@ class GatedBackend:
     def on_change(self, listener):
         pass
 
-    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
+    async def execute(self, model, version, inputs, outputs, timeout_s, tier=Tier.STANDARD):
         values = to_numpy(inputs[0])[:, 0].tolist()
         self.batches.append(values)
         self.timeouts.append(timeout_s)
@@ -103,8 +104,8 @@ async def test_vip_goes_first_and_fifo_holds_within_a_level():
     batcher = Batcher(backend, max_batch_size=2, max_queue_delay_ms=0, max_queue_size=100)
     blocker = submit(batcher, 0.0)
     await backend.started.wait()  # the only slot is busy from now on
-    waiting = [submit(batcher, 1.0), submit(batcher, 2.0, priority=VIP), submit(batcher, 3.0),
-               submit(batcher, 4.0, priority=VIP)]
+    waiting = [submit(batcher, 1.0), submit(batcher, 2.0, tier=Tier.VIP), submit(batcher, 3.0),
+               submit(batcher, 4.0, tier=Tier.VIP)]
     await settle()
     backend.gate.set()
     await asyncio.gather(blocker, *waiting)
@@ -188,7 +189,7 @@ class RefusingBackend(GatedBackend):
         super().__init__(**kwargs)
         self.hint_ms = hint_ms
 
-    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
+    async def execute(self, model, version, inputs, outputs, timeout_s, tier=Tier.STANDARD):
         self.batches.append(to_numpy(inputs[0])[:, 0].tolist())
         raise errors.ResourceExhausted("no time left for this batch", retry_after_ms=self.hint_ms)
 
@@ -220,10 +221,10 @@ class VanishingBackend(GatedBackend):
     def slots(self, model):
         return (0, 0, 0) if self.gone else super().slots(model)
 
-    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
+    async def execute(self, model, version, inputs, outputs, timeout_s, tier=Tier.STANDARD):
         if self.gone:
             raise errors.Unavailable(f"no ready model_server replica serves model '{model}'")
-        return await super().execute(model, version, inputs, outputs, timeout_s, priority)
+        return await super().execute(model, version, inputs, outputs, timeout_s, tier)
 
 
 async def test_requests_waiting_for_a_slot_when_the_last_replica_goes_hear_unavailable_at_once():
@@ -245,23 +246,23 @@ class OutOfTimeBackend(GatedBackend):
     """Its batches run past their deadline at the model server, which the
     batcher's RPC reports as gRPC's own DEADLINE_EXCEEDED."""
 
-    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
+    async def execute(self, model, version, inputs, outputs, timeout_s, tier=Tier.STANDARD):
         self.batches.append(to_numpy(inputs[0])[:, 0].tolist())
         raise errors.DeadlineExceeded("Deadline Exceeded")
 
 
 async def test_a_batch_that_runs_out_of_time_after_it_was_sent_is_counted_and_logged(caplog):
     count = prometheus_client.REGISTRY.get_sample_value(
-        "infermesh_batcher_batch_timeouts_total", {"model": "m", "level": "standard"}) or 0.0
+        "infermesh_batcher_batch_timeouts_total", {"model": "m", "tier": "standard"}) or 0.0
     backend = OutOfTimeBackend(max_batch=2)
     batcher = Batcher(backend, max_batch_size=2, max_queue_delay_ms=60_000, max_queue_size=10)
     results = await asyncio.gather(submit(batcher, 1.0), submit(batcher, 2.0), return_exceptions=True)
     assert all(isinstance(r, errors.DeadlineExceeded) for r in results)
     assert backend.batches == [[1.0, 2.0]]  # no time is left to run them one by one
     assert prometheus_client.REGISTRY.get_sample_value(
-        "infermesh_batcher_batch_timeouts_total", {"model": "m", "level": "standard"}) == count + 1
+        "infermesh_batcher_batch_timeouts_total", {"model": "m", "tier": "standard"}) == count + 1
     assert "batch of 2 rows for model m (standard) ran out of its" in caplog.text
-    assert "the lane's batches take about (no estimate yet)" in caplog.text
+    assert "the tier's batches take about (no estimate yet)" in caplog.text
 
 
 class VipPoolOnlyBackend(GatedBackend):
@@ -272,20 +273,20 @@ class VipPoolOnlyBackend(GatedBackend):
     def slots(self, model):
         return 0, 1, 0
 
-    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
-        if priority < VIP:
+    async def execute(self, model, version, inputs, outputs, timeout_s, tier=Tier.STANDARD):
+        if tier < Tier.VIP:
             raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset 'blue'")
-        return await super().execute(model, version, inputs, outputs, timeout_s, priority)
+        return await super().execute(model, version, inputs, outputs, timeout_s, tier)
 
 
 async def test_with_no_replica_on_the_standard_route_standard_work_hears_unavailable_at_once_and_vip_work_runs():
     backend = VipPoolOnlyBackend(max_batch=1)
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
-    first_vip = submit(batcher, 0.0, priority=VIP)
+    first_vip = submit(batcher, 0.0, tier=Tier.VIP)
     await backend.started.wait()
     with pytest.raises(errors.Unavailable, match="no healthy upstream"):  # not held for a slot it can never get
         await asyncio.wait_for(submit(batcher, 1.0), 5)
-    second_vip = submit(batcher, 2.0, priority=VIP)  # waits for the VIP slot, and takes no other
+    second_vip = submit(batcher, 2.0, tier=Tier.VIP)  # waits for the VIP slot, and takes no other
     await settle()
     assert backend.batches == [[0.0]]
     backend.gate.set()
@@ -303,9 +304,9 @@ class PoolsBackend(GatedBackend):
     def slots(self, model):
         return 1, 1, 0
 
-    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
-        self.priorities.append(priority)
-        return await super().execute(model, version, inputs, outputs, timeout_s, priority)
+    async def execute(self, model, version, inputs, outputs, timeout_s, tier=Tier.STANDARD):
+        self.priorities.append(tier)
+        return await super().execute(model, version, inputs, outputs, timeout_s, tier)
 
 
 async def test_a_vip_batch_does_not_take_a_slot_of_a_pool_its_route_cannot_reach():
@@ -315,17 +316,17 @@ async def test_a_vip_batch_does_not_take_a_slot_of_a_pool_its_route_cannot_reach
     own that the waiting VIP request does not join."""
     backend = PoolsBackend(max_batch=4)
     batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=10)
-    first_vip = submit(batcher, 0.0, priority=VIP)
+    first_vip = submit(batcher, 0.0, tier=Tier.VIP)
     await backend.started.wait()
-    second_vip = submit(batcher, 1.0, priority=VIP)
+    second_vip = submit(batcher, 1.0, tier=Tier.VIP)
     await settle()
     assert backend.batches == [[0.0]]
     standard = [submit(batcher, 2.0), submit(batcher, 3.0)]
     await settle()
-    assert backend.batches == [[0.0], [2.0, 3.0]] and backend.priorities == [VIP, STANDARD]
+    assert backend.batches == [[0.0], [2.0, 3.0]] and backend.priorities == [Tier.VIP, Tier.STANDARD]
     backend.gate.set()
     await asyncio.gather(first_vip, second_vip, *standard)
-    assert backend.batches[2:] == [[1.0]] and backend.priorities[2:] == [VIP]
+    assert backend.batches[2:] == [[1.0]] and backend.priorities[2:] == [Tier.VIP]
 
 
 async def test_a_request_larger_than_the_batch_size_runs_alone_up_to_the_model_limit():
@@ -344,8 +345,8 @@ async def test_unknown_models_bad_priorities_and_wrong_inputs_never_reach_a_queu
     batcher = Batcher(GatedBackend(), max_batch_size=2, max_queue_delay_ms=0, max_queue_size=10)
     with pytest.raises(errors.Unavailable, match="no ready model_server replica serves model 'nope'"):
         await batcher.submit("nope", "1", row(1.0), [])
-    with pytest.raises(errors.InvalidArgument, match="priority 5 is not a Priority value"):
-        await batcher.submit("m", "1", row(1.0), [], priority=5)
+    with pytest.raises(errors.InvalidArgument, match="tier 5 is not a Tier value"):
+        await batcher.submit("m", "1", row(1.0), [], tier=5)
     with pytest.raises(errors.InvalidArgument, match=r"model 'm' takes inputs \['X'\], got \['Y'\]"):
         await batcher.submit("m", "1", [from_numpy("Y", np.zeros((1, 1), np.float32))], [])
     assert batcher.queue_length() == 0 and not batcher._queues
@@ -423,13 +424,13 @@ async def test_a_vip_batch_does_not_wait_for_company_behind_standard_batches():
     standard = submit(batcher, 0.0)
     await backend.started.wait()
     backend.started.clear()
-    vip = submit(batcher, 1.0, priority=VIP)  # its reserved instance is idle: nothing to wait for
+    vip = submit(batcher, 1.0, tier=Tier.VIP)  # its reserved instance is idle: nothing to wait for
     await asyncio.wait_for(backend.started.wait(), timeout=5)
     backend.started.clear()
-    later = [submit(batcher, float(v), priority=VIP) for v in range(2, 5)]  # behind a VIP batch they wait ...
+    later = [submit(batcher, float(v), tier=Tier.VIP) for v in range(2, 5)]  # behind a VIP batch they wait ...
     await settle()
     assert backend.batches == [[0.0], [1.0]]
-    later += [submit(batcher, float(v), priority=VIP) for v in range(5, 10)]  # ... until their batch is full
+    later += [submit(batcher, float(v), tier=Tier.VIP) for v in range(5, 10)]  # ... until their batch is full
     backend.gate.set()
     await asyncio.gather(standard, vip, *later)
     assert backend.batches == [[0.0], [1.0], [float(v) for v in range(2, 10)]]
@@ -437,20 +438,20 @@ async def test_a_vip_batch_does_not_wait_for_company_behind_standard_batches():
 
 async def test_each_level_has_its_own_bound_and_a_full_one_says_when_to_retry():
     backend = GatedBackend(max_batch=1)
-    policy = QueuePolicy({VIP: LevelPolicy(2, 30), STANDARD: LevelPolicy(1, 30)})
+    policy = QueuePolicy({Tier.VIP: LevelPolicy(2, 30), Tier.STANDARD: LevelPolicy(1, 30)})
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
     running = submit(batcher, 0.0)
     await backend.started.wait()
-    vip_running = submit(batcher, 2.0, priority=VIP)
+    vip_running = submit(batcher, 2.0, tier=Tier.VIP)
     await settle()
     assert backend.batches == [[0.0], [2.0]]  # sent at once, on the slot reserved for VIP work
-    queued = [vip_running, submit(batcher, 1.0), submit(batcher, 3.0, priority=VIP), submit(batcher, 4.0, priority=VIP)]
+    queued = [vip_running, submit(batcher, 1.0), submit(batcher, 3.0, tier=Tier.VIP), submit(batcher, 4.0, tier=Tier.VIP)]
     await settle()
     with pytest.raises(errors.ResourceExhausted, match="the standard queue of model 'm' is full") as info:
         await batcher.submit("m", "1", row(4.0), [])
     assert info.value.retry_after_ms >= 10 and "retry after about" in info.value.message
     with pytest.raises(errors.ResourceExhausted, match="the vip queue"):
-        await batcher.submit("m", "1", row(5.0), [], priority=VIP)
+        await batcher.submit("m", "1", row(5.0), [], tier=Tier.VIP)
     backend.gate.set()
     await asyncio.gather(running, *queued)
 
@@ -459,7 +460,7 @@ async def test_a_request_that_could_no_longer_finish_in_time_is_refused_not_left
     backend = GatedBackend(max_batch=1)
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
     backend.gate.set()
-    await submit(batcher, 0.0)  # the lane's batches take about nothing: refused 25 ms before the deadline
+    await submit(batcher, 0.0)  # the tier's batches take about nothing: refused 25 ms before the deadline
     backend.gate.clear()
     running = submit(batcher, 1.0)
     await settle()
@@ -480,7 +481,7 @@ async def test_with_nothing_running_a_tight_deadline_is_not_refused_on_a_stale_e
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
     slow = submit(batcher, 0.0)
     await backend.started.wait()
-    await asyncio.sleep(0.1)  # the lane learns that a batch takes 100 ms
+    await asyncio.sleep(0.1)  # the tier learns that a batch takes 100 ms
     backend.gate.set()
     await slow
     _, (out,) = await submit(batcher, 1.0, timeout_s=0.05)
@@ -489,7 +490,7 @@ async def test_with_nothing_running_a_tight_deadline_is_not_refused_on_a_stale_e
 
 async def test_a_level_default_timeout_bounds_requests_without_a_tighter_deadline():
     backend = GatedBackend(max_batch=1)
-    policy = QueuePolicy({VIP: LevelPolicy(10, 30), STANDARD: LevelPolicy(10, 0.01)})
+    policy = QueuePolicy({Tier.VIP: LevelPolicy(10, 30), Tier.STANDARD: LevelPolicy(10, 0.01)})
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
     running = submit(batcher, 0.0)  # holds the one slot a standard batch may take
     await backend.started.wait()
@@ -505,11 +506,11 @@ async def test_aging_lets_standard_requests_alternate_with_a_steady_vip_stream()
     policy = QueuePolicy.uniform(100, 30, aging_s=0.02)
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
     # VIP work fills the slot reserved for it and, by strict priority, the ordinary one.
-    running = [submit(batcher, 0.0, priority=VIP), submit(batcher, 0.5, priority=VIP)]
+    running = [submit(batcher, 0.0, tier=Tier.VIP), submit(batcher, 0.5, tier=Tier.VIP)]
     await settle()
     standard = [submit(batcher, 1.0), submit(batcher, 2.0)]
     await asyncio.sleep(0.03)  # the standard requests age past the bound
-    vips = [submit(batcher, 10.0 + i, priority=VIP) for i in range(3)]
+    vips = [submit(batcher, 10.0 + i, tier=Tier.VIP) for i in range(3)]
     await settle()
     backend.gate.set()
     await asyncio.gather(*running, *standard, *vips)
@@ -526,7 +527,7 @@ async def test_a_standard_backlog_does_not_push_vip_back():
     running = submit(batcher, 0.0)
     await backend.started.wait()
     standard = [submit(batcher, float(i)) for i in range(1, 4)]
-    vip = submit(batcher, 10.0, priority=VIP)
+    vip = submit(batcher, 10.0, tier=Tier.VIP)
     await settle()
     backend.gate.set()
     await asyncio.gather(running, *standard, vip)
@@ -538,7 +539,7 @@ async def test_a_vip_led_batch_carries_vip_requests_only():
     batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
     running = submit(batcher, 0.0)
     await backend.started.wait()
-    waiting = [submit(batcher, 1.0), submit(batcher, 2.0, priority=VIP), submit(batcher, 3.0)]
+    waiting = [submit(batcher, 1.0), submit(batcher, 2.0, tier=Tier.VIP), submit(batcher, 3.0)]
     await settle()
     backend.gate.set()
     await asyncio.gather(running, *waiting)
@@ -556,7 +557,7 @@ async def test_a_vip_request_does_not_wait_in_a_standard_batch_gathering_company
     tasks += [submit(batcher, 1.0), submit(batcher, 2.0)]
     await settle()
     assert backend.batches == [[0.0]]
-    tasks.append(submit(batcher, 10.0, priority=VIP))
+    tasks.append(submit(batcher, 10.0, tier=Tier.VIP))
     await settle()
     assert backend.batches == [[0.0], [1.0, 2.0], [10.0]]
     backend.gate.set()
@@ -573,7 +574,7 @@ async def test_without_a_slot_of_its_own_a_vip_request_joins_the_gathering_batch
     backend.started.clear()
     tasks.append(submit(batcher, 1.0))
     await settle()  # taken as the next batch's lead, gathering company
-    tasks.append(submit(batcher, 10.0, priority=VIP))
+    tasks.append(submit(batcher, 10.0, tier=Tier.VIP))
     await asyncio.wait_for(backend.started.wait(), timeout=5)
     assert backend.batches == [[0.0], [1.0, 10.0]]
     backend.gate.set()
@@ -586,11 +587,11 @@ async def test_an_aged_standard_turn_carries_standard_rows_first():
     backend = GatedBackend(max_batch=4, reserved=0)
     policy = QueuePolicy.uniform(100, 30, aging_s=0.02)
     batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, policy=policy)
-    tasks = [submit(batcher, 100.0, priority=VIP)]
+    tasks = [submit(batcher, 100.0, tier=Tier.VIP)]
     await backend.started.wait()  # the last batch was VIP-led
     tasks += [submit(batcher, float(i)) for i in range(1, 5)]
     await asyncio.sleep(0.03)  # the standard requests age past the bound
-    tasks += [submit(batcher, 200.0 + i, priority=VIP) for i in range(8)]
+    tasks += [submit(batcher, 200.0 + i, tier=Tier.VIP) for i in range(8)]
     await settle()
     backend.gate.set()
     await asyncio.gather(*tasks)
@@ -602,10 +603,10 @@ async def test_requests_answered_while_they_wait_give_their_place_back_at_once()
     batching task next passes it: in the queue's bound, its length gauge and
     the aging bound, which reads the oldest request still waiting."""
     backend = GatedBackend(max_batch=1, reserved=0)
-    policy = QueuePolicy(levels={level: LevelPolicy(max_queue_size=2, default_timeout_s=30) for level in (VIP, STANDARD)},
+    policy = QueuePolicy(levels={level: LevelPolicy(max_queue_size=2, default_timeout_s=30) for level in (Tier.VIP, Tier.STANDARD)},
                          aging_s=0.05)
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
-    tasks = [submit(batcher, 100.0, priority=VIP)]
+    tasks = [submit(batcher, 100.0, tier=Tier.VIP)]
     await backend.started.wait()  # the only slot is busy; the last batch was VIP-led
     expiring, leaving = submit(batcher, 1.0, timeout_s=0.005), submit(batcher, 2.0)
     await settle()
@@ -615,10 +616,10 @@ async def test_requests_answered_while_they_wait_give_their_place_back_at_once()
         await expiring
     assert batcher.queue_length() == 0
     assert prometheus_client.REGISTRY.get_sample_value(
-        "infermesh_batcher_queue_length", {"model": "m", "level": "standard"}) == 0
+        "infermesh_batcher_queue_length", {"model": "m", "tier": "standard"}) == 0
     tasks += [submit(batcher, 3.0), submit(batcher, 4.0)]  # the full level's two places
     await settle()
-    tasks.append(submit(batcher, 101.0, priority=VIP))
+    tasks.append(submit(batcher, 101.0, tier=Tier.VIP))
     await settle()
     backend.gate.set()
     await asyncio.gather(*tasks)
@@ -630,7 +631,7 @@ async def test_a_failed_batch_reruns_only_requests_that_can_still_be_answered():
     """Split after a failure, a batch reruns each request alone, except those
     whose caller left or whose deadline passed meanwhile; each request's queue
     wait is observed once, and the failed batch is off the books (rows in
-    flight, the lane's running batches) before the reruns go."""
+    flight, the tier's running batches) before the reruns go."""
     backend = GatedBackend(max_batch=4, reserved=0)
     backend.poison = 13.0
     batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100)
@@ -638,7 +639,7 @@ async def test_a_failed_batch_reruns_only_requests_that_can_still_be_answered():
 
     def waits() -> float:
         return prometheus_client.REGISTRY.get_sample_value(
-            "infermesh_batcher_queue_wait_seconds_count", {"model": "m", "level": "standard"}) or 0.0
+            "infermesh_batcher_queue_wait_seconds_count", {"model": "m", "tier": "standard"}) or 0.0
 
     before = waits()
     tasks = [submit(batcher, 1.0), submit(batcher, 13.0), submit(batcher, 3.0, timeout_s=0.02), submit(batcher, 4.0)]
@@ -649,7 +650,7 @@ async def test_a_failed_batch_reruns_only_requests_that_can_still_be_answered():
     original = backend.execute
 
     async def execute(*args, **kwargs):
-        in_flight.append((dict(queue._inflight_rows), queue._service_rates[STANDARD]._running))
+        in_flight.append((dict(queue._inflight_rows), queue._service_rates[Tier.STANDARD]._running))
         return await original(*args, **kwargs)
 
     backend.execute = execute
@@ -658,7 +659,7 @@ async def test_a_failed_batch_reruns_only_requests_that_can_still_be_answered():
     assert backend.batches == [[1.0, 13.0, 3.0, 4.0], [1.0], [13.0]]
     assert [type(r).__name__ for r in results] == ["tuple", "InvalidArgument", "DeadlineExceeded", "CancelledError"]
     assert waits() - before == 4
-    assert in_flight == [({VIP: 0, STANDARD: 1}, 1)] * 2
+    assert in_flight == [({Tier.VIP: 0, Tier.STANDARD: 1}, 1)] * 2
 
 
 async def test_a_request_whose_deadline_passes_while_its_batch_gathers_is_never_sent():
@@ -756,7 +757,7 @@ class TextBackend(GatedBackend):
     def limits(self, model):
         return ModelLimits(self._max_batch, ("TEXT",))
 
-    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
+    async def execute(self, model, version, inputs, outputs, timeout_s, tier=Tier.STANDARD):
         self.batches.append([len(t) for t in to_numpy(inputs[0])])
         self.started.set()
         await self.gate.wait()
@@ -791,9 +792,9 @@ class TimedBackend(GatedBackend):
         self.seconds = seconds
         self.gate.set()
 
-    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
+    async def execute(self, model, version, inputs, outputs, timeout_s, tier=Tier.STANDARD):
         await asyncio.sleep(self.seconds)
-        return await super().execute(model, version, inputs, outputs, timeout_s, priority)
+        return await super().execute(model, version, inputs, outputs, timeout_s, tier)
 
 
 class ScriptedBackend(TimedBackend):
@@ -803,27 +804,27 @@ class ScriptedBackend(TimedBackend):
         super().__init__(durations[0], **kwargs)
         self.durations = durations
 
-    async def execute(self, model, version, inputs, outputs, timeout_s, priority=STANDARD):
+    async def execute(self, model, version, inputs, outputs, timeout_s, tier=Tier.STANDARD):
         self.seconds = self.durations.pop(0) if len(self.durations) > 1 else self.durations[0]
-        return await super().execute(model, version, inputs, outputs, timeout_s, priority)
+        return await super().execute(model, version, inputs, outputs, timeout_s, tier)
 
 
-async def test_a_request_whose_lane_slowed_while_it_waited_is_refused_when_its_turn_comes_not_sent_to_time_out():
+async def test_a_request_whose_tier_slowed_while_it_waited_is_refused_when_its_turn_comes_not_sent_to_time_out():
     backend = ScriptedBackend([0.01, 0.01, 0.01, 0.5, 0.01], max_batch=1)
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
-    for value in range(3):  # the lane's batches take 10 ms
+    for value in range(3):  # the tier's batches take 10 ms
         await batcher.submit("m", "1", row(float(value)), [])
     slow = submit(batcher, 3.0)
     await settle()
     # Its refusal timer is set for 35 ms before its deadline; when its turn comes, after the slow
-    # batch, it has about 300 ms left, and the lane's batches now take about 350 ms (cautiously).
+    # batch, it has about 300 ms left, and the tier's batches now take about 350 ms (cautiously).
     late = submit(batcher, 4.0, timeout_s=0.8)
     with pytest.raises(errors.ResourceExhausted, match=r"waited \d+ ms in the standard queue and has \d+ ms left, "
                                                       r"less than its batch would take \(about 3\d\d ms\)"):
         await late
     await slow
     assert backend.batches == [[0.0], [1.0], [2.0], [3.0]]  # it was not sent
-    # A request that comes after the lane's latest batch still goes, however tight: the estimate may be stale.
+    # A request that comes after the tier's latest batch still goes, however tight: the estimate may be stale.
     assert (await batcher.submit("m", "1", row(5.0), [], timeout_s=0.2))[0] == "1"
 
 
@@ -836,7 +837,7 @@ async def test_a_request_that_would_wait_past_its_deadline_is_refused_at_once():
     with pytest.raises(errors.ResourceExhausted, match="that its deadline, 50 ms away, leaves after its own batch") as info:
         await batcher.submit("m", "1", row(99.0), [], timeout_s=0.05)
     assert info.value.retry_after_ms > 100
-    vip = await batcher.submit("m", "1", row(7.0), [], priority=VIP, timeout_s=0.2)  # nothing ahead at VIP
+    vip = await batcher.submit("m", "1", row(7.0), [], tier=Tier.VIP, timeout_s=0.2)  # nothing ahead at VIP
     assert float(to_numpy(vip[1][0])[0, 0]) == 14.0
     await asyncio.gather(*backlog)
 
@@ -884,7 +885,7 @@ async def test_admission_leaves_a_request_time_for_its_own_batch():
     await asyncio.gather(*backlog)
 
 
-def test_a_lanes_batch_time_is_its_mean_plus_deviations_once_a_batch_has_finished():
+def test_a_tiers_batch_time_is_its_mean_plus_deviations_once_a_batch_has_finished():
     times = MovingTime()
     assert times.estimate(CAUTIOUS_DEVIATIONS) is None  # nothing to go by: a waiting request only expires at its deadline
     times.observe(0.2)
@@ -894,7 +895,7 @@ def test_a_lanes_batch_time_is_its_mean_plus_deviations_once_a_batch_has_finishe
     assert times.estimate(CAUTIOUS_DEVIATIONS) == pytest.approx(0.28 + CAUTIOUS_DEVIATIONS * 0.1)
 
 
-def test_the_service_rate_follows_the_slots_the_lane_has_now():
+def test_the_service_rate_follows_the_slots_the_tier_has_now():
     """Measured while a lent VIP instance gave standard batches two slots, the
     rate halves once the loan ends and they have one."""
     rate = ServiceRate()
@@ -971,7 +972,7 @@ async def test_admission_counts_the_vip_batches_a_standard_backlog_waits_behind(
     batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=1000)
     first = submit(batcher, 0.0)
     await backend.started.wait()
-    vip = [submit(batcher, 100.0 + i, priority=VIP) for i in range(4 if vip_between else 0)]
+    vip = [submit(batcher, 100.0 + i, tier=Tier.VIP) for i in range(4 if vip_between else 0)]
     await asyncio.gather(first, *vip, *(submit(batcher, float(i)) for i in range(1, 4)))
     await behind_a_backlog(batcher, 15, 2.4, admitted, refusal="more than 50% of the 2400 ms left")
 
@@ -981,20 +982,20 @@ async def test_queued_row_counts_follow_every_way_out_of_the_queue():
     batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
     running = [asyncio.create_task(batcher.submit("m", "1", text(5), []))]
     await backend.started.wait()
-    running.append(asyncio.create_task(batcher.submit("m", "1", text(6), [], priority=VIP)))
+    running.append(asyncio.create_task(batcher.submit("m", "1", text(6), [], tier=Tier.VIP)))
     await settle()
     assert backend.batches == [[5], [6]]  # both slots, general and reserved, are busy from here on
-    waiting = [asyncio.create_task(batcher.submit("m", "1", text(n), [], priority=p, timeout_s=t))
-               for n, p, t in ((10, STANDARD, None), (200, STANDARD, None), (12, VIP, None), (30, STANDARD, 0.001))]
+    waiting = [asyncio.create_task(batcher.submit("m", "1", text(n), [], tier=p, timeout_s=t))
+               for n, p, t in ((10, Tier.STANDARD, None), (200, Tier.STANDARD, None), (12, Tier.VIP, None), (30, Tier.STANDARD, 0.001))]
     await settle()
     queue = batcher._queues[("m", "1")]
-    assert queue._queued_rows == {VIP: 1, STANDARD: 3}
+    assert queue._queued_rows == {Tier.VIP: 1, Tier.STANDARD: 3}
     waiting[1].cancel()
     await asyncio.sleep(0.01)  # the short deadline passes
     backend.gate.set()
     results = await asyncio.gather(*running, *waiting, return_exceptions=True)
     assert isinstance(results[3], asyncio.CancelledError) and isinstance(results[5], errors.DeadlineExceeded)
-    assert queue._queued_rows == {VIP: 0, STANDARD: 0} and len(queue) == 0
+    assert queue._queued_rows == {Tier.VIP: 0, Tier.STANDARD: 0} and len(queue) == 0
 
 
 async def test_close_stops_a_running_batch_and_answers_its_requests():

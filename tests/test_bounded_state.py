@@ -13,7 +13,7 @@ from services.batcher.core import Batcher
 from services.common import errors
 from services.common.protoconv import tensors_to_proto
 from services.common.tensors import from_numpy
-from services.model_server.execution import MAX_PRIORITIES_SEEN
+from services.model_server.execution import MAX_TIERS_SEEN
 from tests.test_batcher_core import GatedBackend
 from tests.test_model_repository import ROWS, model_server, repo  # noqa: F401 - the mlp repository fixture
 
@@ -42,12 +42,12 @@ async def test_unknown_model_names_sent_to_the_model_server_add_one_series_at_mo
 @pytest.mark.service
 async def test_distinct_priorities_sent_to_the_model_server_are_remembered_boundedly(repo):
     async with model_server(repo) as server:
-        for priority in range(0, 2**32 - 1, (2**32 - 1) // NAMES):
+        for tier in range(0, 2**31 - 1, (2**31 - 1) // NAMES):  # an enum field: int32 values
             request = model_server_pb2.ExecuteRequest(
-                model="mlp", priority=priority, inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")]))
+                model="mlp", tier=tier, inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")]))
             await server.models.Execute(request, timeout=30)
         loaded = server.manager.resolve("mlp", "")
-        assert len(loaded._seen_at) <= MAX_PRIORITIES_SEEN  # noqa: SLF001 - the state under test
+        assert len(loaded._seen_at) <= MAX_TIERS_SEEN  # noqa: SLF001 - the state under test
         assert (await server.execute())[0] == "1"
 
 

@@ -116,7 +116,7 @@ async def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint_and_vip
     assert all(isinstance(r, pb.ModelInferResponse) for r in results[12:]), "VIP has a queue of its own"
     # Refused by the batcher's full queue, or by the router itself while the batcher's hint lasted.
     rejections = metric(tiny_queues.metrics_url("batcher"), "infermesh_batcher_rejections_total",
-                        level="standard", reason="queue_full")
+                        tier="standard", reason="queue_full")
     shed = metric(tiny_queues.router_metrics, "infermesh_router_shed_total", tier="standard")
     assert rejections >= 1 and rejections + shed == len(rejected)
 

@@ -285,7 +285,7 @@ async def test_metrics_cover_requests_latency_queue_batches_and_cache(stub, mesh
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     after = counts()
     assert [name for name in counted if after[name] <= before[name]] == [], (before, after)
-    assert ("infermesh_batcher_queue_length", (("level", "standard"), ("model", "minilm"))) in scrape(batcher)
+    assert ("infermesh_batcher_queue_length", (("model", "minilm"), ("tier", "standard"))) in scrape(batcher)
 
 
 async def test_redis_down_answers_still_come_uncached_and_the_cache_recovers(stub, mesh):

@@ -774,7 +774,7 @@ async def test_a_batch_is_refused_at_its_turn_when_batches_now_take_longer_than_
         order, _, release = _recording_runs(loaded, monkeypatch)
         release.set()
         async with loaded.gate.turn(0):  # the batch ahead: about 100 ms, as far as anyone knows
-            waiting = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(1.0, 4), [], time_left_s=5.0))
+            waiting = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(1.0, 4), [], timeout_s=5.0))
             while loaded.gate.waiting < 1:
                 await asyncio.sleep(0.001)
             for _ in range(10):  # ... but batches of its size now take 8 s
@@ -784,7 +784,7 @@ async def test_a_batch_is_refused_at_its_turn_when_batches_now_take_longer_than_
         assert "would not finish before its deadline" in refused.value.message
         assert refused.value.retry_after_ms > 2000  # it lacked about 3 s
         with pytest.raises(errors.ResourceExhausted):
-            await ms.manager.execute("mlp", "", _mlp(2.0, 4), [], time_left_s=5.0)  # the gate is free
+            await ms.manager.execute("mlp", "", _mlp(2.0, 4), [], timeout_s=5.0)  # the gate is free
         assert order == []  # neither ran
         assert metrics.SHED.labels("mlp")._value.get() == shed_before + 2  # noqa: SLF001
         assert loaded.gate.waiting == 0 and loaded.gate.in_use() == 0
@@ -799,13 +799,13 @@ async def test_a_batch_that_finishes_after_its_deadline_is_counted_late(repo, mo
         loaded = _learned(ms.manager.resolve("mlp", ""), (4, 0.001))
         late_before = metrics.LATE.labels("mlp")._value.get()  # noqa: SLF001
         order, first_running, release = _recording_runs(loaded, monkeypatch)
-        running = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(1.0, 4), [], time_left_s=0.1))
+        running = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(1.0, 4), [], timeout_s=0.1))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
         await asyncio.sleep(0.15)  # the run outlasts the batch's deadline
         release.set()
         assert (await running)[0] == "1"
         assert metrics.LATE.labels("mlp")._value.get() == late_before + 1  # noqa: SLF001
-        assert (await ms.manager.execute("mlp", "", _mlp(2.0, 4), [], time_left_s=5.0))[0] == "1"
+        assert (await ms.manager.execute("mlp", "", _mlp(2.0, 4), [], timeout_s=5.0))[0] == "1"
         assert metrics.LATE.labels("mlp")._value.get() == late_before + 1  # noqa: SLF001
 
 
@@ -834,14 +834,14 @@ async def test_while_vip_batches_come_a_standard_batch_runs_in_slices_and_a_vip_
         loaded = ms.manager.resolve("mlp", "")
         whole = (await ms.manager.execute("mlp", "", _mlp(3.0, 4), []))[1][0]  # no VIP yet: one run of 4
         _learned(loaded, (2, 0.02), (4, 0.04))  # slices of 2 rows fit in 25 ms, 4 rows do not
-        await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1)  # VIP traffic, lately
+        await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], tier=1)  # VIP traffic, lately
         sliced_before = metrics.SLICED.labels("mlp")._value.get()  # noqa: SLF001
         aside_before = metrics.STEPPED_ASIDE.labels("mlp")._value.get()  # noqa: SLF001
         order, first_running, release = _recording_runs(loaded, monkeypatch)
         standard = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), []))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
         later = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(5.0, 4), []))
-        vip = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1))
+        vip = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(9.0, 1), [], tier=1))
         while loaded.gate.waiting < 2:
             await asyncio.sleep(0.001)
         release.set()
@@ -859,11 +859,11 @@ async def test_a_sliced_batch_whose_rest_could_not_finish_in_time_is_refused_bef
     then, RESOURCE_EXHAUSTED, rather than answered after its caller gave up."""
     async with model_server(repo, slice_s=0.025) as ms:
         loaded = ms.manager.resolve("mlp", "")
-        await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1)  # VIP traffic, lately: slices of 2
+        await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], tier=1)  # VIP traffic, lately: slices of 2
         _learned(loaded, (2, 0.02), (4, 0.04))
         shed_before = metrics.SHED.labels("mlp")._value.get()  # noqa: SLF001
         order, first_running, release = _recording_runs(loaded, monkeypatch)
-        standard = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), [], time_left_s=0.25))
+        standard = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), [], timeout_s=0.25))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
         started = asyncio.get_running_loop().time()
         await asyncio.sleep(0.15)  # the profile then has 2 rows at about 110 ms, cautiously; 100 ms are left
@@ -892,13 +892,13 @@ async def test_a_vip_batch_is_refused_only_if_the_slice_running_leaves_it_no_tim
     batch has left: the deadline check counts only that slice."""
     async with model_server(repo, slice_s=0.25) as ms:
         loaded = ms.manager.resolve("mlp", "")
-        await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1)  # VIP traffic, lately
+        await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], tier=1)  # VIP traffic, lately
         _learned(loaded, (2, 0.2), (4, 0.4))  # slices of 2 rows; a VIP row is estimated at 0.2 s too
         order, first_running, release = _recording_runs(loaded, monkeypatch)
         standard = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), []))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
         # 0.5 s left: 0.2 s to run, so it may wait ~0.28 s: enough for the slice (0.2 s), not for all 4 rows (0.4 s).
-        vip = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1, time_left_s=0.5))
+        vip = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(9.0, 1), [], tier=1, timeout_s=0.5))
         while loaded.gate.waiting < 1 and not vip.done():
             await asyncio.sleep(0.001)
         release.set()
@@ -919,7 +919,7 @@ async def test_an_instance_reserved_for_vip_runs_a_vip_batch_while_standard_batc
         second = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(5.0, 4), []))
         while loaded.gate.waiting < 1:
             await asyncio.sleep(0.001)
-        await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], priority=1)  # while both standard batches wait or run
+        await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], tier=1)  # while both standard batches wait or run
         assert order == [(3.0, 4), (9.0, 1)] and not second.done()
         release.set()
         await asyncio.gather(first, second)

@@ -5,26 +5,26 @@ import asyncio
 import prometheus_client
 import pytest
 
-from services.model_server.execution import NoTurn, PriorityGate
+from services.model_server.execution import NoTurn, TierGate
 from tests.conftest import settle
 
 pytestmark = pytest.mark.unit
 
 
 async def test_waiting_batches_run_vip_first_then_in_order():
-    gate = PriorityGate()
+    gate = TierGate()
     ran: list[str] = []
     hold = asyncio.Event()
 
-    async def batch(name: str, priority: int, wait: asyncio.Event | None = None):
-        async with gate.turn(priority):
+    async def batch(name: str, tier: int, wait: asyncio.Event | None = None):
+        async with gate.turn(tier):
             ran.append(name)
             if wait is not None:
                 await wait.wait()
 
     first = asyncio.create_task(batch("running", 0, hold))
     await asyncio.sleep(0)
-    waiting = [asyncio.create_task(batch(name, priority)) for name, priority in
+    waiting = [asyncio.create_task(batch(name, tier)) for name, tier in
                (("std-1", 0), ("vip-1", 1), ("std-2", 0), ("vip-2", 1))]
     await asyncio.sleep(0)
     assert gate.waiting == 4  # the queue the autoscaler reads
@@ -35,7 +35,7 @@ async def test_waiting_batches_run_vip_first_then_in_order():
 
 
 async def test_a_cancelled_waiter_does_not_block_the_gate():
-    gate = PriorityGate()
+    gate = TierGate()
     hold = asyncio.Event()
     ran: list[str] = []
 
@@ -60,7 +60,7 @@ async def test_a_cancelled_waiter_does_not_block_the_gate():
 
 
 async def test_a_waiter_with_a_time_limit_gives_up_and_leaves_the_gate_working():
-    gate = PriorityGate()
+    gate = TierGate()
     hold = asyncio.Event()
     ran: list[str] = []
 
@@ -86,10 +86,10 @@ async def test_two_loads_of_one_version_add_to_one_queue_gauge():
     """During a reload the old and the new load of a version share one gauge
     label: each adds its own waiters instead of overwriting the other's count."""
     queued = prometheus_client.Gauge("queued_batches", "test", registry=prometheus_client.CollectorRegistry())
-    old, new = PriorityGate(queued=queued), PriorityGate(queued=queued)
+    old, new = TierGate(queued=queued), TierGate(queued=queued)
     hold = asyncio.Event()
 
-    async def batch(gate: PriorityGate):
+    async def batch(gate: TierGate):
         async with gate.turn(0):
             await hold.wait()
 
@@ -115,28 +115,28 @@ class Batches:
     """Batches through one gate, each recording (name, instance) when it gets its
     turn and holding the instance until the test lets it finish."""
 
-    def __init__(self, gate: PriorityGate):
+    def __init__(self, gate: TierGate):
         self.gate = gate
         self.ran: list[tuple[str, int]] = []
         self._done: dict[str, asyncio.Event] = {}
 
-    def start(self, name: str, priority: int = 0) -> asyncio.Task:
+    def start(self, name: str, tier: int = 0) -> asyncio.Task:
         self._done[name] = asyncio.Event()
-        return asyncio.create_task(self._batch(name, priority))
+        return asyncio.create_task(self._batch(name, tier))
 
     def finish(self, *names: str) -> None:
         for name in names:
             self._done[name].set()
 
-    async def _batch(self, name: str, priority: int) -> None:
-        async with self.gate.turn(priority) as instance:
+    async def _batch(self, name: str, tier: int) -> None:
+        async with self.gate.turn(tier) as instance:
             self.ran.append((name, instance))
             await self._done[name].wait()
 
 
 async def test_a_reserved_instance_is_lent_after_a_lull_and_reserved_again_once_vip_comes():
     clock = Clock()
-    gate = PriorityGate(2, reserved=1, lend_after_s=10, clock=clock)
+    gate = TierGate(2, reserved=1, lend_after_s=10, clock=clock)
     batches = Batches(gate)
     a, b = batches.start("a"), batches.start("b")
     await settle()
@@ -149,7 +149,7 @@ async def test_a_reserved_instance_is_lent_after_a_lull_and_reserved_again_once_
     assert batches.ran == [("a", 0), ("b", 1)] and gate.waiting == 1  # the batch that waited goes first, on loan
     assert gate.lent(1, 0) and not gate.lent(0, 0)
     clock.now = 11.0
-    vip = batches.start("vip", priority=1)
+    vip = batches.start("vip", tier=1)
     await settle()
     assert not gate.lending() and gate.waiting == 2  # the reservation holds from the VIP batch's arrival on
     batches.finish("b")  # the lent instance comes back: to the VIP batch, not to c
@@ -165,7 +165,7 @@ async def test_a_reserved_instance_is_lent_after_a_lull_and_reserved_again_once_
 
 
 async def test_a_standard_batch_on_loan_takes_a_general_instance_first():
-    gate = PriorityGate(2, reserved=1, lend_after_s=0, clock=Clock())
+    gate = TierGate(2, reserved=1, lend_after_s=0, clock=Clock())
     async with gate.turn(0) as first, gate.turn(0) as second:
         assert (first, second) == (0, 1)
     async with gate.turn(1) as vip:
@@ -174,7 +174,7 @@ async def test_a_standard_batch_on_loan_takes_a_general_instance_first():
 
 async def test_without_lend_after_s_a_reserved_instance_is_never_lent():
     clock = Clock()
-    gate = PriorityGate(2, reserved=1, clock=clock)
+    gate = TierGate(2, reserved=1, clock=clock)
     clock.now = 1e9
     assert not gate.lending() and gate.usable(0) == 1
     async with gate.turn(0) as instance:
@@ -188,7 +188,7 @@ async def test_when_lending_begins_a_release_hands_on_the_reserved_instance_too(
     """Lending begins with time passing; the next release (no new batch needed)
     hands out the idle reserved instance as well as its own."""
     clock = Clock()
-    gate = PriorityGate(2, reserved=1, lend_after_s=10, clock=clock)
+    gate = TierGate(2, reserved=1, lend_after_s=10, clock=clock)
     batches = Batches(gate)
     tasks = [batches.start(name) for name in ("a", "b", "c")]
     await settle()
@@ -205,7 +205,7 @@ async def test_a_caller_batch_arriving_when_lending_begins_goes_ahead_of_a_waiti
     """The golden probe runs below callers: when lending begins as a standard batch
     arrives, the free reserved instance goes to that batch, not to the waiting probe."""
     clock = Clock()
-    gate = PriorityGate(2, reserved=1, lend_after_s=10, clock=clock)
+    gate = TierGate(2, reserved=1, lend_after_s=10, clock=clock)
     batches = Batches(gate)
     a, probe = batches.start("a", 0), batches.start("probe", -1)
     await settle()

@@ -21,7 +21,8 @@ from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from infermesh.common.v1 import tensor_pb2
 from infermesh.model_server.v1 import model_server_pb2
 
-from services.batcher.core import STANDARD, VIP, Batcher
+from services.batcher.core import Batcher
+from services.common.tier import Tier
 from services.batcher.replicas import FAILED_POLLS, MESH_HISTORY_POLLS, ReplicaSet, _merge_polls, _transport_failure
 from services.common import errors, traffic
 from services.common.tensors import from_numpy
@@ -216,7 +217,7 @@ async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_
                                                                "batch could no longer finish before its deadline"):
                 await replicas.execute("mlp", "", mlp_batch(), [], 0.2)
             # A VIP batch has a slot of its own: it goes to the server's VIP-first gate.
-            vip = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0, priority=1))
+            vip = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0, tier=1))
             await until(lambda: replica.inflight == 2, "two batches in flight", timeout_s=10)
         assert [(await call)[0] for call in (first, second, vip)] == ["1", "1", "1"]
         assert replica.inflight == 0
@@ -339,10 +340,10 @@ async def test_a_replica_is_sent_as_many_batches_as_its_instances_can_start(repo
             one_row = [from_numpy("INPUT0", np.ones((1, 64), dtype=np.float32), "FP32")]
             standard = [asyncio.ensure_future(batcher.submit("mlp", "", one_row, [])) for _ in range(3)]
             await until(lambda: gate.waiting == 2, "two batches waiting", timeout_s=10)
-            assert replica.running[("mlp", STANDARD)] == 2 and batcher.queue_length() == 1
-            vip = asyncio.ensure_future(batcher.submit("mlp", "", one_row, [], priority=VIP))
+            assert replica.running[("mlp", Tier.STANDARD)] == 2 and batcher.queue_length() == 1
+            vip = asyncio.ensure_future(batcher.submit("mlp", "", one_row, [], tier=Tier.VIP))
             await until(lambda: gate.waiting == 3, "three batches waiting", timeout_s=10)
-            assert replica.running[("mlp", VIP)] == 1 and batcher.queue_length() == 1
+            assert replica.running[("mlp", Tier.VIP)] == 1 and batcher.queue_length() == 1
         assert len(await asyncio.gather(*standard, vip)) == 4
     finally:
         await batcher.close()
@@ -365,7 +366,7 @@ async def test_while_the_vip_instance_is_lent_out_standard_batches_may_use_it_un
         await replicas.start()
         assert replicas._replicas[0].models["mlp"].lending  # noqa: SLF001
         assert replicas.slots("mlp") == (2, 1, 2)
-        await replicas.execute("mlp", "", mlp_batch(), [], 30.0, priority=VIP)
+        await replicas.execute("mlp", "", mlp_batch(), [], 30.0, tier=Tier.VIP)
         assert replicas.slots("mlp") == (1, 2, 1)
         await replicas.poll_once()
         assert replicas.slots("mlp") == (2, 1, 2)
@@ -542,11 +543,11 @@ async def test_behind_a_mesh_vip_batches_have_room_of_their_own(repo):
         await replicas.start()
         await replicas.poll_once()
         (replica,) = replicas._replicas  # noqa: SLF001
-        replica.running[("mlp", STANDARD)] = 2  # the standard bound is full
+        replica.running[("mlp", Tier.STANDARD)] = 2  # the standard bound is full
         assert replicas.slots("mlp") == (2, 2, 0)  # standard's two; VIP's own two, none shared
-        assert not replicas._has_room(replica, "mlp", STANDARD)  # noqa: SLF001
-        assert replicas._has_room(replica, "mlp", VIP)  # noqa: SLF001
-        replica.running[("mlp", VIP)] = 2
-        assert not replicas._has_room(replica, "mlp", VIP)  # noqa: SLF001
+        assert not replicas._has_room(replica, "mlp", Tier.STANDARD)  # noqa: SLF001
+        assert replicas._has_room(replica, "mlp", Tier.VIP)  # noqa: SLF001
+        replica.running[("mlp", Tier.VIP)] = 2
+        assert not replicas._has_room(replica, "mlp", Tier.VIP)  # noqa: SLF001
         replica.running.clear()
         await replicas.close()

@@ -173,8 +173,8 @@ async def test_requests_queued_together_share_a_frame_and_each_gets_its_own_answ
         mux = StreamMux("frames", batcher_pb2_grpc.BatcherStub(channel).SubmitMany,
                         lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True), framing=submit_framing(0.5))
 
-        def submit(model, urgent=False):
-            return mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model=model), 10, urgent=urgent)
+        def submit(model, at_once=False):
+            return mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model=model), 10, at_once=at_once)
 
         held = asyncio.create_task(submit("slow"))  # in flight: the next ones may linger
         await until(lambda: servicer.requests == 1, "the slow request at the server")
@@ -201,9 +201,9 @@ async def test_an_urgent_request_does_not_wait_out_the_linger():
         lingering = asyncio.create_task(mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model="std"), 60))
         await asyncio.sleep(0.2)  # time in which it would have gone out, were it not lingering
         assert not lingering.done()
-        urgent = await asyncio.wait_for(
-            mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model="vip"), 60, urgent=True), 5)
-        assert urgent.version == "vip" and (await asyncio.wait_for(lingering, 5)).version == "std"
+        at_once = await asyncio.wait_for(
+            mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model="vip"), 60, at_once=True), 5)
+        assert at_once.version == "vip" and (await asyncio.wait_for(lingering, 5)).version == "std"
         servicer.gate.set()
         await held
         await mux.close()

@@ -3,11 +3,12 @@
 import dataclasses
 from typing import ClassVar
 
-from services.batcher.core import STANDARD, VIP, LevelPolicy, QueuePolicy
+from services.batcher.core import LevelPolicy, QueuePolicy
 from services.batcher.policy import POLICIES
 from services.common import tls
 from services.common.budget import MIB, ServingLimits
 from services.common.config import require
+from services.common.tier import Tier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +91,9 @@ class BatcherConfig(ServingLimits):
 
     def queue_policy(self) -> QueuePolicy:
         return QueuePolicy({
-            VIP: LevelPolicy(self.vip_max_queue_size, self.vip_default_timeout_ms / 1000),
-            STANDARD: LevelPolicy(self.standard_max_queue_size, self.standard_default_timeout_ms / 1000),
+            Tier.VIP: LevelPolicy(self.vip_max_queue_size, self.vip_default_timeout_ms / 1000),
+            Tier.STANDARD: LevelPolicy(self.standard_max_queue_size, self.standard_default_timeout_ms / 1000),
         }, aging_s=self.standard_aging_ms / 1000, admission_share=self.admission_share)
 
-    def latency_targets_s(self) -> dict[int, float]:
-        return {VIP: self.vip_latency_target_ms / 1000, STANDARD: self.standard_latency_target_ms / 1000}
+    def latency_targets_s(self) -> dict[Tier, float]:
+        return {Tier.VIP: self.vip_latency_target_ms / 1000, Tier.STANDARD: self.standard_latency_target_ms / 1000}

@@ -1,6 +1,6 @@
-"""Dynamic batching: per-model priority queues drained into batches.
+"""Dynamic batching: per-model queues, a level per tier, drained into batches.
 
-Priority levels are strict and non-preemptive, FIFO within a level, with an
+Tiers are served in strict priority, non-preemptive, FIFO within a level, with an
 aging bound for standard requests; each level has its own queue bound and
 default timeout (Triton's queue policy).
 
@@ -33,26 +33,22 @@ from services.batcher.policy import FixedPolicy, Policy, QueueView, make_policy
 from services.common import errors
 from services.common.identity import MAX_WEIGHT, MIN_WEIGHT
 from services.common.latency import CAUTIOUS_DEVIATIONS, MovingTime
+from services.common.tier import TIERS, Tier
 from services.common.tensors import TensorData, check_tensor_size, concat_rows, split_rows
 
 log = logging.getLogger(__name__)
 
-VIP = 1
-STANDARD = 0
-PRIORITIES = (STANDARD, VIP)
 LENGTH_WINDOW = 128  # how far into a level length-aware batching looks for a similar request
 RATE_WINDOW_S = 5.0  # the completions that estimate a queue's service rate: the last few busy seconds' ...
 RATE_BATCHES = 8  # ... and of those at most the last few batches, so that the rate follows a change of load
 
-
-LEVEL_NAMES = {VIP: "vip", STANDARD: "standard"}
 MAX_TENANT_CHARS = 256  # of a tenant's name: it is held while the tenant's requests wait
 
 
 
 @dataclasses.dataclass(frozen=True)
 class LevelPolicy:
-    """Triton's queue policy, per priority level: how many may wait, and the
+    """Triton's queue policy, per queue level (one per tier): how many may wait, and the
     longest a request may wait when it brings no tighter deadline."""
 
     max_queue_size: int
@@ -61,7 +57,7 @@ class LevelPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class QueuePolicy:
-    levels: dict[int, LevelPolicy]
+    levels: dict[Tier, LevelPolicy]  # the queue level of each tier
     # Once a standard request has waited this long, VIP-led batches alternate
     # with standard-led ones: a steady VIP stream cannot starve standard traffic.
     aging_s: float = 1.0
@@ -73,7 +69,7 @@ class QueuePolicy:
     @classmethod
     def uniform(cls, max_queue_size: int, default_timeout_s: float, aging_s: float = 1.0,
                 admission_share: float = 0.5) -> "QueuePolicy":
-        return cls({level: LevelPolicy(max_queue_size, default_timeout_s) for level in PRIORITIES}, aging_s,
+        return cls({tier: LevelPolicy(max_queue_size, default_timeout_s) for tier in TIERS}, aging_s,
                    admission_share)
 
 
@@ -100,8 +96,8 @@ class SlotPool:
         self._changed = asyncio.Event()
 
     async def acquire(self, has_vip: Callable[[], bool],
-                      has_standard: Callable[[], bool]) -> tuple[str, tuple[int, ...]]:
-        """A slot, and the levels whose requests its batch may carry. A reserved
+                      has_standard: Callable[[], bool]) -> tuple[str, tuple[Tier, ...]]:
+        """A slot, and the tiers whose requests its batch may carry. A reserved
         slot while VIP requests wait and one is free (it carries a VIP-led
         batch), else a general one. A general slot carries VIP requests only
         where VIP batches can reach the replicas it counts (or VIP work has no
@@ -117,12 +113,12 @@ class SlotPool:
             vip_waits = has_vip() and reserved > 0
             if vip_waits and self.taken["reserved"] < reserved:
                 self.taken["reserved"] += 1
-                return "reserved", (VIP,)
-            levels = PRIORITIES if vip_general > 0 or reserved == 0 or general == 0 else (STANDARD,)
+                return "reserved", (Tier.VIP,)
+            tiers = TIERS if vip_general > 0 or reserved == 0 or general == 0 else (Tier.STANDARD,)
             if ((self.taken["general"] < general or (general == 0 and not vip_waits))
-                    and (VIP in levels or has_standard())):
+                    and (Tier.VIP in tiers or has_standard())):
                 self.taken["general"] += 1
-                return "general", levels
+                return "general", tiers
             self._changed.clear()
             await self._changed.wait()
 
@@ -136,8 +132,8 @@ class SlotPool:
 
 
 class ServiceRate:
-    """Rows one lane's batches complete per second of busy time: time with a
-    batch of the lane in flight or a request of its level waiting. Time with
+    """Rows one tier's batches complete per second of busy time: time with a
+    batch of the tier in flight or a request of its level waiting. Time with
     neither is not counted, as no demand is not slowness. (Counting it, a pause
     in traffic made the model look slow, admission then refused requests, the
     router shed more, traffic paused again: a loop.) Time with requests waiting
@@ -147,7 +143,7 @@ class ServiceRate:
     the VIP share, so that admission let requests wait past what their
     deadlines allowed.
 
-    Each batch is recorded with how many batches the lane could run at once
+    Each batch is recorded with how many batches the tier could run at once
     then (its slots), and the rate is scaled to the slots it has now: when a
     model server stops lending its VIP instance, standard traffic has half
     the instances, and a rate measured on two would let admission fill the
@@ -179,7 +175,7 @@ class ServiceRate:
             self._busy_s += now - self._busy_since
 
     def waiting(self, now: float, any_waiting: bool) -> None:
-        """Whether requests of the lane's level wait in the queue from `now` on."""
+        """Whether requests of the tier's level wait in the queue from `now` on."""
         self._change(now, waiting=any_waiting)
 
     def started(self, now: float) -> None:
@@ -187,14 +183,14 @@ class ServiceRate:
 
     def finished(self, now: float, rows: int | None, slots: int = 1) -> None:
         """A batch ended; `rows` it completed, None when it failed, while the
-        lane had `slots`."""
+        tier had `slots`."""
         if rows is not None:
             self._completed.append((self.busy_clock(now), rows, slots))
         self._change(now, running=-1)
 
     def rows_per_second(self, now: float, slots: int = 1) -> float | None:
         """Over the last few batches within the last RATE_WINDOW_S of busy time
-        (a rate measured before a surge of load would overstate it), for a lane
+        (a rate measured before a surge of load would overstate it), for a tier
         with `slots` now; None until enough batches have finished to tell."""
         clock = self.busy_clock(now)
         while self._completed and clock - self._completed[0][0] > RATE_WINDOW_S:
@@ -225,7 +221,7 @@ class Backend(Protocol):
 
     async def execute(
         self, model: str, version: str, inputs: list[TensorData], outputs: list[str], timeout_s: float,
-        priority: int = STANDARD,
+        tier: Tier = Tier.STANDARD,
     ) -> tuple[str, list[TensorData]]: ...
 
 
@@ -235,7 +231,7 @@ class Pending:
 
     inputs: list[TensorData]
     outputs: list[str]
-    priority: int
+    tier: Tier
     deadline: float | None  # loop time
     future: asyncio.Future
     enqueued: float
@@ -278,30 +274,29 @@ class ModelQueue:
         self._slots = slots
         self._default_timeout_s = default_timeout_s
         self._batch_seconds = 0.05  # running estimate of one batch's time, for retry hints
-        # Per lane, what its batches take: how long before its deadline a waiting
+        # Per tier of batch, what its batches take: how long before its deadline a waiting
         # request can no longer be run and answered (_cautious_batch_s).
-        self._batch_times = {VIP: MovingTime(), STANDARD: MovingTime()}
-        self._lane_done_at = {VIP: -math.inf, STANDARD: -math.inf}  # when each lane's latest batch ended
-        # Per lane (the level a batch goes out at: the model servers run VIP batches
-        # first, and a VIP pool may run them): rows sent and not yet answered, and
-        # how fast that lane's batches complete.
-        self._inflight_rows = {VIP: 0, STANDARD: 0}
-        self._service_rates = {VIP: ServiceRate(), STANDARD: ServiceRate()}
+        self._batch_times = {Tier.VIP: MovingTime(), Tier.STANDARD: MovingTime()}
+        self._tier_done_at = {Tier.VIP: -math.inf, Tier.STANDARD: -math.inf}  # when each tier's latest batch ended
+        # Per tier of batch (the model servers run VIP batches first, and a VIP pool
+        # may run them): rows sent and not yet answered, and how fast its batches complete.
+        self._inflight_rows = {Tier.VIP: 0, Tier.STANDARD: 0}
+        self._service_rates = {Tier.VIP: ServiceRate(), Tier.STANDARD: ServiceRate()}
         self._length_aware = length_aware
-        self._last_led = STANDARD  # the level of the request that led the last batch
+        self._last_led_tier = Tier.STANDARD  # of the request that led the last batch
         self.batch_policy = batch_policy if batch_policy is not None else FixedPolicy(max_batch_size, max_delay_s)
-        self._running: dict[asyncio.Task, tuple[float, int, int]] = {}  # batches in flight: (start, rows, lane)
+        self._running: dict[asyncio.Task, tuple[float, int, Tier]] = {}  # batches in flight: (start, rows, tier)
         # Within a level, tenants share by weight (FairLevel); one tenant's requests go FIFO.
-        self._levels = {VIP: FairLevel(), STANDARD: FairLevel()}
+        self._levels = {Tier.VIP: FairLevel(), Tier.STANDARD: FairLevel()}
         # Kept with the levels for the requests still waiting there (a request answered while
         # queued, expired or cancelled, leaves its deque only when the batching task passes it,
         # but stops counting at once): admission, planning, the bound and the gauge read them.
-        self._queued_rows = {VIP: 0, STANDARD: 0}
-        self._queued = {VIP: 0, STANDARD: 0}
+        self._queued_rows = {Tier.VIP: 0, Tier.STANDARD: 0}
+        self._queued = {Tier.VIP: 0, Tier.STANDARD: 0}
         # Per (level, tenant) with requests waiting: [requests, rows, weight]; and per level
         # the sum of those tenants' weights. Only waiting requests have entries.
         self._tenant_load: dict[tuple[int, str], list] = {}
-        self._level_weight = {VIP: 0.0, STANDARD: 0.0}
+        self._level_weight = {Tier.VIP: 0.0, Tier.STANDARD: 0.0}
         self._forming: list[Pending] = []  # the batch _collect is filling: taken from the levels, not yet sent
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -317,65 +312,64 @@ class ModelQueue:
         return sum(self._queued.values())
 
     def put(self, item: Pending) -> None:
-        level = self._levels[item.priority]
-        limit = self._policy.levels[item.priority].max_queue_size
-        name = LEVEL_NAMES[item.priority]
-        if self._queued[item.priority] >= limit:
-            self._refuse_if_full(item, limit, name)
-        self._admit(item, name)
+        level = self._levels[item.tier]
+        limit = self._policy.levels[item.tier].max_queue_size
+        if self._queued[item.tier] >= limit:
+            self._refuse_if_full(item, limit)
+        self._admit(item)
         level.append(item)
         item.queued = True
         item.future.add_done_callback(lambda _: self._leave(item))  # answered while it waits: a place frees
         self._count_queued(item, 1, item.enqueued)
-        self.batch_policy.observe_arrival(item.enqueued, item.rows, item.priority)
-        if item.priority == VIP or self._queued[item.priority] == 1:
+        self.batch_policy.observe_arrival(item.enqueued, item.rows, item.tier)
+        if item.tier == Tier.VIP or self._queued[item.tier] == 1:
             # A VIP request may take a reserved slot; the first standard one a slot VIP work cannot use.
             self._slots.poke()
         self._arrived.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"batcher-{self.model}-{self.version}")
 
-    def _refuse_if_full(self, item: Pending, limit: int, name: str) -> None:
+    def _refuse_if_full(self, item: Pending, limit: int) -> None:
         """A full level refuses a request, unless its tenant holds less than its
         weight's share of the level's places: a tenant that filled the queue
         alone must not lock out the next one. Those go past the bound, up to
         twice it (what the level holds stays bounded)."""
-        queued = self._queued[item.priority]
+        queued = self._queued[item.tier]
         share, held = self._tenant_share(item, limit)
         if held < share and queued < 2 * limit:
             return
-        metrics.REJECTIONS.labels(self.model, name, "queue_full").inc()
+        metrics.REJECTIONS.labels(self.model, item.tier.label, "queue_full").inc()
         # About how long until a place frees up: the batches ahead of it.
         retry_ms = self._drain_retry_ms()
         shared = share < limit  # other tenants wait at this level too
         whose = f"; tenant '{item.tenant}' holds {held} of them, its share is {share:.0f}" if shared else ""
         raise errors.ResourceExhausted(
-            f"the {name} queue of model '{self.model}' is full ({queued} requests waiting{whose}); "
+            f"the {item.tier.label} queue of model '{self.model}' is full ({queued} requests waiting{whose}); "
             f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
 
     def _tenant_share(self, item: Pending, places: float) -> tuple[float, int]:
         """The tenant's share of `places` among the tenants waiting at its level
         (itself counted), and how many requests it has waiting there."""
-        load = self._tenant_load.get((item.priority, item.tenant))
-        weights = self._level_weight[item.priority] + (0.0 if load else item.weight)
+        load = self._tenant_load.get((item.tier, item.tenant))
+        weights = self._level_weight[item.tier] + (0.0 if load else item.weight)
         return places * item.weight / weights, (load[0] if load else 0)
 
     def _count_queued(self, item: Pending, requests: int, now: float) -> None:
-        level, rows = item.priority, requests * item.rows
-        self._queued[level] += requests
-        self._queued_rows[level] += rows
-        key = (level, item.tenant)
+        tier, rows = item.tier, requests * item.rows
+        self._queued[tier] += requests
+        self._queued_rows[tier] += rows
+        key = (tier, item.tenant)
         load = self._tenant_load.get(key)
         if load is None:
             load = self._tenant_load[key] = [0, 0, item.weight]
-            self._level_weight[level] += item.weight
+            self._level_weight[tier] += item.weight
         load[0] += requests
         load[1] += rows
         if load[0] <= 0:
             del self._tenant_load[key]
-            self._level_weight[level] = max(0.0, self._level_weight[level] - load[2])
-        self._service_rates[level].waiting(now, self._queued_rows[level] > 0)
-        metrics.QUEUE_LENGTH.labels(self.model, LEVEL_NAMES[level]).set(self._queued[level])
+            self._level_weight[tier] = max(0.0, self._level_weight[tier] - load[2])
+        self._service_rates[tier].waiting(now, self._queued_rows[tier] > 0)
+        metrics.QUEUE_LENGTH.labels(self.model, tier.label).set(self._queued[tier])
 
     def _leave(self, item: Pending) -> None:
         """The request no longer holds a place in its level: taken into a batch,
@@ -389,18 +383,18 @@ class ModelQueue:
         batches waiting ahead have gone."""
         return max(10, int(1000 * self._batch_seconds * len(self) / max(self.batch_size, 1)))
 
-    def _cautious_batch_s(self, lane: int) -> float | None:
-        """What the lane's batches take, cautiously (CAUTIOUS_DEVIATIONS); None
+    def _cautious_batch_s(self, tier: Tier) -> float | None:
+        """What the tier's batches take, cautiously (CAUTIOUS_DEVIATIONS); None
         until one has finished."""
-        return self._batch_times[lane].estimate(CAUTIOUS_DEVIATIONS)
+        return self._batch_times[tier].estimate(CAUTIOUS_DEVIATIONS)
 
-    def _lane_slots(self, lane: int) -> int:
-        """How many batches the lane may have in flight now: standard batches the
+    def _tier_slots(self, tier: Tier) -> int:
+        """How many batches of the tier may be in flight now: standard batches the
         general slots, VIP batches the reserved ones and the general ones they reach."""
         general, reserved, vip_general = self._slots.sizes()
-        return max(1, reserved + vip_general if lane == VIP else general)
+        return max(1, reserved + vip_general if tier == Tier.VIP else general)
 
-    def _admit(self, item: Pending, level_name: str) -> None:
+    def _admit(self, item: Pending) -> None:
         """Deadline-aware admission: a request that would wait in the queue past
         its deadline is refused now, in microseconds, instead of timing out
         later having held a place; "past" with a margin (admission_share), as
@@ -410,30 +404,30 @@ class ModelQueue:
         the wait). Only with a real backlog and a measured rate."""
         if item.deadline is None:
             return
-        ahead = sum(rows for level, rows in self._queued_rows.items() if level > item.priority)
+        ahead = sum(rows for tier, rows in self._queued_rows.items() if tier > item.tier)
         ahead += self._rows_before(item)
         # A standard request also waits for the batches already at the model
-        # servers (execution is not preemptive); a VIP one has its own lane there.
-        ahead += item.rows + (self._inflight_rows[STANDARD] if item.priority < VIP else 0)
+        # servers (execution is not preemptive); a VIP one goes ahead of them there.
+        ahead += item.rows + (self._inflight_rows[Tier.STANDARD] if item.tier < Tier.VIP else 0)
         if ahead <= self.batch_size:
             return
-        rate = self._service_rates[item.priority].rows_per_second(item.enqueued, self._lane_slots(item.priority))
+        rate = self._service_rates[item.tier].rows_per_second(item.enqueued, self._tier_slots(item.tier))
         if rate is None:
             return
         wait_s = ahead / rate
         left_s = item.deadline - item.enqueued
         allowed_s = self._policy.admission_share * left_s
         limit = f"{self._policy.admission_share:.0%} of the {1000 * left_s:.0f} ms left before this request's deadline"
-        run_s = self._cautious_batch_s(item.priority)
+        run_s = self._cautious_batch_s(item.tier)
         if run_s is not None and left_s - run_s - errors.REFUSAL_MARGIN_S < allowed_s:
             allowed_s = left_s - run_s - errors.REFUSAL_MARGIN_S
             limit = (f"the {1000 * max(allowed_s, 0.0):.0f} ms that its deadline, {1000 * left_s:.0f} ms away, "
                      f"leaves after its own batch (about {1000 * run_s:.0f} ms)")
         if wait_s > allowed_s:
-            metrics.REJECTIONS.labels(self.model, level_name, "would_miss_deadline").inc()
+            metrics.REJECTIONS.labels(self.model, item.tier.label, "would_miss_deadline").inc()
             retry_ms = max(10, int(1000 * (wait_s - allowed_s)))
             raise errors.ResourceExhausted(
-                f"model '{self.model}' has {ahead} rows to finish up to this request at {level_name} priority or "
+                f"model '{self.model}' has {ahead} rows to finish up to this request at the {item.tier.label} tier or "
                 f"above (queued, running, its own), about {1000 * wait_s:.0f} ms of work, more than {limit}; "
                 f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
 
@@ -442,12 +436,12 @@ class ModelQueue:
         that wait there, or, where other tenants wait too, as many as fair
         queueing serves of theirs while this tenant's backlog and the request
         go (its rows at the level's total weight over its own)."""
-        waiting = self._queued_rows[item.priority]
-        load = self._tenant_load.get((item.priority, item.tenant))
+        waiting = self._queued_rows[item.tier]
+        load = self._tenant_load.get((item.tier, item.tenant))
         mine = load[1] if load else 0
         if mine == waiting:
             return waiting
-        weights = self._level_weight[item.priority] + (0.0 if load else item.weight)
+        weights = self._level_weight[item.tier] + (0.0 if load else item.weight)
         return min(waiting, int((mine + item.rows) * weights / item.weight) - item.rows)
 
     async def _run(self) -> None:
@@ -455,12 +449,12 @@ class ModelQueue:
             while not len(self):
                 self._arrived.clear()
                 await self._arrived.wait()
-            slot, levels = await self._slots.acquire(lambda: bool(self._queued[VIP]),
-                                                     lambda: bool(self._queued[STANDARD]))
+            slot, tiers = await self._slots.acquire(lambda: bool(self._queued[Tier.VIP]),
+                                                     lambda: bool(self._queued[Tier.STANDARD]))
             try:
                 # A slot reserved for VIP work carries a VIP-led batch, even when aged
                 # standard requests are due a turn: theirs comes with a general slot.
-                batch = await self._collect(levels)
+                batch = await self._collect(tiers)
             except BaseException:
                 self._slots.release(slot)
                 # Taken from the queue and not yet sent: no one else would answer them.
@@ -473,7 +467,7 @@ class ModelQueue:
             task = asyncio.create_task(self._execute(batch, slot))
             self._batches.add(task)
             self._running[task] = (asyncio.get_running_loop().time(), sum(item.rows for item in batch),
-                                   max(item.priority for item in batch))
+                                   max(item.tier for item in batch))
             task.add_done_callback(self._batch_done)
             abandoned = functools.partial(_stop_if_abandoned, task, [item.future for item in batch])
             for item in batch:
@@ -484,29 +478,29 @@ class ModelQueue:
         self._running.pop(task, None)
 
     def _take(self, room: int, alone: bool, near_length: float | None = None,
-              levels: tuple[int, ...] = PRIORITIES, shape: tuple = ()) -> Pending | None:
-        """The next live request of `levels` that fits in `room` rows and has
+              tiers: tuple[Tier, ...] = TIERS, shape: tuple = ()) -> Pending | None:
+        """The next live request of `tiers` that fits in `room` rows and has
         the batch's `shape` (any size and shape when `alone`): a batch's lead by
-        strict priority, the rest from `levels` in the order given; FIFO within
+        strict priority, the rest from `tiers` in the order given; FIFO within
         a level (a head that does not fit or is of another shape is not passed
         over: it leads the next batch); expired and cancelled requests are
         answered and dropped on the way. Given `near_length` (length-aware
         batching), it is the request of the most similar length among the
         first few that fit, so that short texts are not padded to long ones."""
         now = asyncio.get_running_loop().time()
-        order = (VIP, STANDARD) if alone else levels
-        standard = self._levels[STANDARD]
+        order = (Tier.VIP, Tier.STANDARD) if alone else tiers
+        standard = self._levels[Tier.STANDARD]
         while standard and not self._live(standard[0], now):  # the aging bound reads the oldest still waiting
             standard.popleft()
-        if (alone and self._last_led == VIP and standard
+        if (alone and self._last_led_tier == Tier.VIP and standard
                 and now - standard[0].enqueued >= self._policy.aging_s):
             # Starvation bound: while VIP batches follow each other, a standard
             # request that has aged gets every other batch. Standard traffic
             # that merely waits behind its own backlog is not promoted, so a
             # standard overload never pushes VIP requests back.
-            order = (STANDARD, VIP)
-        for level in (level for level in order if level in levels):
-            queue = self._levels[level]
+            order = (Tier.STANDARD, Tier.VIP)
+        for tier in (tier for tier in order if tier in tiers):
+            queue = self._levels[tier]
             while queue:
                 item = queue[0]
                 if not self._live(item, now):
@@ -521,7 +515,7 @@ class ModelQueue:
                     queue.remove(item)
                 self._leave(item)
                 if alone:
-                    self._last_led = level
+                    self._last_led_tier = tier
                 item.taken()
                 return item
         return None
@@ -535,7 +529,7 @@ class ModelQueue:
         if item.future.done():
             self._leave(item)  # at once, not when its done callback comes round
             if item.future.cancelled():
-                metrics.REJECTIONS.labels(self.model, LEVEL_NAMES[item.priority], "cancelled").inc()
+                metrics.REJECTIONS.labels(self.model, item.tier.label, "cancelled").inc()
             return False
         return True
 
@@ -555,8 +549,8 @@ class ModelQueue:
 
     def give_up_at(self, item: Pending) -> float:
         """When a request still waiting is refused (give_up): its deadline less
-        what its lane's batches take (cautiously) and the refusal's margin."""
-        run_s = self._cautious_batch_s(item.priority)
+        what its tier's batches take (cautiously) and the refusal's margin."""
+        run_s = self._cautious_batch_s(item.tier)
         return item.deadline - (run_s + errors.REFUSAL_MARGIN_S if run_s is not None else 0.0)
 
     def give_up(self, item: Pending) -> None:
@@ -570,15 +564,14 @@ class ModelQueue:
         if item.future.done():
             return
         now = asyncio.get_running_loop().time()
-        run_s = self._cautious_batch_s(item.priority)
+        run_s = self._cautious_batch_s(item.tier)
         if run_s is None or now >= item.deadline:
             self.expire(item)
             return
-        name = LEVEL_NAMES[item.priority]
-        metrics.REJECTIONS.labels(self.model, name, "no_time_left").inc()
+        metrics.REJECTIONS.labels(self.model, item.tier.label, "no_time_left").inc()
         retry_ms = self._drain_retry_ms()
         item.future.set_exception(errors.ResourceExhausted(
-            f"request for model '{self.model}' waited {1000 * (now - item.enqueued):.0f} ms in the {name} queue and "
+            f"request for model '{self.model}' waited {1000 * (now - item.enqueued):.0f} ms in the {item.tier.label} queue and "
             f"has {1000 * (item.deadline - now):.0f} ms left, less than its batch would take (about "
             f"{1000 * run_s:.0f} ms); it was not run; retry after about {retry_ms} ms", retry_after_ms=retry_ms))
 
@@ -590,12 +583,12 @@ class ModelQueue:
 
     def _out_of_time(self, item: Pending) -> bool:
         """Whether a request about to be sent is refused instead (give_up): it
-        waited while its lane's batches ran, and has less time left than they
+        waited while its tier's batches ran, and has less time left than they
         take now. Its give_up timer was set by the estimate when it arrived,
         which a slow batch since may have raised; sent, it would time out. A
-        request that arrived after its lane's latest batch ended goes however
+        request that arrived after its tier's latest batch ended goes however
         tight its deadline: the estimate may be stale then (see give_up)."""
-        if item.deadline is None or item.enqueued >= self._lane_done_at[item.priority]:
+        if item.deadline is None or item.enqueued >= self._tier_done_at[item.tier]:
             return False
         if asyncio.get_running_loop().time() < self.give_up_at(item):
             return False
@@ -607,21 +600,21 @@ class ModelQueue:
         the queue until the batching task skips it, but never runs."""
         if item.future.done():
             return
-        metrics.REJECTIONS.labels(self.model, LEVEL_NAMES[item.priority], "deadline").inc()
+        metrics.REJECTIONS.labels(self.model, item.tier.label, "deadline").inc()
         waited_ms = 1000 * (asyncio.get_running_loop().time() - item.enqueued)
         item.future.set_exception(errors.DeadlineExceeded(
             f"request for model '{self.model}' waited {waited_ms:.1f} ms in the queue, past its deadline; it was not run"))
 
-    async def _collect(self, levels: tuple[int, ...] = PRIORITIES) -> list[Pending]:
-        """A batch of requests from `levels` (see SlotPool.acquire)."""
+    async def _collect(self, tiers: tuple[Tier, ...] = TIERS) -> list[Pending]:
+        """A batch of requests from `tiers` (see SlotPool.acquire)."""
         loop = asyncio.get_running_loop()
         batch = self._forming = []
         rows = 0
         size, dispatch_by = self.batch_size, loop.time()
         while True:
             near = batch[0].length if batch and self._length_aware else None
-            allowed = self._fill_levels(batch[0].priority, levels) if batch else levels
-            item = self._take(size - rows, alone=not batch, near_length=near, levels=allowed,
+            allowed = self._fill_tiers(batch[0].tier, tiers) if batch else tiers
+            item = self._take(size - rows, alone=not batch, near_length=near, tiers=allowed,
                               shape=batch[0].shape if batch else ())
             if item is not None:
                 if not batch:
@@ -631,9 +624,9 @@ class ModelQueue:
                 if rows >= size:
                     break
                 continue
-            if not batch or any(self._queued[level] for level in allowed):
+            if not batch or any(self._queued[tier] for tier in allowed):
                 break  # nothing waiting, or the next request does not fit or is of another shape
-            if self._queued[VIP] and VIP not in allowed:
+            if self._queued[Tier.VIP] and Tier.VIP not in allowed:
                 break  # a VIP request this batch will not carry: the batching task is its way out
             remaining = dispatch_by - loop.time()
             if remaining <= 0:
@@ -646,8 +639,8 @@ class ModelQueue:
         self._forming = []
         return batch
 
-    def _fill_levels(self, lead: int, levels: tuple[int, ...]) -> tuple[int, ...]:
-        """Which levels fill a batch after its lead, in order.
+    def _fill_tiers(self, tier: Tier, tiers: tuple[Tier, ...]) -> tuple[Tier, ...]:
+        """Which tiers fill a batch after its lead, in order.
         - A VIP-led batch carries VIP requests only: filled up with standard
           ones it would run as long as any standard batch, and VIP latency
           under a standard overload would be a full batch's time.
@@ -659,23 +652,23 @@ class ModelQueue:
           gathering and then a standard batch's run, its reserved instance
           idle. The batch leaves then instead (_collect), and the VIP request
           takes its slot."""
-        if lead == VIP:
-            return (VIP,)
+        if tier == Tier.VIP:
+            return (Tier.VIP,)
         _, reserved, _ = self._slots.sizes()
-        return (STANDARD, VIP) if VIP in levels and reserved == 0 else (STANDARD,)
+        return (Tier.STANDARD, Tier.VIP) if Tier.VIP in tiers and reserved == 0 else (Tier.STANDARD,)
 
     def _plan(self, lead: Pending) -> tuple[int, float]:
         limits = self._backend.limits(self.model)
         view = QueueView(
-            now=asyncio.get_running_loop().time(), oldest_enqueued=lead.enqueued, level=lead.priority,
+            now=asyncio.get_running_loop().time(), oldest_enqueued=lead.enqueued, tier=lead.tier,
             # What the lead's batch and those after it drain: its level and those above.
-            waiting_rows=lead.rows + sum(rows for level, rows in self._queued_rows.items() if level >= lead.priority),
+            waiting_rows=lead.rows + sum(rows for tier, rows in self._queued_rows.items() if tier >= lead.tier),
             # A VIP batch waits for company only behind VIP batches: standard ones do not
             # hold its instance, and at VIP rates the wait would only add to its latency.
-            running=tuple((start, rows) for start, rows, lane in self._running.values()
-                          if lead.priority == STANDARD or lane == VIP),
+            running=tuple((start, rows) for start, rows, tier in self._running.values()
+                          if lead.tier == Tier.STANDARD or tier == Tier.VIP),
             max_rows=limits.max_batch_size if limits else self._configured_batch_size,
-            slots=self._lane_slots(lead.priority))
+            slots=self._tier_slots(lead.tier))
         size, dispatch_by = self.batch_policy.plan(view)
         metrics.TARGET_ROWS.labels(self.model).set(size)
         return max(size, 1), dispatch_by
@@ -706,7 +699,7 @@ class ModelQueue:
         # A batch runs by its latest request's deadline: by its earliest, a VIP request with time to
         # spare would be refused with the tight standard ones an aged standard batch may lead.
         deadlines = [item.deadline for item in batch if item.deadline is not None]
-        timeout = max(deadlines) - now if len(deadlines) == len(batch) else self._default_timeout_s
+        timeout_s = max(deadlines) - now if len(deadlines) == len(batch) else self._default_timeout_s
         names = [t.name for t in batch[0].inputs]  # submit() checked that every request has exactly these
         inputs = [concat_rows([next(t for t in item.inputs if t.name == name) for item in batch]) for name in names]
         counts = [item.rows for item in batch]
@@ -714,17 +707,17 @@ class ModelQueue:
         wanted = [] if any(not item.outputs for item in batch) else sorted({o for item in batch for o in item.outputs})
         metrics.BATCH_ROWS.labels(self.model).observe(sum(counts))
         for item in () if rerun else batch:
-            metrics.QUEUE_WAIT.labels(self.model, LEVEL_NAMES[item.priority]).observe(now - item.enqueued)
-        lead = max(item.priority for item in batch)  # the model server runs VIP batches first
-        expected_s = self._cautious_batch_s(lead)
-        self._inflight_rows[lead] += sum(counts)
-        self._service_rates[lead].started(now)
+            metrics.QUEUE_WAIT.labels(self.model, item.tier.label).observe(now - item.enqueued)
+        tier = max(item.tier for item in batch)  # the batch's tier: the model server runs VIP batches first
+        expected_s = self._cautious_batch_s(tier)
+        self._inflight_rows[tier] += sum(counts)
+        self._service_rates[tier].started(now)
         completed, split = None, False
         try:
-            version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout, 0.001),
-                                                           priority=lead)
+            version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout_s, 0.001),
+                                                           tier=tier)
             self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * (loop.time() - now)
-            self._batch_times[lead].observe(loop.time() - now)
+            self._batch_times[tier].observe(loop.time() - now)
             self.batch_policy.observe_batch(sum(counts), loop.time() - now)
             completed = sum(counts)
         except errors.InfermeshError as exc:
@@ -736,13 +729,13 @@ class ModelQueue:
                 split = True
             else:
                 if isinstance(exc, errors.DeadlineExceeded):
-                    self._ran_out_of_time(batch, lead, now, timeout, expected_s)
+                    self._ran_out_of_time(batch, tier, now, timeout_s, expected_s)
                 _fail_all(batch, exc)
                 return
         finally:
-            self._inflight_rows[lead] -= sum(counts)
-            self._service_rates[lead].finished(loop.time(), completed, self._lane_slots(lead))
-            self._lane_done_at[lead] = loop.time()
+            self._inflight_rows[tier] -= sum(counts)
+            self._service_rates[tier].finished(loop.time(), completed, self._tier_slots(tier))
+            self._tier_done_at[tier] = loop.time()
         if split:
             # Each request that can still be answered: its caller has not gone, its deadline has not passed.
             alone = [item for item in batch if self._sendable(item)]
@@ -754,17 +747,17 @@ class ModelQueue:
                 names = item.outputs or list(parts)
                 item.future.set_result((version, [parts[name][i] for name in names]))
 
-    def _ran_out_of_time(self, batch: list[Pending], lead: int, sent_at: float, given_s: float,
+    def _ran_out_of_time(self, batch: list[Pending], tier: Tier, sent_at: float, timeout_s: float,
                          expected_s: float | None) -> None:
         """A batch sent in time that timed out all the same: the estimates that
         let its requests wait (admission, give_up) were short of what this
         batch met. Rare by design, so each one is logged with the numbers."""
-        metrics.BATCH_TIMEOUTS.labels(self.model, LEVEL_NAMES[lead]).inc()
+        metrics.BATCH_TIMEOUTS.labels(self.model, tier.label).inc()
         took_s = asyncio.get_running_loop().time() - sent_at
         waited_s = sent_at - min(item.enqueued for item in batch)
         log.warning("batch of %d rows for model %s (%s) ran out of its %.0f ms after %.0f ms at the model server, "
-                    "its requests having waited up to %.0f ms here; the lane's batches take about %s",
-                    sum(item.rows for item in batch), self.model, LEVEL_NAMES[lead], 1000 * given_s, 1000 * took_s,
+                    "its requests having waited up to %.0f ms here; the tier's batches take about %s",
+                    sum(item.rows for item in batch), self.model, tier.label, 1000 * timeout_s, 1000 * took_s,
                     1000 * waited_s, "(no estimate yet)" if expected_s is None else f"{1000 * expected_s:.0f} ms")
 
     def idle(self) -> bool:
@@ -822,10 +815,10 @@ class Batcher:
 
     def __init__(self, backend: Backend, max_batch_size: int, max_queue_delay_ms: float, max_queue_size: int = 2048,
                  default_timeout_s: float = 30.0, policy: QueuePolicy | None = None, length_aware: bool = True,
-                 batch_policy: str = "fixed", latency_targets_s: dict[int, float] | None = None):
+                 batch_policy: str = "fixed", latency_targets_s: dict[Tier, float] | None = None):
         self._length_aware = length_aware
         self._batch_policy = batch_policy
-        self._latency_targets_s = latency_targets_s or {VIP: 0.2, STANDARD: 1.0}
+        self._latency_targets_s = latency_targets_s or {Tier.VIP: 0.2, Tier.STANDARD: 1.0}
         self._backend = backend
         self._max_batch_size = max_batch_size
         self._max_delay_s = max_queue_delay_ms / 1000
@@ -871,7 +864,7 @@ class Batcher:
         return queue
 
     async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                     priority: int = STANDARD, timeout_s: float | None = None, tenant: str = "",
+                     tier: Tier = Tier.STANDARD, timeout_s: float | None = None, tenant: str = "",
                      weight: float = 1.0) -> tuple[str, list[TensorData]]:
         """Queues one request and waits for its answer; cancelling the caller
         drops the request before it runs. Within its level, `tenant` shares
@@ -880,8 +873,9 @@ class Batcher:
         limits = self._backend.limits(model)
         if limits is None:
             raise errors.Unavailable(f"no ready model_server replica serves model '{model}'")
-        if priority not in PRIORITIES:
-            raise errors.InvalidArgument(f"priority {priority} is not a Priority value; expected one of {PRIORITIES}")
+        if tier not in TIERS:
+            raise errors.InvalidArgument(f"tier {tier} is not a Tier value; expected one of {[int(t) for t in TIERS]}")
+        tier = Tier(tier)
         if len(tenant) > MAX_TENANT_CHARS:
             raise errors.InvalidArgument(f"field 'tenant' is {len(tenant)} characters long; at most {MAX_TENANT_CHARS}")
         weight = weight or 1.0
@@ -909,11 +903,11 @@ class Batcher:
         queue = self._queue(model, version)
         now = loop.time()
         # A request's own deadline may only shorten its level's default wait.
-        level_timeout = self._policy.levels[priority].default_timeout_s
+        level_timeout = self._policy.levels[tier].default_timeout_s
         if level_timeout > 0:
             timeout_s = min(timeout_s, level_timeout) if timeout_s else level_timeout
         length = sum(len(t.data) for t in inputs if t.datatype == "BYTES") / rows
-        item = Pending(inputs, outputs, priority, now + timeout_s if timeout_s else None, loop.create_future(), now,
+        item = Pending(inputs, outputs, tier, now + timeout_s if timeout_s else None, loop.create_future(), now,
                        length=length, shape=tuple((t.name, t.shape[1:]) for t in inputs), tenant=tenant,
                        weight=weight)
         queue.put(item)

@@ -1,4 +1,4 @@
-"""Fair share between tenants inside one priority level.
+"""Fair share between tenants inside one queue level (one tier of a model).
 
 A level's waiting requests are served by start-time fair queueing (Goyal,
 Vin and Cheng, 1996) over tenants: each request gets a start tag, the later

@@ -8,10 +8,10 @@ it may wait for them. The batcher asks once a batch has its first request.
   more than 100 requests wait, halve down to 8 while fewer than 0.5 arrive per
   second — with the fixed policy's waiting.
 - adaptive: learns what a row costs at each batch size online, and sends the
-  smallest batch that keeps up with the lane's arrivals (with headroom) and
+  smallest batch that keeps up with the tier's arrivals (with headroom) and
   takes what waits in one batch per free slot (a short queue is spread over
   idle instances instead of waiting on one); under overload the configured size,
-  the least overhead per row; never a batch longer than the level's latency
+  the least overhead per row; never a batch longer than the tier's latency
   target. A small batch is done sooner, so below saturation latency can fall;
   at saturation it batches as fixed does. Waits as the fixed policy does.
 """
@@ -22,6 +22,7 @@ import math
 from typing import Protocol
 
 from services.common.latency import MovingTime, nearest_class, size_class
+from services.common.tier import Tier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +31,11 @@ class QueueView:
 
     now: float
     oldest_enqueued: float  # of the request leading the batch
-    level: int  # of that request
-    waiting_rows: int  # queued at the lead's level or above, the lead included
+    tier: Tier  # of that request
+    waiting_rows: int  # queued at the lead's tier or above, the lead included
     running: tuple[tuple[float, int], ...]  # (start, rows) of the model's batches in flight (a VIP lead: VIP ones)
     max_rows: int  # the model's and the configuration's cap
-    slots: int = 1  # batches of the lead's lane that may run at once
+    slots: int = 1  # batches of the lead's tier that may run at once
 
 
 class Policy(Protocol):
@@ -43,7 +44,7 @@ class Policy(Protocol):
     def plan(self, view: QueueView) -> tuple[int, float]:
         """(rows to aim for, loop time by which to send the batch even if not full)."""
 
-    def observe_arrival(self, now: float, rows: int, level: int) -> None: ...
+    def observe_arrival(self, now: float, rows: int, tier: Tier) -> None: ...
 
     def observe_batch(self, rows: int, seconds: float) -> None: ...
 
@@ -82,7 +83,7 @@ class FixedPolicy:
             return min(self._max_rows, view.max_rows), view.now
         return min(self._max_rows, view.max_rows), view.oldest_enqueued + self._max_delay_s
 
-    def observe_arrival(self, now: float, rows: int, level: int) -> None:
+    def observe_arrival(self, now: float, rows: int, tier: Tier) -> None:
         pass
 
     def observe_batch(self, rows: int, seconds: float) -> None:
@@ -103,7 +104,7 @@ class BaselinePolicy(FixedPolicy):
             self._max_rows = max(self._max_rows // 2, 8)
         return super().plan(view)
 
-    def observe_arrival(self, now: float, rows: int, level: int) -> None:
+    def observe_arrival(self, now: float, rows: int, tier: Tier) -> None:
         self._arrivals.observe(now, rows)
 
 
@@ -132,7 +133,7 @@ class RowCost:
 class AdaptivePolicy:
     name = "adaptive"
 
-    def __init__(self, max_rows: int, max_delay_s: float, latency_targets_s: dict[int, float],
+    def __init__(self, max_rows: int, max_delay_s: float, latency_targets_s: dict[Tier, float],
                  headroom: float = 1.5, tau_s: float = 2.0):
         self._max_rows = max_rows
         self._waiting = FixedPolicy(max_rows, max_delay_s)
@@ -142,7 +143,7 @@ class AdaptivePolicy:
         # the mesh's work (caps of 4 and 8 rows served 10% less than 32 at
         # saturation here).
         self._headroom = headroom
-        self._arrivals: dict[int, ArrivalRate] = collections.defaultdict(lambda: ArrivalRate(tau_s))
+        self._arrivals: dict[Tier, ArrivalRate] = collections.defaultdict(lambda: ArrivalRate(tau_s))
         self.cost = RowCost()
 
     def plan(self, view: QueueView) -> tuple[int, float]:
@@ -152,13 +153,13 @@ class AdaptivePolicy:
 
     def size(self, view: QueueView) -> int:
         """The smallest batch, of 1, 2, 4, ... up to the configured size, that
-        serves the lane's arrivals with headroom on its slots and takes what
+        serves the tier's arrivals with headroom on its slots and takes what
         waits in one batch per free slot; the largest when none does (overload,
         a backlog), as it has the least overhead per row. Never one that would
-        run longer than the level's latency target, unless a single row would."""
+        run longer than the tier's latency target, unless a single row would."""
         largest = min(self._max_rows, view.max_rows)
-        needed = self._headroom * self._arrivals[view.level].rate(view.now)
-        target = self._targets.get(view.level, math.inf)
+        needed = self._headroom * self._arrivals[view.tier].rate(view.now)
+        target = self._targets.get(view.tier, math.inf)
         if self.cost.seconds(largest) is None:  # no batch seen yet
             return largest
         free = max(view.slots - len(view.running), 1)  # this batch's slot among them
@@ -171,8 +172,8 @@ class AdaptivePolicy:
             chosen = size_class(chosen) // 2
         return chosen
 
-    def observe_arrival(self, now: float, rows: int, level: int) -> None:
-        self._arrivals[level].observe(now, rows)
+    def observe_arrival(self, now: float, rows: int, tier: Tier) -> None:
+        self._arrivals[tier].observe(now, rows)
 
     def observe_batch(self, rows: int, seconds: float) -> None:
         self.cost.observe(rows, seconds)
@@ -186,7 +187,7 @@ def _sizes(max_rows: int) -> list[int]:
 POLICIES = ("fixed", "baseline", "adaptive")
 
 
-def make_policy(name: str, max_rows: int, max_delay_s: float, latency_targets_s: dict[int, float]) -> Policy:
+def make_policy(name: str, max_rows: int, max_delay_s: float, latency_targets_s: dict[Tier, float]) -> Policy:
     if name == "fixed":
         return FixedPolicy(max_rows, max_delay_s)
     if name == "baseline":

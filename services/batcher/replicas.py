@@ -1,8 +1,8 @@
 """The model_server replicas as the batcher's backend: discovery by polling
 ListModels, one RPC per batch to the least-loaded replica, one retry
 elsewhere. Given Istio's VirtualService and DestinationRule files, the same
-hop follows them as Envoy would: a route per batch (the batch's tier is its
-x-user-tier header), one weighted pick of a subset per batch, retries and
+hop follows them as Envoy would: a route per batch (matched on the batch's
+tier as the x-user-tier header), one weighted pick of a subset per batch, retries and
 back-off per the route, outlier detection per subset.
 
 Behind a service mesh (Kubernetes with Istio) the batcher is given one
@@ -23,11 +23,12 @@ import grpc
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
 from services.batcher import metrics
-from services.batcher.core import STANDARD, VIP, ModelLimits
+from services.batcher.core import ModelLimits
 from services.common import errors, tls, traffic
 from services.common.serving import client_options
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.tensors import TensorData
+from services.common.tier import Tier
 
 log = logging.getLogger(__name__)
 # Worth one try on another replica: this one is down or has no ready version of the
@@ -53,7 +54,7 @@ class Replica:
 
     @property
     def inflight(self) -> int:
-        """Batches in flight here, of every model and lane."""
+        """Batches in flight here, of every model and tier."""
         return sum(self.running.values())
 
 
@@ -185,25 +186,25 @@ class ReplicaSet:
         work's alone, and the standard pool's is standard work's alone, as a
         batch sent for room only the other pool has would wait for its own
         (_hosts_with_room)."""
-        standard, vip = self._reachable(model, STANDARD), self._reachable(model, VIP)
+        standard, vip = self._reachable(model, Tier.STANDARD), self._reachable(model, Tier.VIP)
         if self._behind_mesh:
             # One Service address, behind which the mesh may route VIP batches to a pool
             # of their own (mesh/istio's x-user-tier route): each tier has its own bound
             # there, so a standard surge cannot take the VIP batches' room.
-            return (sum(self._bound(r, model, STANDARD) for r in standard),
-                    sum(self._bound(r, model, VIP) for r in vip), 0)
-        general = sum(self._bound(r, model, STANDARD) for r in standard)
-        shared = sum(self._bound(r, model, STANDARD) for r in vip if r in standard)  # VIP may use those too
-        return general, sum(self._bound(r, model, VIP) for r in vip) - shared, shared
+            return (sum(self._bound(r, model, Tier.STANDARD) for r in standard),
+                    sum(self._bound(r, model, Tier.VIP) for r in vip), 0)
+        general = sum(self._bound(r, model, Tier.STANDARD) for r in standard)
+        shared = sum(self._bound(r, model, Tier.STANDARD) for r in vip if r in standard)  # VIP may use those too
+        return general, sum(self._bound(r, model, Tier.VIP) for r in vip) - shared, shared
 
-    def _reachable(self, model: str, priority: int) -> list[Replica]:
-        """The ready replicas serving the model that a batch led by `priority`
+    def _reachable(self, model: str, tier: Tier) -> list[Replica]:
+        """The ready replicas serving the model that a batch of `tier`
         may be sent to: all of them, or under a traffic policy those of the
         subsets its route weighs above 0, less those ejected."""
         serving = [r for r in self._replicas if r.ready and model in r.models]
         if self._policy is None:
             return serving
-        route = self._policy.service.route(dict(tier_metadata(priority)))
+        route = self._policy.service.route(dict(tier_metadata(tier)))
         if route is None:
             return []
         now = asyncio.get_running_loop().time()
@@ -218,9 +219,9 @@ class ReplicaSet:
         """Calls `listener` after each round of polls: the slots may have changed."""
         self._listeners.append(listener)
 
-    def _bound(self, replica: Replica, model: str, priority: int) -> int:
+    def _bound(self, replica: Replica, model: str, tier: Tier) -> int:
         """How many batches of `model` the replica may have in flight when the
-        next is led by `priority` (see the class): a standard batch counts the
+        next is of `tier` (see the class): a standard batch counts the
         standard ones, a VIP batch all of them; behind a mesh each tier counts
         its own (_has_room)."""
         if self._behind_mesh:
@@ -234,43 +235,43 @@ class ReplicaSet:
             lent = info.lending and replica.vip_sent_at.get(model, -math.inf) < replica.polled_at
             standard = info.instances - (0 if lent else info.reserved_instances) + self._queued
             every = info.instances + self._queued
-        return every + 1 if priority >= VIP else standard
+        return every + 1 if tier >= Tier.VIP else standard
 
-    def _has_room(self, replica: Replica, model: str, priority: int) -> bool:
+    def _has_room(self, replica: Replica, model: str, tier: Tier) -> bool:
         if self._behind_mesh:
-            return replica.running[(model, VIP if priority >= VIP else STANDARD)] < self._bound(replica, model, priority)
-        running = replica.running[(model, STANDARD)]
-        if priority >= VIP:
-            running += replica.running[(model, VIP)]
-        return running < self._bound(replica, model, priority)
+            return replica.running[(model, Tier.VIP if tier >= Tier.VIP else Tier.STANDARD)] < self._bound(replica, model, tier)
+        running = replica.running[(model, Tier.STANDARD)]
+        if tier >= Tier.VIP:
+            running += replica.running[(model, Tier.VIP)]
+        return running < self._bound(replica, model, tier)
 
-    def _choose(self, model: str, version: str, priority: int, exclude: set[str]) -> Replica | None:
+    def _choose(self, model: str, version: str, tier: Tier, exclude: set[str]) -> Replica | None:
         """The least-loaded of the candidates (see _candidates) not yet tried,
         among those with room for the batch when any has."""
         candidates = _candidates([r for r in self._replicas if r.address not in exclude], model, version)
-        roomy = [r for r in candidates if self._has_room(r, model, priority)]
+        roomy = [r for r in candidates if self._has_room(r, model, tier)]
         return min(roomy or candidates, key=lambda r: r.inflight, default=None)
 
     async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                      timeout_s: float, priority: int = 0) -> tuple[str, list[TensorData]]:
+                      timeout_s: float, tier: Tier = Tier.STANDARD) -> tuple[str, list[TensorData]]:
         if self._policy is not None:
-            return await self._execute_by_policy(model, version, inputs, outputs, timeout_s, priority)
+            return await self._execute_by_policy(model, version, inputs, outputs, timeout_s, tier)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         request = model_server_pb2.ExecuteRequest(model=model, version=version, inputs=tensors_to_proto(inputs),
-                                                  outputs=outputs, priority=priority)
+                                                  outputs=outputs, tier=tier)
         tried: set[str] = set()
         while True:
-            replica = self._choose(model, version, priority, tried)
+            replica = self._choose(model, version, tier, tried)
             if replica is None:
                 raise errors.Unavailable(
                     f"no ready model_server replica serves model '{model}'" + (f" version {version}" if version else ""))
             tried.add(replica.address)
             started = loop.time()
             try:
-                with self._inflight(replica, model, priority):
+                with self._inflight(replica, model, tier):
                     response = await replica.stub.Execute(request, timeout=max(deadline - loop.time(), 0.001),
-                                                          metadata=tier_metadata(priority))
+                                                          metadata=tier_metadata(tier) if self._behind_mesh else None)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if _retry_elsewhere(exc) and not self._behind_mesh:  # behind a mesh its sidecar has retried already
@@ -282,7 +283,7 @@ class ReplicaSet:
                         replica.ready = False
                     # The model server's own status stands when no other replica could take the batch;
                     # a lost connection's is gRPC's, so the next turn answers why: no replica serves the model.
-                    elsewhere = gone or self._choose(model, version, priority, tried) is not None
+                    elsewhere = gone or self._choose(model, version, tier, tried) is not None
                     if len(tried) < 2 and deadline - loop.time() > 0 and elsewhere:
                         log.warning("batch for %s failed on %s (%s); retrying once elsewhere", model, replica.address, code.name)
                         metrics.RETRIES.labels(code.name).inc()
@@ -333,22 +334,22 @@ class ReplicaSet:
                 detector.set_hosts(hosts)
 
     async def _execute_by_policy(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                                 timeout_s: float, priority: int) -> tuple[str, list[TensorData]]:
+                                 timeout_s: float, tier: Tier) -> tuple[str, list[TensorData]]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        headers = dict(tier_metadata(priority))
+        headers = dict(tier_metadata(tier))
         route = self._policy.service.route(headers)
         if route is None:
             raise errors.Unavailable(f"no route of VirtualService {self._policy.service.name} matches {headers}")
         destination = route.pick(self._rng)  # one weighted pick per batch; its retries stay in the subset
         detector = self._detectors.get(destination.subset)
         request = model_server_pb2.ExecuteRequest(model=model, version=version, inputs=tensors_to_proto(inputs),
-                                                  outputs=outputs, priority=priority)
+                                                  outputs=outputs, tier=tier)
         tried: set[str] = set()
         if route.timeout_s is not None:  # the route's timeout bounds the call and all its retries
             deadline = min(deadline, loop.time() + route.timeout_s)
         for attempt in range(route.retries.attempts + 1):
-            roomy = await self._hosts_with_room(route, destination, model, version, priority, deadline)
+            roomy = await self._hosts_with_room(route, destination, model, version, tier, deadline)
             fresh = [r for r in roomy if r.address not in tried] or roomy  # Envoy's previous_hosts
             replica = min(fresh, key=lambda r: r.inflight)
             tried.add(replica.address)
@@ -356,9 +357,8 @@ class ReplicaSet:
             per_try = min(left, route.retries.per_try_timeout_s or left)
             started = loop.time()
             try:
-                with self._inflight(replica, model, priority):
-                    response = await replica.stub.Execute(request, timeout=max(per_try, 0.001),
-                                                          metadata=tier_metadata(priority))
+                with self._inflight(replica, model, tier):
+                    response = await replica.stub.Execute(request, timeout=max(per_try, 0.001))
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 metrics.UPSTREAM.labels(destination.subset, code.name).inc()
@@ -383,7 +383,7 @@ class ReplicaSet:
             return response.version, tensors_from_proto(response.outputs)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _hosts_with_room(self, route, destination, model: str, version: str, priority: int,
+    async def _hosts_with_room(self, route, destination, model: str, version: str, tier: Tier,
                                deadline: float) -> list[Replica]:
         """The hosts of the destination's subset in service (_in_service) that
         serve the version and have room for the batch (see the class), waiting
@@ -396,23 +396,23 @@ class ReplicaSet:
                 metrics.UPSTREAM.labels(destination.subset, "UNAVAILABLE").inc()
                 raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset "
                                          f"'{destination.subset or destination.host}' (route {route.name})")
-            roomy = [r for r in candidates if self._has_room(r, model, priority)]
+            roomy = [r for r in candidates if self._has_room(r, model, tier)]
             if roomy:
                 return roomy
             await self._wait_for_room(model, destination.subset or destination.host,
-                                      max(self._bound(r, model, priority) for r in candidates), deadline)
+                                      max(self._bound(r, model, tier) for r in candidates), deadline)
 
     @contextlib.contextmanager
-    def _inflight(self, replica: Replica, model: str, priority: int):
-        lane = (model, VIP if priority >= VIP else STANDARD)
-        if priority >= VIP:
+    def _inflight(self, replica: Replica, model: str, tier: Tier):
+        key = (model, Tier.VIP if tier >= Tier.VIP else Tier.STANDARD)
+        if tier >= Tier.VIP:
             replica.vip_sent_at[model] = asyncio.get_running_loop().time()
-        replica.running[lane] += 1
+        replica.running[key] += 1
         metrics.INFLIGHT.labels(replica.address).set(replica.inflight)
         try:
             yield
         finally:
-            replica.running[lane] -= 1
+            replica.running[key] -= 1
             metrics.INFLIGHT.labels(replica.address).set(replica.inflight)
             self._wake_room_waiters()
 
@@ -481,11 +481,13 @@ def _add_versions(into, other) -> None:
         getattr(into, field).extend(union)
 
 
-def tier_metadata(priority: int) -> tuple[tuple[str, str], ...]:
-    """The header a batch carries to the model servers. A VIP-led batch holds VIP
-    requests only, so the whole batch may take the VIP route: Istio's header match
-    in Kubernetes, the same VirtualService read by this batcher outside it."""
-    return (("x-user-tier", "vip" if priority >= 1 else "standard"),)
+def tier_metadata(tier: Tier) -> tuple[tuple[str, str], ...]:
+    """The batch's tier as the header a VirtualService route matches. A VIP-led
+    batch holds VIP requests only, so the whole batch may take the VIP route.
+    The model server reads the tier from ExecuteRequest.tier alone; the header
+    is sent only behind a mesh, whose sidecar routes on headers, not messages
+    (outside one, this batcher matches its own routes on it and sends none)."""
+    return (("x-user-tier", Tier(tier).label),)
 
 
 def _candidates(replicas: list[Replica], model: str, version: str) -> list[Replica]:

@@ -63,7 +63,7 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
             try:
                 version, outputs = await self._batcher.submit(
                     request.model, request.version, tensors_from_proto(request.inputs), list(request.outputs),
-                    priority=int(request.priority), timeout_s=request.timeout_ms / 1000 if request.timeout_ms else None,
+                    tier=request.tier, timeout_s=request.timeout_ms / 1000 if request.timeout_ms else None,
                     tenant=request.tenant, weight=request.tenant_weight)
                 return batcher_pb2.SubmitResponse(id=request.id, version=version, outputs=tensors_to_proto(outputs))
             except errors.InfermeshError as exc:

@@ -26,9 +26,9 @@ from services.cache import codec, metrics
 from services.cache.disk import DAMAGED, MAX_GENERATION, DiskStore, fresh_generation
 from services.common import errors
 from services.common.tensors import TensorData
+from services.common.tier import Tier
 
 log = logging.getLogger(__name__)
-TIERS = {0: "standard", 1: "vip"}
 MAX_QUEUED_STORES = 10_000
 # Models whose generation this replica has read from Redis (callers name them):
 # past this, the oldest is forgotten, and read again when next used.
@@ -248,10 +248,10 @@ class ResultCache:
             await self.refresh_generations()
 
     # -- lookups ----------------------------------------------------------------------
-    async def get(self, model: str, digest: bytes, tier: int = 0) -> list[TensorData] | None:
+    async def get(self, model: str, digest: bytes, tier: Tier = Tier.STANDARD) -> list[TensorData] | None:
         return (await self.lookup(model, digest, tier))[0]
 
-    async def lookup(self, model: str, digest: bytes, tier: int = 0) -> tuple[list[TensorData] | None, int]:
+    async def lookup(self, model: str, digest: bytes, tier: Tier = Tier.STANDARD) -> tuple[list[TensorData] | None, int]:
         """The cached result, or None; and the model's generation the lookup
         read, to store the result of a miss with (put)."""
         return await self._lookups.submit((model, digest, tier))
@@ -284,7 +284,7 @@ class ResultCache:
                     model, generation, digest, _ = keyed[i]
                     self._stores.submit(("l1", model, generation, digest, found))  # promote
         for (_, _, _, tier), result, level in zip(keyed, results, levels):
-            metrics.LOOKUPS.labels(level, TIERS.get(tier, "standard"), "hit" if result is not None else "miss").inc()
+            metrics.LOOKUPS.labels(level, tier.label, "hit" if result is not None else "miss").inc()
         return [(result, generation) for result, (_, generation, _, _) in zip(results, keyed)]
 
     async def _l1_get(self, keys: list[str]) -> list[bytes | None]:

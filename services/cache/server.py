@@ -14,6 +14,7 @@ from services.common import errors, identity, serving, tls
 from services.common.budget import ByteBudget
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.streams import answer_concurrently
+from services.common.tier import Tier
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
@@ -68,7 +69,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 check_key(f"LookupRequest id {request.id}", request.model, request.digest)
             except errors.InvalidArgument as exc:  # this lookup alone: a miss that says why
                 return cache_pb2.LookupResponse(id=request.id, hit=False, error=exc.message)
-            outputs, generation = await self._cache.lookup(request.model, request.digest, request.tier)
+            tier = Tier.of(request.tier) or Tier.STANDARD  # an unknown value only counts as standard
+            outputs, generation = await self._cache.lookup(request.model, request.digest, tier)
             response = cache_pb2.LookupResponse(id=request.id, hit=outputs is not None, generation=generation)
             if outputs is not None:
                 response.outputs.extend(tensors_to_proto(outputs))

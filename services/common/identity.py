@@ -35,10 +35,9 @@ import pathlib
 import secrets
 
 from services.common import errors
+from services.common.tier import BY_LABEL, Tier
 from services.common.tls import peer_identities
 
-TIERS = {"standard": 0, "vip": 1}  # the router's levels, lowest first
-TIER_NAMES = {level: name for name, level in TIERS.items()}
 ANONYMOUS = "anonymous"
 KEY_PREFIX = "sha256:"
 MAX_TENANTS = 10_000  # a registry is an operator's file; this bounds a mistake, not a design
@@ -53,24 +52,30 @@ class RegistryError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Tenant:
     name: str
-    tier: int  # the highest tier it may use, and its default
+    tier: Tier  # the highest tier it may use, and its default
     admin: bool = False
     rate_per_s: float = 0.0  # rows a second; 0: no limit
     burst: float = 0.0
     weight: float = 1.0
-    default_tier: int | None = None  # of a request that asks for none; None: `tier`
+    default_tier: Tier | None = None  # of a request that asks for none; None: `tier`
+
+    def __post_init__(self):
+        object.__setattr__(self, "tier", Tier(self.tier))
+        if self.default_tier is not None:
+            object.__setattr__(self, "default_tier", Tier(self.default_tier))
 
     def allowed_tiers(self) -> list[str]:
-        return [name for name, level in TIERS.items() if level <= self.tier]
+        return [tier.label for tier in Tier if tier <= self.tier]
 
-    def tier_for(self, claimed: int | None) -> int:
+    def tier_for(self, claimed: Tier | None) -> Tier:
         """The tier a request runs at: the one it asks for, if this tenant may
         use it, else PERMISSION_DENIED; the tenant's own tier if it asks none."""
         if claimed is None:
             return self.tier if self.default_tier is None else self.default_tier
+        claimed = Tier(claimed)
         if claimed > self.tier:
             raise errors.PermissionDenied(
-                f"tenant '{self.name}' may not use tier '{TIER_NAMES[claimed]}': it may use "
+                f"tenant '{self.name}' may not use tier '{claimed.label}': it may use "
                 f"{self.allowed_tiers()}; ask for one of those or none")
         return claimed
 
@@ -236,10 +241,10 @@ def _number(body: dict, key: str, at: str, default: float, minimum: float, maxim
     return float(value)
 
 
-def _tier(value, at: str) -> int:
-    if value not in TIERS:
-        raise RegistryError(f"{at}: field 'tier' is {value!r}; expected one of {list(TIERS)}")
-    return TIERS[value]
+def _tier(value, at: str) -> Tier:
+    if value not in BY_LABEL:
+        raise RegistryError(f"{at}: field 'tier' is {value!r}; expected one of {list(BY_LABEL)}")
+    return BY_LABEL[value]
 
 
 def _tenant(name: str, body, at: str) -> tuple[Tenant, tuple[list[str], list[str], list[str]]]:

@@ -1,5 +1,5 @@
 """How long a batch runs, learned online: the model server decides refusals
-with it per size class, the batcher refuses waiting requests with it per lane,
+with it per size class, the batcher refuses waiting requests with it per tier,
 and the batcher's adaptive policy learns a row's cost per size class from its
 parts (MovingTime, size_class)."""
 

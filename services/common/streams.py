@@ -129,7 +129,7 @@ class _Stream:
     async def _linger(self) -> None:
         """Waits up to the framing's linger_s for more requests to share the
         frame, while requests sent before are in flight (an idle stream sends
-        at once); cut short by an urgent request or a full frame (put)."""
+        at once); cut short by a request sent `at_once` or a full frame (put)."""
         if len(self.pending) <= self.outbox.qsize() + 1:
             return
         loop = asyncio.get_running_loop()
@@ -141,9 +141,9 @@ class _Stream:
             timer.cancel()
             self._waking = None
 
-    def put(self, item, urgent: bool = False) -> None:
+    def put(self, item, at_once: bool = False) -> None:
         self.outbox.put_nowait(item)
-        if self._waking is not None and (urgent or self.outbox.qsize() + 1 >= self.framing.max_messages):
+        if self._waking is not None and (at_once or self.outbox.qsize() + 1 >= self.framing.max_messages):
             self.wake()
 
     def wake(self) -> None:
@@ -185,7 +185,7 @@ class StreamMux:
         stream = self._stream
         if stream is not None and not stream.closed and self._max_age_s and now - stream.opened_at >= self._max_age_s:
             stream.retired = True
-            stream.put(None, urgent=True)  # half-close: the server answers what it holds, then ends the stream
+            stream.put(None, at_once=True)  # half-close: the server answers what it holds, then ends the stream
             self._retired.add(stream)
             stream.reader.add_done_callback(lambda _, stream=stream: self._retired.discard(stream))
             stream = None
@@ -216,23 +216,23 @@ class StreamMux:
             raise
         finally:
             stream.closed = True
-            stream.put(None, urgent=True)
+            stream.put(None, at_once=True)
             for future in stream.pending.values():
                 if not future.done():
                     future.set_exception(error)
             stream.pending.clear()
 
-    async def request(self, build: Callable[[int], object], timeout_s: float | None = None, urgent: bool = False):
+    async def request(self, build: Callable[[int], object], timeout_s: float | None = None, at_once: bool = False):
         """Sends build(id) and waits for the response with that id. On timeout
         or cancellation the server is told to drop the request (or, not yet
-        sent, it never is). An `urgent` request's frame goes at once, without
+        sent, it never is). A request sent `at_once` has its frame go now, without
         waiting for company (Framing.linger_s)."""
         stream = self._current()
         request_id = next(self._ids)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         stream.pending[request_id] = future
-        stream.put((request_id, build), urgent)  # built as it is sent (_Stream.messages)
+        stream.put((request_id, build), at_once)  # built as it is sent (_Stream.messages)
         entry = self._expire_at(loop, loop.time() + timeout_s, request_id, future) if timeout_s is not None else None
         try:
             return await future
@@ -278,7 +278,7 @@ class StreamMux:
         streams = [*self._retired, *([self._stream] if self._stream is not None else [])]
         for stream in streams:
             if stream.reader is not None:
-                stream.put(None, urgent=True)
+                stream.put(None, at_once=True)
                 stream.reader.cancel()
         await asyncio.gather(*(s.reader for s in streams if s.reader is not None), return_exceptions=True)
 

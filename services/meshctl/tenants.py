@@ -16,6 +16,7 @@ import pathlib
 import sys
 
 from services.common import identity
+from services.common.tier import BY_LABEL
 
 DEFAULT_REGISTRY = pathlib.Path("var/tenants.yaml")
 
@@ -33,7 +34,7 @@ def add_commands(commands) -> None:
     init.add_argument("--if-missing", action="store_true", help="do nothing (and succeed) if the registry exists")
     add = actions.add_parser("add", help="a new tenant with a new key (printed once)")
     add.add_argument("name")
-    add.add_argument("--tier", choices=list(identity.TIERS), default="standard")
+    add.add_argument("--tier", choices=list(BY_LABEL), default="standard")
     add.add_argument("--admin", action="store_true", help="may call the control RPCs")
     add.add_argument("--rate-per-s", type=float, help="rows a second through the router")
     add.add_argument("--burst", type=float, help="rows the rate's bucket holds")

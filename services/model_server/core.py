@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 from services.common import errors
+from services.common.tier import Tier
 from services.common.tensors import TensorData, bytes_elements, check_bytes_elements, check_tensor_size
 from services.model_server import metrics
 from services.model_server.execution import (LoadedVersion, LoadFailed, compare, cuda_usable, first_line,
@@ -31,7 +32,7 @@ from services.model_server.repository import (ConfigError, Golden, ModelConfig, 
 
 log = logging.getLogger(__name__)
 
-PROBE_PRIORITY = -1  # below standard traffic: a probe waits while callers' batches are waiting
+PROBE_TIER = -1  # below standard traffic: a probe waits while callers' batches are waiting
 # Execution is not preemptive: a golden probe run as one batch (minilm's: 12 texts,
 # padded to the longest, 256 tokens) holds the instance for as long as a full batch of
 # long texts, and every VIP batch would wait behind it. Run in slices of one row, any
@@ -306,7 +307,7 @@ class ModelManager:
 
     async def _probe(self, loaded: LoadedVersion, golden: Golden, config: ModelConfig) -> tuple[bool, str]:
         try:
-            results = await loaded.execute(golden_feeds(config, golden), [], PROBE_PRIORITY,
+            results = await loaded.execute(golden_feeds(config, golden), [], PROBE_TIER,
                                            slice_rows=PROBE_SLICE_ROWS)
         except Exception as exc:  # a probe that cannot even run is a failed probe
             return False, f"the probe batch failed: {type(exc).__name__}: {exc}"
@@ -485,9 +486,9 @@ class ModelManager:
             self._publish(model)
 
     async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                      priority: int = 0, time_left_s: float | None = None) -> tuple[str, list[TensorData]]:
+                      tier: int = Tier.STANDARD, timeout_s: float | None = None) -> tuple[str, list[TensorData]]:
         """Runs one batch off the event loop; returns the version used and the outputs.
-        `time_left_s` is the caller's deadline (see LoadedVersion.execute)."""
+        `timeout_s` is the time left before the caller's deadline (see LoadedVersion.execute)."""
         loaded = self.resolve(model, version)
         by_name = _check_inputs(loaded.config, inputs)
         if bytes_elements(inputs) > INLINE_ELEMENTS:
@@ -499,7 +500,7 @@ class ModelManager:
         if unknown:
             raise errors.InvalidArgument(f"model '{model}' has no output(s) {unknown}; outputs: {sorted(known)}")
         try:
-            result = await loaded.execute(by_name, outputs, priority, time_left_s)
+            result = await loaded.execute(by_name, outputs, tier, timeout_s)
         except errors.Unavailable:
             if loaded.broken:  # a shard failed on this batch
                 self._withdraw(model, loaded)

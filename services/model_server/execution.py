@@ -29,6 +29,7 @@ import onnxruntime as ort
 
 from services.common import errors
 from services.common.latency import CAUTIOUS_DEVIATIONS, LatencyProfile
+from services.common.tier import Tier
 from services.common.tensors import NUMPY_DTYPES, TensorData, concat_rows, from_numpy, split_rows, to_numpy
 from services.model_server import metrics
 from services.model_server.repository import (MAX_TOKENIZER_BYTES, ConfigError, Golden, ModelConfig, read_bounded,
@@ -38,8 +39,8 @@ from services.model_server.shards import ShardedSession, ShardError, ShardFailed
 log = logging.getLogger(__name__)
 
 TEXT_FEEDS = ("input_ids", "attention_mask", "token_type_ids")
-HIGHER_PRIORITY_MEMORY_S = 10.0  # how long one batch of a priority makes lower ones run in slices
-MAX_PRIORITIES_SEEN = 16  # priorities remembered (callers send them); past it the longest unseen is forgotten
+HIGHER_TIER_MEMORY_S = 10.0  # how long one batch of a tier makes lower ones run in slices
+MAX_TIERS_SEEN = 16  # tiers remembered (callers send them); past it the longest unseen is forgotten
 OPTIMIZATION = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -100,70 +101,70 @@ class Running:
     started: float  # loop time
     rows: int  # in this run
     left: int  # the batch's rows still to run, these included
-    priority: int
+    tier: int
 
-    def rows_ahead_of(self, priority: int) -> int:
-        """The rows a batch of `priority` arriving now would wait for: a batch of a
-        higher priority waits for this slice only (the batch steps aside after it)."""
-        return self.rows if priority > self.priority else self.left
+    def rows_ahead_of(self, tier: int) -> int:
+        """The rows a batch of `tier` arriving now would wait for: a batch of a
+        higher tier waits for this slice only (the batch steps aside after it)."""
+        return self.rows if tier > self.tier else self.left
 
 
 @dataclasses.dataclass
 class Hold:
-    """An instance held by one batch (PriorityGate.hold)."""
+    """An instance held by one batch (TierGate.hold)."""
 
-    priority: int
-    order: int  # its place among batches of its priority, kept when it steps aside
+    tier: int
+    order: int  # its place among batches of its tier, kept when it steps aside
     index: int | None  # None while it has stepped aside
 
 
-class PriorityGate:
+class TierGate:
     """Hands out `capacity` session instances; batches waiting for one go
-    highest priority first, FIFO within a priority. (The executors alone would
+    highest tier first, FIFO within a tier. (The executors alone would
     be FIFO: a VIP batch would wait behind every standard batch already sent.)
-    The last `reserved` instances run only batches of `reserved_priority` or
+    The last `reserved` instances run only batches of `reserved_tier` or
     above, so such a batch never waits for a lower one that is running. With
     `lend_after_s`, they are lent to lower batches once no such batch has come
     for that long (counted from the gate's creation): a reservation nobody uses
     would leave its cores idle. The first such batch after a lull may then wait
     for one lent batch; the reservation holds again from its arrival on."""
 
-    def __init__(self, capacity: int = 1, queued=None, reserved: int = 0, reserved_priority: int = 1,
+    def __init__(self, capacity: int = 1, queued=None, reserved: int = 0, reserved_tier: int = Tier.VIP,
                  lend_after_s: float | None = None, clock: Callable[[], float] = time.monotonic):
         self._capacity = capacity
         self._general = capacity - reserved
-        self._reserved_priority = reserved_priority
+        self._reserved_tier = reserved_tier
         self._lend_after_s = lend_after_s
         self._clock = clock
         self._reserved_seen_at = clock()  # the latest batch that may use the reserved instances
         self._free = list(range(capacity))
-        self._waiting: list[tuple[int, int, asyncio.Future, int]] = []  # (-priority, order, turn, rows)
+        self._waiting: list[tuple[int, int, asyncio.Future, int]] = []  # (-tier, order, turn, rows)
         self._order = itertools.count()
         self._queued = queued  # a gauge of the batches waiting, if any
         self.waiting = 0
 
     @contextlib.asynccontextmanager
-    async def turn(self, priority: int, wait_s: float | None = None, rows: int = 1):
+    async def turn(self, tier: int, wait_s: float | None = None, rows: int = 1):
         """Yields the index of the instance the batch (of `rows` rows) may use;
         raises NoTurn when none came free within `wait_s` (None: no limit)."""
-        async with self.hold(priority, wait_s, rows) as held:
+        async with self.hold(tier, wait_s, rows) as held:
             yield held.index
 
     @contextlib.asynccontextmanager
-    async def hold(self, priority: int, wait_s: float | None = None, rows: int = 1):
+    async def hold(self, tier: int, wait_s: float | None = None, rows: int = 1):
         """As turn, but yields a Hold: a batch run in slices may step aside
         between two of them (step_aside), so the instance it holds may change."""
         order = next(self._order)
-        if priority >= self._reserved_priority:
+        if tier >= self._reserved_tier:
             self._reserved_seen_at = self._clock()
         elif self.lending():
-            self._hand_on_free(at_least=priority)  # lending may have begun while batches waited
+            self._hand_on_free(at_least=tier)  # lending may have begun while batches waited
         # No waiting batch may use a free instance (each is handed on at release), so
         # taking one that this batch may use passes nobody.
-        instance = self._take_free(priority)
+        instance = self._take_free(tier)
         if instance is None:
             future = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._waiting, (-priority, order, future, rows))
+            heapq.heappush(self._waiting, (-tier, order, future, rows))
             self._count_waiting(+1)
             try:
                 instance = await (future if wait_s is None else asyncio.wait_for(future, max(wait_s, 0.0)))
@@ -175,7 +176,7 @@ class PriorityGate:
                 raise
             finally:
                 self._count_waiting(-1)
-        held = Hold(priority, order, instance)
+        held = Hold(tier, order, instance)
         try:
             yield held
         finally:
@@ -183,14 +184,14 @@ class PriorityGate:
                 self._release(held.index)
 
     async def step_aside(self, held: Hold, rows: int) -> bool:
-        """Between two slices of a batch: if a batch of a higher priority waits, hands
+        """Between two slices of a batch: if a batch of a higher tier waits, hands
         it the instance and waits for one again, ahead of every batch of its own
-        priority that came later (its place in line is kept). Returns whether it
+        tier that came later (its place in line is kept). Returns whether it
         stepped aside."""
-        if not self.waiting_above(held.priority):
+        if not self.waiting_above(held.tier):
             return False
         future = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiting, (-held.priority, held.order, future, rows))
+        heapq.heappush(self._waiting, (-held.tier, held.order, future, rows))
         self._count_waiting(+1)
         index, held.index = held.index, None
         self._release(index)  # to the higher batch: it is first in line
@@ -210,39 +211,39 @@ class PriorityGate:
 
     @property
     def reserved(self) -> int:
-        """Instances reserved for batches of `reserved_priority` or above."""
+        """Instances reserved for batches of `reserved_tier` or above."""
         return self._capacity - self._general
 
-    def waiting_above(self, priority: int) -> bool:
-        """Whether a batch of a higher priority than `priority` waits for an instance."""
-        return any(-p > priority and not future.done() for p, _, future, _ in self._waiting)
+    def waiting_above(self, tier: int) -> bool:
+        """Whether a batch of a higher tier than `tier` waits for an instance."""
+        return any(-p > tier and not future.done() for p, _, future, _ in self._waiting)
 
     def lending(self) -> bool:
         """Whether the reserved instances run lower batches too (see the class)."""
         return (self._general < self._capacity and self._lend_after_s is not None
                 and self._clock() - self._reserved_seen_at >= self._lend_after_s)
 
-    def may_use(self, instance: int, priority: int) -> bool:
-        return instance < self._general or priority >= self._reserved_priority or self.lending()
+    def may_use(self, instance: int, tier: int) -> bool:
+        return instance < self._general or tier >= self._reserved_tier or self.lending()
 
-    def lent(self, instance: int, priority: int) -> bool:
-        """Whether a batch of `priority` on `instance` runs there on loan."""
-        return instance >= self._general and priority < self._reserved_priority
+    def lent(self, instance: int, tier: int) -> bool:
+        """Whether a batch of `tier` on `instance` runs there on loan."""
+        return instance >= self._general and tier < self._reserved_tier
 
-    def usable(self, priority: int) -> int:
-        """How many instances a batch of `priority` may run on."""
-        return self._capacity if priority >= self._reserved_priority or self.lending() else self._general
+    def usable(self, tier: int) -> int:
+        """How many instances a batch of `tier` may run on."""
+        return self._capacity if tier >= self._reserved_tier or self.lending() else self._general
 
-    def busy(self, priority: int) -> bool:
-        """Whether a batch of `priority` arriving now would wait."""
-        return not any(self.may_use(i, priority) for i in self._free) or bool(self.rows_ahead_of(priority))
+    def busy(self, tier: int) -> bool:
+        """Whether a batch of `tier` arriving now would wait."""
+        return not any(self.may_use(i, tier) for i in self._free) or bool(self.rows_ahead_of(tier))
 
-    def _take_free(self, priority: int) -> int | None:
+    def _take_free(self, tier: int) -> int | None:
         # Reserved instances first for the batches they are reserved for, last for a
         # batch on loan: general ones stay for the rest, and reserved ones for whoever
         # they are reserved for.
-        for instance in sorted(self._free, reverse=priority >= self._reserved_priority):
-            if self.may_use(instance, priority):
+        for instance in sorted(self._free, reverse=tier >= self._reserved_tier):
+            if self.may_use(instance, tier):
                 self._free.remove(instance)
                 return instance
         return None
@@ -250,9 +251,9 @@ class PriorityGate:
     def in_use(self) -> int:
         return self._capacity - len(self._free)
 
-    def rows_ahead_of(self, priority: int) -> list[int]:
-        """The sizes of the waiting batches that a new batch of `priority` would wait behind."""
-        return [rows for p, _, future, rows in self._waiting if -p >= priority and not future.done()]
+    def rows_ahead_of(self, tier: int) -> list[int]:
+        """The sizes of the waiting batches that a new batch of `tier` would wait behind."""
+        return [rows for p, _, future, rows in self._waiting if -p >= tier and not future.done()]
 
     def _count_waiting(self, change: int) -> None:
         self.waiting += change
@@ -261,7 +262,7 @@ class PriorityGate:
 
     def _hand_on_free(self, at_least: int | None = None) -> None:
         """Hands free instances to waiting batches that may now use them (of
-        priority `at_least` or above: those a batch arriving now would not pass)."""
+        tier `at_least` or above: those a batch arriving now would not pass)."""
         for instance in list(self._free):
             self._free.remove(instance)
             self._give(instance, at_least)
@@ -330,7 +331,7 @@ class LoadedVersion:
         self.revision = revision  # a hash of the contents that decide the outputs
         self.memory_bytes = memory_bytes
         self.loaded_at = time.time()
-        self.gate = PriorityGate(len(instances), metrics.QUEUED.labels(config.name, version),
+        self.gate = TierGate(len(instances), metrics.QUEUED.labels(config.name, version),
                                  reserved=config.instances.reserved_for_vip,
                                  lend_after_s=config.instances.lend_reserved_after_s)
         self.run_s = 0.0  # a first guess at a batch's time, from warm-up, until batches have run
@@ -339,8 +340,8 @@ class LoadedVersion:
         # and back: which batches run on the event loop is decided by this (_run_on).
         self.run_profile = LatencyProfile()
         self._running: dict[int, Running] = {}  # instance -> what runs on it
-        self.slice_s = 0.0  # the longest slice a batch runs in while higher priorities come; 0: whole batches
-        self._seen_at: dict[int, float] = {}  # priority -> loop time its latest batch arrived
+        self.slice_s = 0.0  # the longest slice a batch runs in while higher tiers come; 0: whole batches
+        self._seen_at: dict[int, float] = {}  # tier -> loop time its latest batch arrived
         self.broken = ""  # why a shard failed; such a version is not ready
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -354,11 +355,11 @@ class LoadedVersion:
     def in_flight(self) -> int:
         return self._in_flight
 
-    async def execute(self, inputs: dict[str, TensorData], outputs: list[str], priority: int,
-                      time_left_s: float | None = None, slice_rows: int | None = None) -> list[TensorData]:
+    async def execute(self, inputs: dict[str, TensorData], outputs: list[str], tier: int,
+                      timeout_s: float | None = None, slice_rows: int | None = None) -> list[TensorData]:
         """Runs one batch on a free instance, VIP batches first; counts as in flight from the call on.
 
-        A batch with `time_left_s` that finds every instance busy is refused
+        A batch with `timeout_s` that finds every instance busy is refused
         with RESOURCE_EXHAUSTED at once when the batches running and waiting
         ahead of it leave it no time to run, and otherwise waits only while it
         could still finish; when its turn comes, it runs only if it can still
@@ -375,45 +376,45 @@ class LoadedVersion:
         arrived = loop.time()
         rows = next(iter(inputs.values())).rows if inputs else 1
         own_s = self.estimate_s(rows, CAUTIOUS_DEVIATIONS)
-        wait_s = None if time_left_s is None else time_left_s - own_s - errors.REFUSAL_MARGIN_S
+        wait_s = None if timeout_s is None else timeout_s - own_s - errors.REFUSAL_MARGIN_S
         retry_s = own_s
         try:
-            if wait_s is not None and self.gate.busy(priority):
+            if wait_s is not None and self.gate.busy(tier):
                 now = loop.time()
-                running_s = sum(max(self.estimate_s(r.rows_ahead_of(priority)) - (now - r.started), 0.0)
-                                for i, r in self._running.items() if self.gate.may_use(i, priority))
+                running_s = sum(max(self.estimate_s(r.rows_ahead_of(tier)) - (now - r.started), 0.0)
+                                for i, r in self._running.items() if self.gate.may_use(i, tier))
                 running_s += max(self.gate.in_use() - len(self._running), 0) * own_s  # held, size unknown
-                queued_s = sum(self.estimate_s(n) for n in self.gate.rows_ahead_of(priority))
-                expected_wait_s = (running_s + queued_s) / self.gate.usable(priority)
+                queued_s = sum(self.estimate_s(n) for n in self.gate.rows_ahead_of(tier))
+                expected_wait_s = (running_s + queued_s) / self.gate.usable(tier)
                 if expected_wait_s > wait_s:
                     retry_s = expected_wait_s - wait_s  # how much time it lacked
                     raise NoTurn  # refused now rather than after waiting in vain
-            counts = self._slice_counts(rows, priority, loop.time(), slice_rows)
+            counts = self._slice_counts(rows, tier, loop.time(), slice_rows)
             if len(counts) > 1 and slice_rows is None:
                 metrics.SLICED.labels(self.config.name).inc()
-            async with self.gate.hold(priority, wait_s, counts[0]) as held:
-                if (lacking_s := self._time_lacking(arrived, time_left_s, [rows])) > 0:
+            async with self.gate.hold(tier, wait_s, counts[0]) as held:
+                if (lacking_s := self._time_lacking(arrived, timeout_s, [rows])) > 0:
                     retry_s = lacking_s
                     raise NoTurn
-                self._count_loan(held.index, priority)
+                self._count_loan(held.index, tier)
                 if len(counts) == 1:
-                    return await self._run_on(held.index, inputs, outputs, Running(0.0, rows, rows, priority))
+                    return await self._run_on(held.index, inputs, outputs, Running(0.0, rows, rows, tier))
                 pieces = [dict(zip(inputs, parts)) for parts in zip(*(split_rows(t, counts) for t in inputs.values()))]
                 results, left = [], rows
                 for i, (piece, count) in enumerate(zip(pieces, counts)):
                     if i and await self.gate.step_aside(held, count):
                         metrics.STEPPED_ASIDE.labels(self.config.name).inc()
-                    if i and (lacking_s := self._time_lacking(arrived, time_left_s, counts[i:])) > 0:
+                    if i and (lacking_s := self._time_lacking(arrived, timeout_s, counts[i:])) > 0:
                         retry_s = lacking_s
                         raise NoTurn  # refused before its deadline, not finished after it
-                    results.append(await self._run_on(held.index, piece, outputs, Running(0.0, count, left, priority)))
+                    results.append(await self._run_on(held.index, piece, outputs, Running(0.0, count, left, tier)))
                     left -= count
                 return [concat_rows(list(parts)) for parts in zip(*results)]
-        except NoTurn:  # only a batch with time_left_s waits for a limited time
+        except NoTurn:  # only a batch with timeout_s waits for a limited time
             metrics.SHED.labels(self.config.name).inc()
             raise errors.ResourceExhausted(
                 f"model '{self.config.name}' version {self.version} is busy: this batch would not finish before its "
-                f"deadline ({1000 * time_left_s:.0f} ms left, a batch of {rows} takes about "
+                f"deadline ({1000 * timeout_s:.0f} ms left, a batch of {rows} takes about "
                 f"{1000 * self.estimate_s(rows):.0f} ms); "
                 f"retry shortly", retry_after_ms=max(1, round(1000 * retry_s))) from None
         except ShardFailed as exc:
@@ -425,14 +426,14 @@ class LoadedVersion:
             if self._in_flight == 0:
                 self._idle.set()
             took_s = loop.time() - arrived
-            if time_left_s is not None and took_s > time_left_s:
+            if timeout_s is not None and took_s > timeout_s:
                 metrics.LATE.labels(self.config.name).inc()
-                log.info("%s version %s: a batch of %d rows (priority %d) finished %.0f ms after its deadline: "
+                log.info("%s version %s: a batch of %d rows (tier %d) finished %.0f ms after its deadline: "
                          "%.0f ms with %.0f ms left, its run estimated at %.0f ms", self.config.name, self.version,
-                         rows, priority, 1000 * (took_s - time_left_s), 1000 * took_s, 1000 * time_left_s,
+                         rows, tier, 1000 * (took_s - timeout_s), 1000 * took_s, 1000 * timeout_s,
                          1000 * own_s)
 
-    def _time_lacking(self, arrived: float, time_left_s: float | None, counts: list[int]) -> float:
+    def _time_lacking(self, arrived: float, timeout_s: float | None, counts: list[int]) -> float:
         """Checked again when a batch's turn comes, and before each slice after
         the first: how much more time than it has left the batch (or the rest
         of its slices, `counts`) needs, its next run cautiously and any later
@@ -442,15 +443,15 @@ class LoadedVersion:
         a batch estimated at 150 ms was seen to take 1.6 s so. Such a batch is
         refused then rather than run past its deadline (the caller would get a
         timeout, and the work would be wasted all the same)."""
-        if time_left_s is None:
+        if timeout_s is None:
             return 0.0
-        left_s = arrived + time_left_s - asyncio.get_running_loop().time()
+        left_s = arrived + timeout_s - asyncio.get_running_loop().time()
         needed_s = self.estimate_s(counts[0], CAUTIOUS_DEVIATIONS) + sum(self.estimate_s(n) for n in counts[1:])
         return needed_s + errors.REFUSAL_MARGIN_S - left_s
 
-    def _count_loan(self, index: int, priority: int) -> None:
+    def _count_loan(self, index: int, tier: int) -> None:
         """Counts a caller's batch (not the golden probe's, below every caller) starting on a lent instance."""
-        if priority >= 0 and self.gate.lent(index, priority):
+        if tier >= 0 and self.gate.lent(index, tier):
             metrics.LENT.labels(self.config.name).inc()
 
     async def _run_on(self, index: int, inputs: dict[str, TensorData], outputs: list[str],
@@ -488,19 +489,19 @@ class LoadedVersion:
         learned = self.run_profile.estimate(rows, shrink=False)
         return self.run_s if learned is None else learned
 
-    def _slice_counts(self, rows: int, priority: int, now: float, slice_rows: int | None = None) -> list[int]:
+    def _slice_counts(self, rows: int, tier: int, now: float, slice_rows: int | None = None) -> list[int]:
         """The slices to run a batch in: slices of `slice_rows` when the caller asks
         (the golden probe does); else the whole batch, unless slice_s is set and
-        batches of a higher priority came lately; then slices the latency profile
+        batches of a higher tier came lately; then slices the latency profile
         says take at most slice_s, so that such a batch waits for one slice at
         most instead of the whole batch (execution itself is not preemptive)."""
-        self._seen_at[priority] = now
-        if len(self._seen_at) > MAX_PRIORITIES_SEEN:
+        self._seen_at[tier] = now
+        if len(self._seen_at) > MAX_TIERS_SEEN:
             del self._seen_at[min(self._seen_at, key=self._seen_at.__getitem__)]
         if slice_rows is not None:
             size = slice_rows
         elif self.slice_s > 0 and rows > 1 and any(
-                level > priority and now - seen < HIGHER_PRIORITY_MEMORY_S for level, seen in self._seen_at.items()):
+                other > tier and now - seen < HIGHER_TIER_MEMORY_S for other, seen in self._seen_at.items()):
             size = rows
             while size > 1 and self.estimate_s(size) > self.slice_s:
                 size = (size + 1) // 2

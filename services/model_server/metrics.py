@@ -30,14 +30,14 @@ QUEUED = prometheus_client.Gauge(
     ["model", "version"])
 SLICED = prometheus_client.Counter(
     "infermesh_model_sliced_batches_total",
-    "Batches run in slices (--slice-ms) because batches of a higher priority came lately, by model.", ["model"])
+    "Batches run in slices (--slice-ms) because batches of a higher tier came lately, by model.", ["model"])
 LENT = prometheus_client.Counter(
     "infermesh_model_lent_batches_total",
     "Standard batches run on an instance reserved for VIP, lent while no VIP batch came lately, by model.",
     ["model"])
 STEPPED_ASIDE = prometheus_client.Counter(
     "infermesh_model_stepped_aside_total",
-    "Times a sliced batch let a waiting batch of a higher priority run between two of its slices, by model.",
+    "Times a sliced batch let a waiting batch of a higher tier run between two of its slices, by model.",
     ["model"])
 SHED = prometheus_client.Counter(
     "infermesh_model_shed_batches_total",

@@ -37,8 +37,8 @@ class ModelServerServicer(model_server_pb2_grpc.ModelServerServicer):
         label = request.model if self._manager.is_known(request.model) else "unknown"
         with metrics.track(label, rows) as record:
             version, outputs = await self._manager.execute(request.model, request.version, inputs, list(request.outputs),
-                                                           priority=request.priority,
-                                                           time_left_s=context.time_remaining())
+                                                           tier=request.tier,
+                                                           timeout_s=context.time_remaining())
             record(version)
         return model_server_pb2.ExecuteResponse(model=request.model, version=version, outputs=tensors_to_proto(outputs))
 

@@ -47,17 +47,17 @@ class BreakerPolicy:
     window_s: float = 10.0
     min_requests: int = 20
     open_s: float = 5.0
-    # A DEADLINE_EXCEEDED of a request whose own time budget was shorter than this
+    # A DEADLINE_EXCEEDED of a request whose own timeout was shorter than this
     # is the caller's deadline, not the model's failure: a model that is really
     # hung times out requests with ample budgets too, so nothing is missed, and a
     # caller sending tiny deadlines cannot open the breaker for everyone.
     min_counted_timeout_s: float = 1.0
 
-    def counts(self, code_name: str, budget_s: float) -> bool:
-        """Whether a failure with this status, of a request that had `budget_s`
+    def counts(self, code_name: str, timeout_s: float) -> bool:
+        """Whether a failure with this status, of a request that had `timeout_s`
         in all, is the model's own."""
         if code_name == "DEADLINE_EXCEEDED":
-            return budget_s >= self.min_counted_timeout_s
+            return timeout_s >= self.min_counted_timeout_s
         return code_name in COUNTED_CODES
 
 

@@ -12,8 +12,9 @@ from services.common.serving import client_options
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.streams import Framing, StreamLost, StreamMux
 from services.common.tensors import TensorData
+from services.common.tier import Tier
 from services.router import metrics
-from services.router.core import VIP, Catalog, ModelSignature, Spec
+from services.router.core import Catalog, ModelSignature, Spec
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class BatcherClient:
             await asyncio.sleep(self._poll_s)
 
     async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                     tier: int, timeout_s: float, tenant: str = "", weight: float = 1.0) -> tuple[str, list[TensorData]]:
+                     tier: Tier, timeout_s: float, tenant: str = "", weight: float = 1.0) -> tuple[str, list[TensorData]]:
         proto_inputs = tensors_to_proto(inputs)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -94,14 +95,14 @@ class BatcherClient:
         def build(request_id: int):  # when it is sent: the batcher counts timeout_ms from when it reads it
             timeout_ms = min(max(1, int((deadline - loop.time()) * 1000)), 2**32 - 1)
             return batcher_pb2.SubmitRequest(id=request_id, model=model, version=version, inputs=proto_inputs,
-                                             outputs=outputs, priority=tier, timeout_ms=timeout_ms, tenant=tenant,
+                                             outputs=outputs, tier=tier, timeout_ms=timeout_ms, tenant=tenant,
                                              tenant_weight=weight)
 
         # The batcher answers DEADLINE_EXCEEDED by then; past it (plus a margin
         # for the answer's trip), the batcher is not answering at all.
         try:
             try:
-                response = await self._mux(loop).request(build, timeout_s + 1.0, urgent=tier == VIP)
+                response = await self._mux(loop).request(build, timeout_s + 1.0, at_once=tier == Tier.VIP)
             except StreamLost as lost:
                 response = await self._again(lost, build, deadline, tier)
         except TimeoutError:
@@ -110,7 +111,7 @@ class BatcherClient:
             raise errors.from_code(response.error.code, response.error.message, response.error.retry_after_ms)
         return response.version, tensors_from_proto(response.outputs)
 
-    async def _again(self, lost: StreamLost, build, deadline: float, tier: int):
+    async def _again(self, lost: StreamLost, build, deadline: float, tier: Tier):
         """Sends a request whose stream was lost once more, on a new stream (to
         whichever batcher the channel reaches now), once the channel is ready
         again; UNAVAILABLE with both reasons if that fails too or no time is left."""
@@ -125,7 +126,7 @@ class BatcherClient:
         except TimeoutError:
             pass  # the second try says why it fails
         try:
-            response = await self._mux(loop).request(build, max(0.0, deadline - loop.time()) + 1.0, urgent=tier == VIP)
+            response = await self._mux(loop).request(build, max(0.0, deadline - loop.time()) + 1.0, at_once=tier == Tier.VIP)
         except StreamLost as again:
             metrics.RETRIES.labels("failed").inc()
             raise errors.Unavailable(f"{lost}; sent again: {again}") from None
@@ -170,7 +171,7 @@ class CacheClient:
         self._stores: asyncio.Queue = asyncio.Queue(max_pending_stores)
         self._writer: asyncio.Task | None = None
 
-    async def lookup(self, model: str, digest: bytes, tier: int) -> tuple[list[TensorData] | None, int | None]:
+    async def lookup(self, model: str, digest: bytes, tier: Tier) -> tuple[list[TensorData] | None, int | None]:
         """(outputs or None, the generation the lookup read); a failed lookup is a miss of no known generation."""
         try:
             response = await self._lookups.request(

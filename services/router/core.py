@@ -15,6 +15,7 @@ from typing import Protocol
 
 from services.common import errors, identity
 from services.common.tensors import TensorData, bytes_elements, check_tensor_data
+from services.common.tier import Tier
 from services.router import metrics
 from services.router.breaker import Breaker, BreakerPolicy, FailureSamples, State
 from services.router.bypass import AdaptiveBypass
@@ -24,15 +25,12 @@ from services.router.tenants import RateLimiter
 
 log = logging.getLogger(__name__)
 
-STANDARD, VIP = 0, 1
 SINGLE_FLIGHT_LINGER_S = 0.05
 MAX_SHED_MS = 1000  # the longest a batcher's "retry after" makes the router refuse a level by itself
 # A request whose BYTES elements are more than this is checked in a thread (a
 # walk of 200 ns an element), so that the event loop goes on meanwhile.
 INLINE_ELEMENTS = 4096
-TIERS = identity.TIERS
-TIER_NAMES = identity.TIER_NAMES
-ANONYMOUS_STANDARD = identity.Tenant(identity.ANONYMOUS, STANDARD)
+ANONYMOUS_STANDARD = identity.Tenant(identity.ANONYMOUS, Tier.STANDARD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +77,14 @@ class InferRequest:
     id: str
     inputs: list[TensorData]
     outputs: list[str]
-    tier: int = STANDARD  # the tier it runs at: its tenant's answer to claimed_tier
+    tier: Tier = Tier.STANDARD  # the tier it runs at: its tenant's answer to claimed_tier
     timeout_s: float | None = None
     cache_bypass: bool = False
-    claimed_tier: int | None = None  # what the request asked for (x-user-tier, the OIP priority), if anything
+    claimed_tier: Tier | None = None  # what the request asked for (x-user-tier, the OIP priority), if anything
     tenant: identity.Tenant = ANONYMOUS_STANDARD
+
+    def __post_init__(self):
+        self.tier = Tier(self.tier)
 
 
 @dataclasses.dataclass
@@ -98,12 +99,12 @@ class InferResult:
 
 class Batcher(Protocol):
     async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                     tier: int, timeout_s: float, tenant: str = identity.ANONYMOUS,
+                     tier: Tier, timeout_s: float, tenant: str = identity.ANONYMOUS,
                      weight: float = 1.0) -> tuple[str, list[TensorData]]: ...
 
 
 class Cache(Protocol):
-    async def lookup(self, model: str, digest: bytes, tier: int) -> tuple[list[TensorData] | None, int | None]:
+    async def lookup(self, model: str, digest: bytes, tier: Tier) -> tuple[list[TensorData] | None, int | None]:
         """The cached outputs or None, and the model's cache generation the lookup read (None: unknown)."""
 
     def store(self, model: str, digest: bytes, outputs: list[TensorData], generation: int | None = None) -> None:
@@ -196,7 +197,7 @@ class Router:
             raise
         finally:
             # Only known model names become label values: callers cannot grow the series.
-            labels = (request.model if self.catalog.get(request.model) else "unknown", TIER_NAMES[request.tier], code)
+            labels = (request.model if self.catalog.get(request.model) else "unknown", request.tier.label, code)
             metrics.REQUESTS_BY[labels].inc()
             metrics.LATENCY_BY[labels].observe(time.perf_counter() - started)
             metrics.TENANT_REQUESTS_BY[self._tenant_label(request.tenant.name), code].inc()
@@ -220,8 +221,8 @@ class Router:
             # Only the model's own failures are recorded: one the caller brought on
             # itself (a bad request, its own short deadline) or a busy queue says
             # nothing of the model, and counted as a success it would dilute real failures.
-            budget_s = request.timeout_s if request.timeout_s is not None else self._default_timeout_s
-            if not self._breaker_policy.counts(exc.code_name, budget_s):
+            timeout_s = request.timeout_s if request.timeout_s is not None else self._default_timeout_s
+            if not self._breaker_policy.counts(exc.code_name, timeout_s):
                 raise
             self._publish_breaker(sig.name, breaker, breaker.record(loop.time(), failed=True))
             if self._failure_samples is not None:
@@ -363,7 +364,7 @@ class Router:
             self._near.put(flight.digest, outputs)
         return used, outputs, False
 
-    async def _submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str], tier: int,
+    async def _submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str], tier: Tier,
                       deadline: float, tenant: identity.Tenant) -> tuple[str, list[TensorData]]:
         now = asyncio.get_running_loop().time()
         remaining = deadline - now
@@ -382,7 +383,7 @@ class Router:
                                                      remaining + exc.retry_after_ms / 1000, rows, exc.message)
             raise
 
-    def _refuse_if_shed(self, model: str, tier: int, deadline: float, rows: int, tenant: str) -> None:
+    def _refuse_if_shed(self, model: str, tier: Tier, deadline: float, rows: int, tenant: str) -> None:
         """The batcher refused this level lately, and this request is at least as
         large as the refused one and has no more time than that one would have
         needed: refuse it here, before it costs the batcher anything. A request
@@ -395,10 +396,10 @@ class Router:
         remaining = deadline - now
         if now >= shed.until or remaining >= shed.needs_s or rows < shed.rows:
             return
-        metrics.SHED.labels(TIER_NAMES[tier]).inc()
+        metrics.SHED.labels(tier.label).inc()
         retry_ms = max(10, int(1000 * (shed.until - now)))
         raise errors.ResourceExhausted(
-            f"model '{model}' is refusing {TIER_NAMES[tier]} requests of {shed.rows} row(s) or more "
+            f"model '{model}' is refusing {tier.label} requests of {shed.rows} row(s) or more "
             f"that cannot wait about {1000 * shed.needs_s:.0f} ms (this one: {rows} row(s), {1000 * remaining:.0f} "
             f"ms left) for about {retry_ms} ms more, after the batcher refused one so: {shed.reason}; retry after "
             f"about {retry_ms} ms", retry_after_ms=retry_ms)
@@ -424,7 +425,7 @@ class Flight:
     version: str  # the version the digest names: the one asked for, or the newest ready one
     inputs: list[TensorData]
     outputs: list[str]
-    tier: int
+    tier: Tier
     deadline: float  # loop time, the batcher's (a little before the caller's)
     # What goes downstream: the caller's own choice, so a request that named no
     # version is answered by whichever version serves when it runs (during a

@@ -7,7 +7,8 @@ from services.common import errors
 from services.common.tensors import NUMPY_DTYPES, TensorData, element_count, pack_bytes_elements
 from services.router import limits as rules
 from services.router import precheck
-from services.router.core import STANDARD, TIERS, VIP, InferRequest, InferResult, ModelSignature
+from services.common.tier import BY_LABEL, Tier
+from services.router.core import InferRequest, InferResult, ModelSignature
 from services.router.limits import MAX_DIMS, RequestLimits
 
 # The typed `contents` field that carries each datatype (FP16 has none: raw only).
@@ -121,24 +122,24 @@ def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], 
             data = _contents_bytes(tensor)
         inputs.append(TensorData(tensor.name, tensor.datatype, tuple(tensor.shape), data))
     claimed = None  # the tier the request asks for; who may use it is the caller's tenant's to say
-    tier_name = metadata.get("x-user-tier")
-    if tier_name is not None:
-        tier_name = tier_name.lower()
-        if tier_name not in TIERS:
-            raise errors.InvalidArgument(f"metadata x-user-tier is {errors.shown(tier_name)}; expected one of "
-                                         f"{sorted(TIERS)}")
-        claimed = TIERS[tier_name]
+    header = metadata.get("x-user-tier")
+    if header is not None:
+        claimed = BY_LABEL.get(header.lower())
+        if claimed is None:
+            raise errors.InvalidArgument(f"metadata x-user-tier is {errors.shown(header.lower())}; expected one of "
+                                         f"{sorted(BY_LABEL)}")
     if not request.parameters:  # the usual case: none of the checks below applies
         return InferRequest(model=request.model_name, version=request.model_version, id=request.id, inputs=inputs,
                             outputs=[o.name for o in request.outputs], claimed_tier=claimed, timeout_s=timeout_s)
-    # The OIP/Triton request parameters: priority (1 is the highest level, 0 the
-    # default) and timeout in microseconds, which may only shorten the deadline.
+    # The OIP/Triton request parameters: priority (1 is the highest, 0 the
+    # default), converted to a Tier here and nowhere else, and timeout in
+    # microseconds, which may only shorten the deadline.
     priority = _int_parameter(request, "priority")
     if priority is not None and priority != 0:
-        if priority not in PRIORITY_LEVELS:
+        if priority not in OIP_PRIORITY_TIERS:
             raise errors.InvalidArgument(
                 f"parameter 'priority' is {priority}; levels are 1 (VIP) and 2 (standard), 0 for the default")
-        claimed = PRIORITY_LEVELS[priority]
+        claimed = OIP_PRIORITY_TIERS[priority]
     timeout_us = _int_parameter(request, "timeout")
     if timeout_us is not None:
         if timeout_us <= 0:
@@ -156,7 +157,7 @@ def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], 
     )
 
 
-PRIORITY_LEVELS = {1: VIP, 2: STANDARD}
+OIP_PRIORITY_TIERS = {1: Tier.VIP, 2: Tier.STANDARD}  # the public protocol's priority values
 # Parameters of the protocol (and of Triton's extensions, which tritonclient
 # sends) whose feature this server does not have: a request that asks for one
 # is refused, rather than answered as if it had not asked.

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from services.common import errors, identity
+from services.common.tier import Tier
 from services.router import metrics
 
 log = logging.getLogger(__name__)
@@ -24,8 +25,7 @@ LABELLED_TENANTS = 50  # tenants that get a label value of their own; the rest a
 
 def legacy_tenant() -> identity.Tenant:
     """The caller of the old trust-the-header mode: any tier it claims, standard by default."""
-    return identity.Tenant(identity.ANONYMOUS, tier=max(identity.TIERS.values()),
-                           default_tier=identity.TIERS["standard"])
+    return identity.Tenant(identity.ANONYMOUS, tier=max(Tier), default_tier=Tier.STANDARD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,7 @@ def settings_from(config) -> Settings:
     if registry is not None:
         log.info("tenant registry %s: %d tenant(s); anonymous callers %s", config.tenants_file,
                  len(registry.tenants), "refused" if registry.anonymous is None else
-                 f"run as {identity.TIER_NAMES[registry.anonymous.tier]}")
+                 f"run as {registry.anonymous.tier.label}")
     elif config.trust_tier_header:
         log.warning("trust_tier_header is on: every caller gets the tier it claims")
     return Settings(registry, config.trust_tier_header, config.trust_sidecar_identity, config.jwt_tenant_header)
@@ -55,7 +55,7 @@ class Authenticator:
     def __init__(self, settings: Settings):
         self._settings = settings
         self._legacy = legacy_tenant()
-        self._fallback = identity.Tenant(identity.ANONYMOUS, tier=identity.TIERS["standard"])
+        self._fallback = identity.Tenant(identity.ANONYMOUS, tier=Tier.STANDARD)
         self.use(settings.registry)
 
     def use(self, registry: identity.Registry | None) -> None:
