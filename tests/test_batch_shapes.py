@@ -12,7 +12,7 @@ import prometheus_client
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from services.batcher.core import Batcher
+from services.batcher.core import Batcher, BatchingConfig
 from services.batcher.replicas import ReplicaSet
 from services.common.tensors import from_numpy, to_numpy
 from services.model_server.config import ModelServerConfig
@@ -39,7 +39,7 @@ def wide(width: int, value: float = 1.0):
 @pytest.mark.unit
 async def test_a_request_of_another_shape_ends_the_batch_and_leads_the_next_in_fifo_order():
     backend = ShapeBackend(max_batch=8)
-    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=200, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=8, max_queue_delay_ms=200, max_queue_size=100))
     first = asyncio.create_task(batcher.submit("m", "1", wide(2), []))
     await settle()  # the model is busy with it: the next requests queue up
     widths = [3, 3, 5, 3, 5, 5]
@@ -86,7 +86,7 @@ async def test_requests_of_different_widths_sent_together_are_each_answered_by_t
     await manager.start()
     server, port, _ = await build_server(ModelServerConfig(model_repository=str(repository)), manager, port=0)
     replicas = ReplicaSet((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24)
-    batcher = Batcher(replicas, max_batch_size=8, max_queue_delay_ms=50)
+    batcher = Batcher(replicas, BatchingConfig(max_batch_size=8, max_queue_delay_ms=50))
     try:
         await replicas.start()
         failed_before, ok_before = _batches("error"), _batches("ok")

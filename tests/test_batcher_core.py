@@ -6,7 +6,8 @@ import numpy as np
 import prometheus_client
 import pytest
 
-from services.batcher.core import Batcher, LevelPolicy, ModelLimits, QueuePolicy, ServiceRate
+from services.batcher.admission import ServiceRate
+from services.batcher.core import Batcher, BatchingConfig, LevelPolicy, ModelLimits, QueuePolicy
 from services.common.tier import Tier
 from services.common import errors
 from services.common.latency import CAUTIOUS_DEVIATIONS, MovingTime
@@ -61,7 +62,7 @@ def submit(batcher, value, **kwargs):
 async def test_full_batches_go_out_at_once_and_results_fan_back_in_order():
     backend = GatedBackend(max_batch=4)
     backend.gate.set()
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100))
     tasks = [submit(batcher, float(i)) for i in range(8)]
     results = await asyncio.gather(*tasks)
     assert backend.batches == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -70,7 +71,7 @@ async def test_full_batches_go_out_at_once_and_results_fan_back_in_order():
 
 async def test_while_a_batch_runs_a_partial_batch_leaves_after_the_queue_delay():
     backend = GatedBackend(max_batch=8, capacity=2)
-    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=20, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=8, max_queue_delay_ms=20, max_queue_size=100))
     running = submit(batcher, 0.0)
     await backend.started.wait()  # the model is busy, so the next batch waits for company
     backend.started.clear()
@@ -87,8 +88,8 @@ async def test_while_a_batch_runs_a_partial_batch_leaves_after_the_queue_delay()
 ])
 async def test_the_adaptive_policy_spreads_a_short_queue_over_the_free_instances(policy, expected):
     backend = GatedBackend(max_batch=4, capacity=2)
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100,
-                      batch_policy=policy)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100,
+                      batch_policy=policy))
     learned = batcher._queue("m", "1").batch_policy
     learned.observe_batch(1, 0.012)  # what batches took before: 12 ms a row alone, 8 ms in fours
     learned.observe_batch(4, 0.032)
@@ -101,7 +102,7 @@ async def test_the_adaptive_policy_spreads_a_short_queue_over_the_free_instances
 
 async def test_vip_goes_first_and_fifo_holds_within_a_level():
     backend = GatedBackend(max_batch=2, reserved=0)  # no slot of VIP's own: the order decides
-    batcher = Batcher(backend, max_batch_size=2, max_queue_delay_ms=0, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=2, max_queue_delay_ms=0, max_queue_size=100))
     blocker = submit(batcher, 0.0)
     await backend.started.wait()  # the only slot is busy from now on
     waiting = [submit(batcher, 1.0), submit(batcher, 2.0, tier=Tier.VIP), submit(batcher, 3.0),
@@ -114,7 +115,7 @@ async def test_vip_goes_first_and_fifo_holds_within_a_level():
 
 async def test_a_full_queue_rejects_at_once_with_resource_exhausted():
     backend = GatedBackend(max_batch=1)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=2)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=2))
     running = submit(batcher, 0.0)
     await backend.started.wait()
     queued = [submit(batcher, 1.0), submit(batcher, 2.0)]
@@ -127,7 +128,7 @@ async def test_a_full_queue_rejects_at_once_with_resource_exhausted():
 
 async def test_expired_requests_are_answered_and_never_run():
     backend = GatedBackend(max_batch=4)
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100))
     running = submit(batcher, 0.0)
     await backend.started.wait()
     late = submit(batcher, 1.0, timeout_s=0.001)
@@ -142,7 +143,7 @@ async def test_expired_requests_are_answered_and_never_run():
 
 async def test_cancelled_requests_are_dropped_before_the_model():
     backend = GatedBackend(max_batch=4)
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100))
     running = submit(batcher, 0.0)
     await backend.started.wait()
     gone = submit(batcher, 1.0)
@@ -159,7 +160,7 @@ async def test_one_bad_request_does_not_fail_its_batch_neighbours():
     backend = GatedBackend(max_batch=4)
     backend.poison = 13.0
     backend.gate.set()
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100))
     tasks = [submit(batcher, v) for v in (1.0, 13.0, 3.0, 4.0)]
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert isinstance(results[1], errors.InvalidArgument)
@@ -172,7 +173,7 @@ async def test_a_request_whose_data_cannot_fill_its_shape_is_refused_before_it_j
     batch, where it would fail its neighbours' first try."""
     backend = GatedBackend(max_batch=4)
     backend.gate.set()
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100))
     short = [TensorData("X", "FP32", (1, 1), b"\0\0")]
     with pytest.raises(errors.InvalidArgument, match=r"input 'X' of model 'm' has 2 bytes of data but shape \[1, 1\]"):
         await batcher.submit("m", "1", short, [])
@@ -196,7 +197,7 @@ class RefusingBackend(GatedBackend):
 
 async def test_a_refused_batch_is_answered_as_refused_not_split_into_more_calls():
     backend = RefusingBackend(40, max_batch=4)
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100))
     results = await asyncio.gather(*(submit(batcher, float(v)) for v in range(4)), return_exceptions=True)
     assert backend.batches == [[0.0, 1.0, 2.0, 3.0]]  # one call: four more would only add to the load
     assert all(isinstance(r, errors.ResourceExhausted) and r.retry_after_ms == 40 for r in results)
@@ -204,7 +205,7 @@ async def test_a_refused_batch_is_answered_as_refused_not_split_into_more_calls(
 
 async def test_resource_exhausted_without_a_hint_is_about_the_batch_itself_so_it_is_split():
     backend = RefusingBackend(0, max_batch=4)
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100))
     results = await asyncio.gather(*(submit(batcher, float(v)) for v in range(4)), return_exceptions=True)
     assert backend.batches == [[0.0, 1.0, 2.0, 3.0], [0.0], [1.0], [2.0], [3.0]]  # finds the request at fault
     assert all(isinstance(r, errors.ResourceExhausted) for r in results)
@@ -230,7 +231,7 @@ class VanishingBackend(GatedBackend):
 async def test_requests_waiting_for_a_slot_when_the_last_replica_goes_hear_unavailable_at_once():
     """Not a wait until their deadlines: the router falls back or fails fast on UNAVAILABLE."""
     backend = VanishingBackend(max_batch=1)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10))
     running = submit(batcher, 0.0)
     await backend.started.wait()
     waiting = submit(batcher, 1.0)  # no slot: it waits in the queue
@@ -255,7 +256,7 @@ async def test_a_batch_that_runs_out_of_time_after_it_was_sent_is_counted_and_lo
     count = prometheus_client.REGISTRY.get_sample_value(
         "infermesh_batcher_batch_timeouts_total", {"model": "m", "tier": "standard"}) or 0.0
     backend = OutOfTimeBackend(max_batch=2)
-    batcher = Batcher(backend, max_batch_size=2, max_queue_delay_ms=60_000, max_queue_size=10)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=2, max_queue_delay_ms=60_000, max_queue_size=10))
     results = await asyncio.gather(submit(batcher, 1.0), submit(batcher, 2.0), return_exceptions=True)
     assert all(isinstance(r, errors.DeadlineExceeded) for r in results)
     assert backend.batches == [[1.0, 2.0]]  # no time is left to run them one by one
@@ -281,7 +282,7 @@ class VipPoolOnlyBackend(GatedBackend):
 
 async def test_with_no_replica_on_the_standard_route_standard_work_hears_unavailable_at_once_and_vip_work_runs():
     backend = VipPoolOnlyBackend(max_batch=1)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10))
     first_vip = submit(batcher, 0.0, tier=Tier.VIP)
     await backend.started.wait()
     with pytest.raises(errors.Unavailable, match="no healthy upstream"):  # not held for a slot it can never get
@@ -315,7 +316,7 @@ async def test_a_vip_batch_does_not_take_a_slot_of_a_pool_its_route_cannot_reach
     holding that slot); standard requests take that slot, in a batch of their
     own that the waiting VIP request does not join."""
     backend = PoolsBackend(max_batch=4)
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=10)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=0, max_queue_size=10))
     first_vip = submit(batcher, 0.0, tier=Tier.VIP)
     await backend.started.wait()
     second_vip = submit(batcher, 1.0, tier=Tier.VIP)
@@ -332,7 +333,7 @@ async def test_a_vip_batch_does_not_take_a_slot_of_a_pool_its_route_cannot_reach
 async def test_a_request_larger_than_the_batch_size_runs_alone_up_to_the_model_limit():
     backend = GatedBackend(max_batch=4)
     backend.gate.set()
-    batcher = Batcher(backend, max_batch_size=2, max_queue_delay_ms=0, max_queue_size=10)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=2, max_queue_delay_ms=0, max_queue_size=10))
     inputs = [from_numpy("X", np.arange(3, dtype=np.float32).reshape(3, 1))]
     version, (out,) = await batcher.submit("m", "1", inputs, [])
     assert to_numpy(out)[:, 0].tolist() == [0.0, 2.0, 4.0] and backend.batches == [[0.0, 1.0, 2.0]]
@@ -342,7 +343,7 @@ async def test_a_request_larger_than_the_batch_size_runs_alone_up_to_the_model_l
 
 
 async def test_unknown_models_bad_priorities_and_wrong_inputs_never_reach_a_queue():
-    batcher = Batcher(GatedBackend(), max_batch_size=2, max_queue_delay_ms=0, max_queue_size=10)
+    batcher = Batcher(GatedBackend(), BatchingConfig(max_batch_size=2, max_queue_delay_ms=0, max_queue_size=10))
     with pytest.raises(errors.Unavailable, match="no ready model_server replica serves model 'nope'"):
         await batcher.submit("nope", "1", row(1.0), [])
     with pytest.raises(errors.InvalidArgument, match="tier 5 is not a Tier value"):
@@ -355,7 +356,7 @@ async def test_unknown_models_bad_priorities_and_wrong_inputs_never_reach_a_queu
 async def test_idle_queues_hold_no_execution_slot():
     backend = GatedBackend(max_batch=1, capacity=1)
     backend.gate.set()
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10))
     await batcher.submit("m", "1", row(1.0), [])
     # Version 2 gets its own queue; version 1's idle queue must not keep the only slot.
     await asyncio.wait_for(batcher.submit("m", "2", row(2.0), []), timeout=5)
@@ -364,7 +365,7 @@ async def test_idle_queues_hold_no_execution_slot():
 
 async def test_a_deadline_passing_while_the_batch_runs_does_not_claim_it_never_ran():
     backend = GatedBackend(max_batch=1)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10))
     task = submit(batcher, 1.0, timeout_s=0.01)
     await backend.started.wait()
     await asyncio.sleep(0.03)  # the queue deadline passes while the model runs it
@@ -378,7 +379,7 @@ async def test_a_batch_runs_by_its_latest_requests_deadline():
     an aged standard request leads, say) along with the impatient ones beside it."""
     backend = GatedBackend(max_batch=2)
     backend.gate.set()
-    batcher = Batcher(backend, max_batch_size=2, max_queue_delay_ms=60_000, max_queue_size=10, default_timeout_s=30)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=2, max_queue_delay_ms=60_000, max_queue_size=10, default_timeout_s=30))
     await asyncio.gather(submit(batcher, 1.0, timeout_s=5), submit(batcher, 2.0, timeout_s=20))
     await asyncio.gather(submit(batcher, 3.0), submit(batcher, 4.0, timeout_s=5))  # one with no deadline of its own
     assert backend.batches == [[1.0, 2.0], [3.0, 4.0]]
@@ -387,7 +388,7 @@ async def test_a_batch_runs_by_its_latest_requests_deadline():
 
 async def test_close_answers_everything_still_queued():
     backend = GatedBackend(max_batch=1)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10))
     running = submit(batcher, 0.0)
     await backend.started.wait()
     queued = submit(batcher, 1.0)
@@ -402,14 +403,14 @@ async def test_close_answers_everything_still_queued():
 async def test_an_idle_model_gets_a_lone_request_at_once_without_waiting_for_company():
     backend = GatedBackend(max_batch=8)
     backend.gate.set()
-    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100))
     await asyncio.wait_for(batcher.submit("m", "1", row(1.0), []), timeout=5)
     assert backend.batches == [[1.0]]
 
 
 async def test_while_a_batch_runs_the_next_one_waits_for_company():
     backend = GatedBackend(max_batch=8, capacity=2)
-    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100))
     first = submit(batcher, 0.0)
     await backend.started.wait()
     rest = [submit(batcher, float(v)) for v in range(1, 9)]  # a free slot, but a batch is running
@@ -420,7 +421,7 @@ async def test_while_a_batch_runs_the_next_one_waits_for_company():
 
 async def test_a_vip_batch_does_not_wait_for_company_behind_standard_batches():
     backend = GatedBackend(max_batch=8, capacity=2)
-    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100))
     standard = submit(batcher, 0.0)
     await backend.started.wait()
     backend.started.clear()
@@ -439,7 +440,7 @@ async def test_a_vip_batch_does_not_wait_for_company_behind_standard_batches():
 async def test_each_level_has_its_own_bound_and_a_full_one_says_when_to_retry():
     backend = GatedBackend(max_batch=1)
     policy = QueuePolicy({Tier.VIP: LevelPolicy(2, 30), Tier.STANDARD: LevelPolicy(1, 30)})
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, policy=policy))
     running = submit(batcher, 0.0)
     await backend.started.wait()
     vip_running = submit(batcher, 2.0, tier=Tier.VIP)
@@ -458,7 +459,7 @@ async def test_each_level_has_its_own_bound_and_a_full_one_says_when_to_retry():
 
 async def test_a_request_that_could_no_longer_finish_in_time_is_refused_not_left_to_time_out():
     backend = GatedBackend(max_batch=1)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10))
     backend.gate.set()
     await submit(batcher, 0.0)  # the tier's batches take about nothing: refused 25 ms before the deadline
     backend.gate.clear()
@@ -478,7 +479,7 @@ async def test_with_nothing_running_a_tight_deadline_is_not_refused_on_a_stale_e
     """After slow batches, a request with less time than they took still runs
     when the model is idle: only what runs would bring the estimate down."""
     backend = GatedBackend(max_batch=1)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10))
     slow = submit(batcher, 0.0)
     await backend.started.wait()
     await asyncio.sleep(0.1)  # the tier learns that a batch takes 100 ms
@@ -491,7 +492,7 @@ async def test_with_nothing_running_a_tight_deadline_is_not_refused_on_a_stale_e
 async def test_a_level_default_timeout_bounds_requests_without_a_tighter_deadline():
     backend = GatedBackend(max_batch=1)
     policy = QueuePolicy({Tier.VIP: LevelPolicy(10, 30), Tier.STANDARD: LevelPolicy(10, 0.01)})
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, policy=policy))
     running = submit(batcher, 0.0)  # holds the one slot a standard batch may take
     await backend.started.wait()
     patient = submit(batcher, 1.0, timeout_s=60)  # asks for a minute; its level allows 10 ms
@@ -504,7 +505,7 @@ async def test_a_level_default_timeout_bounds_requests_without_a_tighter_deadlin
 async def test_aging_lets_standard_requests_alternate_with_a_steady_vip_stream():
     backend = GatedBackend(max_batch=1)
     policy = QueuePolicy.uniform(100, 30, aging_s=0.02)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, policy=policy))
     # VIP work fills the slot reserved for it and, by strict priority, the ordinary one.
     running = [submit(batcher, 0.0, tier=Tier.VIP), submit(batcher, 0.5, tier=Tier.VIP)]
     await settle()
@@ -523,7 +524,7 @@ async def test_aging_lets_standard_requests_alternate_with_a_steady_vip_stream()
 async def test_a_standard_backlog_does_not_push_vip_back():
     backend = GatedBackend(max_batch=1, reserved=0)
     policy = QueuePolicy.uniform(100, 30, aging_s=0.0)  # every standard request is "aged"
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, policy=policy))
     running = submit(batcher, 0.0)
     await backend.started.wait()
     standard = [submit(batcher, float(i)) for i in range(1, 4)]
@@ -536,7 +537,7 @@ async def test_a_standard_backlog_does_not_push_vip_back():
 
 async def test_a_vip_led_batch_carries_vip_requests_only():
     backend = GatedBackend(max_batch=4, reserved=0)
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100))
     running = submit(batcher, 0.0)
     await backend.started.wait()
     waiting = [submit(batcher, 1.0), submit(batcher, 2.0, tier=Tier.VIP), submit(batcher, 3.0)]
@@ -551,7 +552,7 @@ async def test_a_vip_request_does_not_wait_in_a_standard_batch_gathering_company
     """Its reserved slot is free: it goes at once, not into the standard batch
     that waits out --max-queue-delay-ms (and would then run a standard batch's time)."""
     backend = GatedBackend(max_batch=8, capacity=2)
-    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100))
     tasks = [submit(batcher, 0.0)]
     await backend.started.wait()  # a batch runs: the next one waits for company
     tasks += [submit(batcher, 1.0), submit(batcher, 2.0)]
@@ -568,7 +569,7 @@ async def test_without_a_slot_of_its_own_a_vip_request_joins_the_gathering_batch
     """On one shared instance the batch gathering company is the VIP request's
     quickest way out: it rides along, after the standard requests already there."""
     backend = GatedBackend(max_batch=8, capacity=2, reserved=0)
-    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=20, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=8, max_queue_delay_ms=20, max_queue_size=100))
     tasks = [submit(batcher, 0.0)]
     await backend.started.wait()
     backend.started.clear()
@@ -586,7 +587,7 @@ async def test_an_aged_standard_turn_carries_standard_rows_first():
     it would carry one standard row a turn."""
     backend = GatedBackend(max_batch=4, reserved=0)
     policy = QueuePolicy.uniform(100, 30, aging_s=0.02)
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, policy=policy)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=0, policy=policy))
     tasks = [submit(batcher, 100.0, tier=Tier.VIP)]
     await backend.started.wait()  # the last batch was VIP-led
     tasks += [submit(batcher, float(i)) for i in range(1, 5)]
@@ -605,7 +606,7 @@ async def test_requests_answered_while_they_wait_give_their_place_back_at_once()
     backend = GatedBackend(max_batch=1, reserved=0)
     policy = QueuePolicy(levels={level: LevelPolicy(max_queue_size=2, default_timeout_s=30) for level in (Tier.VIP, Tier.STANDARD)},
                          aging_s=0.05)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, policy=policy))
     tasks = [submit(batcher, 100.0, tier=Tier.VIP)]
     await backend.started.wait()  # the only slot is busy; the last batch was VIP-led
     expiring, leaving = submit(batcher, 1.0, timeout_s=0.005), submit(batcher, 2.0)
@@ -634,7 +635,7 @@ async def test_a_failed_batch_reruns_only_requests_that_can_still_be_answered():
     flight, the tier's running batches) before the reruns go."""
     backend = GatedBackend(max_batch=4, reserved=0)
     backend.poison = 13.0
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100))
     queue = batcher._queue("m", "1")
 
     def waits() -> float:
@@ -650,7 +651,7 @@ async def test_a_failed_batch_reruns_only_requests_that_can_still_be_answered():
     original = backend.execute
 
     async def execute(*args, **kwargs):
-        in_flight.append((dict(queue._inflight_rows), queue._service_rates[Tier.STANDARD]._running))
+        in_flight.append((dict(queue.admission.inflight_rows), queue.admission.service_rates[Tier.STANDARD]._running))
         return await original(*args, **kwargs)
 
     backend.execute = execute
@@ -664,7 +665,7 @@ async def test_a_failed_batch_reruns_only_requests_that_can_still_be_answered():
 
 async def test_a_request_whose_deadline_passes_while_its_batch_gathers_is_never_sent():
     backend = GatedBackend(max_batch=8, capacity=2)
-    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=30, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=8, max_queue_delay_ms=30, max_queue_size=100))
     running = submit(batcher, 0.0)
     await backend.started.wait()  # a batch runs: the next one waits for company
     with pytest.raises(errors.DeadlineExceeded, match="past its deadline; it was not run"):
@@ -677,7 +678,7 @@ async def test_a_request_whose_deadline_passes_while_its_batch_gathers_is_never_
 
 async def test_closing_answers_a_batch_still_gathering_company():
     backend = GatedBackend(max_batch=8, capacity=2)
-    batcher = Batcher(backend, max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=8, max_queue_delay_ms=60_000, max_queue_size=100))
     running = submit(batcher, 0.0)
     await backend.started.wait()
     gathering = submit(batcher, 1.0)  # taken as the next batch's lead, waiting for company
@@ -717,7 +718,7 @@ async def test_queues_exist_only_for_versions_the_replicas_hold():
     queues do not pile up per version string asked for, nor over rollouts."""
     backend = VersionedBackend({"1", "2"})
     backend.gate.set()
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100))
     with pytest.raises(errors.Unavailable, match=r"serves model 'm' version 7; they hold versions \['1', '2'\]"):
         await batcher.submit("m", "7", row(1.0), [])
     for version in ("", "1", "2"):
@@ -735,7 +736,7 @@ async def test_an_outage_keeps_the_version_queues():
     queues (and what their batch policies learned) are still there after it."""
     backend = VersionedBackend({"1", "2"})
     backend.gate.set()
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100))
     for version in ("1", "2"):
         await batcher.submit("m", version, row(1.0), [])
     await settle()  # both queues idle
@@ -774,7 +775,7 @@ def text(length: int):
 ])
 async def test_length_aware_batching_groups_texts_of_similar_length(length_aware, expected):
     backend = TextBackend(max_batch=3)
-    batcher = Batcher(backend, max_batch_size=3, max_queue_delay_ms=0, max_queue_size=100, length_aware=length_aware)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=3, max_queue_delay_ms=0, max_queue_size=100, length_aware=length_aware))
     running = asyncio.create_task(batcher.submit("m", "1", text(5), []))
     await backend.started.wait()
     waiting = [asyncio.create_task(batcher.submit("m", "1", text(n), [])) for n in (10, 200, 12, 190, 11, 205)]
@@ -811,7 +812,7 @@ class ScriptedBackend(TimedBackend):
 
 async def test_a_request_whose_tier_slowed_while_it_waited_is_refused_when_its_turn_comes_not_sent_to_time_out():
     backend = ScriptedBackend([0.01, 0.01, 0.01, 0.5, 0.01], max_batch=1)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=10))
     for value in range(3):  # the tier's batches take 10 ms
         await batcher.submit("m", "1", row(float(value)), [])
     slow = submit(batcher, 3.0)
@@ -830,7 +831,7 @@ async def test_a_request_whose_tier_slowed_while_it_waited_is_refused_when_its_t
 
 async def test_a_request_that_would_wait_past_its_deadline_is_refused_at_once():
     backend = TimedBackend(0.01, max_batch=1)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=1000)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=1000))
     await asyncio.gather(*(batcher.submit("m", "1", row(float(i)), []) for i in range(5)))  # learn ~100 rows/s
     backlog = [submit(batcher, float(i), timeout_s=30) for i in range(40)]  # ~0.4 s of work
     await settle()
@@ -864,7 +865,7 @@ async def test_admission_keeps_a_share_of_the_deadline_as_margin(share, admitted
     half the time kept back for a rate that is only an estimate."""
     backend = TimedBackend(0.01, max_batch=1)
     policy = QueuePolicy.uniform(1000, 30, admission_share=share)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, policy=policy))
     await asyncio.gather(*(batcher.submit("m", "1", row(float(i)), []) for i in range(5)))  # learn ~100 rows/s
     await behind_a_backlog(batcher, 40, 0.6, admitted, refusal="more than 50% of the 600 ms left")
 
@@ -876,7 +877,7 @@ async def test_admission_leaves_a_request_time_for_its_own_batch():
     it is refused at once."""
     backend = TimedBackend(0.1, max_batch=1)
     policy = QueuePolicy.uniform(1000, 30, admission_share=1.0)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, policy=policy)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, policy=policy))
     await asyncio.gather(*(batcher.submit("m", "1", row(float(i)), []) for i in range(4)))  # learn ~10 rows/s
     backlog = [submit(batcher, float(i), timeout_s=30) for i in range(4)]
     await settle()
@@ -969,7 +970,7 @@ async def test_admission_counts_the_vip_batches_a_standard_backlog_waits_behind(
     its deadline) and 1.9 s at the second: where VIP batches come between, it
     is refused at once rather than left to wait past its deadline."""
     backend = SharedSlotBackend(0.05, max_batch=1)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=1000)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=1000))
     first = submit(batcher, 0.0)
     await backend.started.wait()
     vip = [submit(batcher, 100.0 + i, tier=Tier.VIP) for i in range(4 if vip_between else 0)]
@@ -979,7 +980,7 @@ async def test_admission_counts_the_vip_batches_a_standard_backlog_waits_behind(
 
 async def test_queued_row_counts_follow_every_way_out_of_the_queue():
     backend = TextBackend(max_batch=4)
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100))
     running = [asyncio.create_task(batcher.submit("m", "1", text(5), []))]
     await backend.started.wait()
     running.append(asyncio.create_task(batcher.submit("m", "1", text(6), [], tier=Tier.VIP)))
@@ -989,13 +990,13 @@ async def test_queued_row_counts_follow_every_way_out_of_the_queue():
                for n, p, t in ((10, Tier.STANDARD, None), (200, Tier.STANDARD, None), (12, Tier.VIP, None), (30, Tier.STANDARD, 0.001))]
     await settle()
     queue = batcher._queues[("m", "1")]
-    assert queue._queued_rows == {Tier.VIP: 1, Tier.STANDARD: 3}
+    assert queue.levels.queued_rows == {Tier.VIP: 1, Tier.STANDARD: 3}
     waiting[1].cancel()
     await asyncio.sleep(0.01)  # the short deadline passes
     backend.gate.set()
     results = await asyncio.gather(*running, *waiting, return_exceptions=True)
     assert isinstance(results[3], asyncio.CancelledError) and isinstance(results[5], errors.DeadlineExceeded)
-    assert queue._queued_rows == {Tier.VIP: 0, Tier.STANDARD: 0} and len(queue) == 0
+    assert queue.levels.queued_rows == {Tier.VIP: 0, Tier.STANDARD: 0} and len(queue) == 0
 
 
 async def test_close_stops_a_running_batch_and_answers_its_requests():
@@ -1003,7 +1004,7 @@ async def test_close_stops_a_running_batch_and_answers_its_requests():
     running batch's answer, so it is cancelled (and its model-server call with
     it) rather than holding the process until the batch ends."""
     backend = GatedBackend()
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100))
     running = asyncio.create_task(batcher.submit("m", "", row(1.0), []))
     await backend.started.wait()  # the gate stays shut: the batch would run forever
     await batcher.close()
@@ -1023,7 +1024,7 @@ async def test_a_running_batch_whose_callers_all_left_is_cancelled_and_frees_its
                 raise
 
     backend = CountingBackend(capacity=1, reserved=0)
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=0, max_queue_size=100))
     gone = asyncio.create_task(batcher.submit("m", "", row(1.0), []))
     await backend.started.wait()
     waiting = asyncio.create_task(batcher.submit("m", "", row(2.0), []))  # behind it, for the one slot

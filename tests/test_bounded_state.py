@@ -9,7 +9,7 @@ import prometheus_client
 import pytest
 from infermesh.model_server.v1 import model_server_pb2
 
-from services.batcher.core import Batcher
+from services.batcher.core import Batcher, BatchingConfig
 from services.common import errors
 from services.common.protoconv import tensors_to_proto
 from services.common.tensors import from_numpy
@@ -53,7 +53,7 @@ async def test_distinct_priorities_sent_to_the_model_server_are_remembered_bound
 
 @pytest.mark.unit
 async def test_unknown_model_names_and_versions_sent_to_the_batcher_get_no_queue():
-    batcher = Batcher(GatedBackend(max_batch=4), max_batch_size=4, max_queue_delay_ms=1)
+    batcher = Batcher(GatedBackend(max_batch=4), BatchingConfig(max_batch_size=4, max_queue_delay_ms=1))
     inputs = [from_numpy("X", np.zeros((1, 2), np.float32))]
     for i in range(NAMES):
         with pytest.raises(errors.Unavailable):

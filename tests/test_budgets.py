@@ -16,7 +16,7 @@ from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from infermesh.common.v1.tensor_pb2 import Tensor
 
 from services.batcher.config import BatcherConfig
-from services.batcher.core import Batcher
+from services.batcher.core import Batcher, BatchingConfig
 from services.batcher.server import BatcherServicer
 from services.cache.config import CacheConfig
 from services.common import errors
@@ -286,7 +286,7 @@ async def test_the_stream_multiplexers_timeout_heap_holds_no_answered_response()
 @pytest.mark.unit
 async def test_a_request_answered_while_it_waits_in_the_batcher_leaves_its_tensors_behind():
     backend = GatedBackend(max_batch=1, capacity=1, reserved=0)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=100))
     running = submit(batcher, 0.0)
     await backend.started.wait()  # the one slot is taken: the rest wait in the queue
     waiting = [submit(batcher, float(i), timeout_s=0.05) for i in range(1, 11)]
@@ -305,7 +305,7 @@ async def test_a_request_answered_while_it_waits_in_the_batcher_leaves_its_tenso
 @pytest.mark.service
 async def test_the_batcher_holds_each_submitted_request_in_its_budget_until_answered():
     backend = GatedBackend(max_batch=1, capacity=1, reserved=0)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=100)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=100))
     budget = ByteBudget("batcher", 3 * 41 * KIB)
     server = grpc.aio.server()
     batcher_pb2_grpc.add_BatcherServicer_to_server(BatcherServicer(batcher, None, asyncio.Event(), budget), server)

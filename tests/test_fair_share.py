@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.batcher.core import Batcher
+from services.batcher.core import Batcher, BatchingConfig
 from services.batcher.fair import FairLevel
 from services.common import errors
 from tests.conftest import settle
@@ -94,7 +94,7 @@ def test_only_tenants_with_requests_waiting_have_state():
 
 async def test_the_batcher_serves_a_light_tenant_in_the_next_batch_past_a_flood():
     backend = GatedBackend(max_batch=4)
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0, max_queue_size=1000)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=0, max_queue_size=1000))
     flood = [submit(batcher, float(i), tenant="flood") for i in range(40)]
     await backend.started.wait()  # the first batch runs; 36 flood rows wait
     light = [submit(batcher, 100.0 + i, tenant="light") for i in range(2)]
@@ -107,7 +107,7 @@ async def test_the_batcher_serves_a_light_tenant_in_the_next_batch_past_a_flood(
 
 async def test_a_flooder_that_filled_the_queue_cannot_lock_out_another_tenant():
     backend = GatedBackend(max_batch=1)
-    batcher = Batcher(backend, max_batch_size=1, max_queue_delay_ms=0, max_queue_size=4)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=4))
     running = submit(batcher, 0.0, tenant="flood")
     await backend.started.wait()
     queued = [submit(batcher, float(i), tenant="flood") for i in range(1, 5)]
@@ -128,7 +128,7 @@ async def test_a_flooder_that_filled_the_queue_cannot_lock_out_another_tenant():
 async def test_tenant_fields_from_a_caller_are_bounded():
     backend = GatedBackend()
     backend.gate.set()
-    batcher = Batcher(backend, max_batch_size=4, max_queue_delay_ms=0)
+    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=0))
     with pytest.raises(errors.InvalidArgument, match="field 'tenant' is 257 characters long"):
         await batcher.submit("m", "1", row(1.0), [], tenant="x" * 257)
     for weight in (float("nan"), -1.0, 1e9):

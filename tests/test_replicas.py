@@ -21,7 +21,7 @@ from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from infermesh.common.v1 import tensor_pb2
 from infermesh.model_server.v1 import model_server_pb2
 
-from services.batcher.core import Batcher
+from services.batcher.core import Batcher, BatchingConfig
 from services.common.tier import Tier
 from services.batcher.replicas import FAILED_POLLS, MESH_HISTORY_POLLS, ReplicaSet, _merge_polls, _transport_failure
 from services.common import errors, traffic
@@ -326,7 +326,7 @@ async def test_a_replica_is_sent_as_many_batches_as_its_instances_can_start(repo
     await manager.start()
     server, port, _ = await build_server(ModelServerConfig(model_repository=str(repo)), manager, port=0)
     replicas = ReplicaSet((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24)
-    batcher = Batcher(replicas, max_batch_size=1, max_queue_delay_ms=0)
+    batcher = Batcher(replicas, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0))
     try:
         await replicas.start()
         (replica,) = replicas._replicas  # noqa: SLF001

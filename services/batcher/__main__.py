@@ -26,10 +26,7 @@ async def serve(config: BatcherConfig) -> None:
                           queued_per_replica=config.queued_batches_per_replica,
                           credentials=tls.upstream_credentials(config))
     await replicas.start()
-    batcher = Batcher(replicas, config.max_batch_size, config.max_queue_delay_ms,
-                      default_timeout_s=config.execute_timeout_s, policy=config.queue_policy(),
-                      length_aware=config.length_aware, batch_policy=config.batch_policy,
-                      latency_targets_s=config.latency_targets_s())
+    batcher = Batcher(replicas, config.batching())
     metrics_port = start_metrics_server(config.host, config.metrics_port)
     draining = asyncio.Event()
     server, port, health = await build_server(config, batcher, replicas, draining)

@@ -1,14 +1,68 @@
-"""The batcher's configuration."""
+"""The batcher's configuration: the service's (BatcherConfig, from its command
+line) and the frozen objects its core and replica client are built from."""
 
 import dataclasses
 from typing import ClassVar
 
-from services.batcher.core import LevelPolicy, QueuePolicy
 from services.batcher.policy import POLICIES
 from services.common import tls
 from services.common.budget import MIB, ServingLimits
 from services.common.config import require
-from services.common.tier import Tier
+from services.common.tier import TIERS, Tier
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelPolicy:
+    """Triton's queue policy, per queue level (one per tier): how many may wait, and the
+    longest a request may wait when it brings no tighter deadline."""
+
+    max_queue_size: int
+    default_timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class QueuePolicy:
+    levels: dict[Tier, LevelPolicy]  # the queue level of each tier
+    # Once a standard request has waited this long, VIP-led batches alternate
+    # with standard-led ones: a steady VIP stream cannot starve standard traffic.
+    aging_s: float = 1.0
+    # Deadline-aware admission lets the work ahead of a request fill at most
+    # this share of its time left; the rest absorbs the error of a rate
+    # measured on a busy machine, so that what is admitted is served.
+    admission_share: float = 0.5
+
+    @classmethod
+    def uniform(cls, max_queue_size: int, default_timeout_s: float, aging_s: float = 1.0,
+                admission_share: float = 0.5) -> "QueuePolicy":
+        return cls({tier: LevelPolicy(max_queue_size, default_timeout_s) for tier in TIERS}, aging_s,
+                   admission_share)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchingConfig:
+    """What the batching core (services/batcher/core.py) is built from."""
+
+    max_batch_size: int  # rows per batch, capped by each model's own max
+    max_queue_delay_ms: float  # longest wait of the oldest request for a fuller batch
+    max_queue_size: int = 2048  # per level, when no `policy` is given
+    default_timeout_s: float = 30.0  # of a batch whose requests do not all have a deadline
+    policy: QueuePolicy | None = None  # None: QueuePolicy.uniform(max_queue_size, default_timeout_s)
+    length_aware: bool = True  # batch texts of similar length together
+    batch_policy: str = "fixed"  # services/batcher/policy.py
+    latency_targets_s: dict[Tier, float] | None = None  # the adaptive policy's, per tier; None: VIP 0.2 s, standard 1 s
+
+    def __post_init__(self):
+        require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        require(self.max_queue_delay_ms >= 0, f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms}")
+        require(self.batch_policy in POLICIES, f"batch_policy must be one of {POLICIES}, got {self.batch_policy!r}")
+        if self.policy is None:
+            object.__setattr__(self, "policy", QueuePolicy.uniform(self.max_queue_size, self.default_timeout_s))
+        if self.latency_targets_s is None:
+            object.__setattr__(self, "latency_targets_s", {Tier.VIP: 0.2, Tier.STANDARD: 1.0})
+
+    @property
+    def max_delay_s(self) -> float:
+        return self.max_queue_delay_ms / 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +148,11 @@ class BatcherConfig(ServingLimits):
             Tier.VIP: LevelPolicy(self.vip_max_queue_size, self.vip_default_timeout_ms / 1000),
             Tier.STANDARD: LevelPolicy(self.standard_max_queue_size, self.standard_default_timeout_ms / 1000),
         }, aging_s=self.standard_aging_ms / 1000, admission_share=self.admission_share)
+
+    def batching(self) -> BatchingConfig:
+        return BatchingConfig(self.max_batch_size, self.max_queue_delay_ms, default_timeout_s=self.execute_timeout_s,
+                              policy=self.queue_policy(), length_aware=self.length_aware,
+                              batch_policy=self.batch_policy, latency_targets_s=self.latency_targets_s())
 
     def latency_targets_s(self) -> dict[Tier, float]:
         return {Tier.VIP: self.vip_latency_target_ms / 1000, Tier.STANDARD: self.standard_latency_target_ms / 1000}

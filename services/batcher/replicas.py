@@ -23,7 +23,7 @@ import grpc
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
 from services.batcher import metrics
-from services.batcher.core import ModelLimits
+from services.batcher.pending import ModelLimits
 from services.common import errors, tls, traffic
 from services.common.serving import client_options
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
