@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from services.batcher.core import Batcher, BatchingConfig
+from services.batcher.config import ReplicaConfig
 from services.batcher.replicas import ReplicaSet
 from services.common.tensors import from_numpy, to_numpy
 from services.model_server.config import ModelServerConfig
@@ -85,7 +86,7 @@ async def test_requests_of_different_widths_sent_together_are_each_answered_by_t
     manager = ModelManager(str(repository), "cpu", 1, probe_interval_s=0)
     await manager.start()
     server, port, _ = await build_server(ModelServerConfig(model_repository=str(repository)), manager, port=0)
-    replicas = ReplicaSet((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24)
+    replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24))
     batcher = Batcher(replicas, BatchingConfig(max_batch_size=8, max_queue_delay_ms=50))
     try:
         await replicas.start()

@@ -23,7 +23,10 @@ from infermesh.model_server.v1 import model_server_pb2
 
 from services.batcher.core import Batcher, BatchingConfig
 from services.common.tier import Tier
-from services.batcher.replicas import FAILED_POLLS, MESH_HISTORY_POLLS, ReplicaSet, _merge_polls, _transport_failure
+from services.batcher.config import ReplicaConfig
+from services.batcher.discovery import FAILED_POLLS, MESH_HISTORY_POLLS, _merge_polls
+from services.batcher.replicas import ReplicaSet
+from services.batcher.upstream import transport_failure as _transport_failure
 from services.common import errors, traffic
 from services.common.tensors import from_numpy
 from services.launcher.mesh import MODEL_SERVER_NICE, Mesh, Process
@@ -152,8 +155,8 @@ async def busy_mlp_server(repository):
 @pytest.mark.service
 async def test_a_busy_replicas_refusal_goes_once_elsewhere_else_reaches_the_caller_with_its_hint(repo):
     async with busy_mlp_server(repo) as busy, mlp_server(repo) as free:
-        alone = ReplicaSet((f"127.0.0.1:{busy}",), 4, 60.0, 1 << 24)
-        pair = ReplicaSet((f"127.0.0.1:{busy}", f"127.0.0.1:{free}"), 4, 60.0, 1 << 24)
+        alone = ReplicaSet(ReplicaConfig((f"127.0.0.1:{busy}",), 4, 60.0, 1 << 24))
+        pair = ReplicaSet(ReplicaConfig((f"127.0.0.1:{busy}", f"127.0.0.1:{free}"), 4, 60.0, 1 << 24))
         await alone.start()
         await pair.start()
         with pytest.raises(errors.ResourceExhausted, match="would not finish before its deadline") as refused:
@@ -176,7 +179,7 @@ async def test_grpcs_own_resource_exhausted_is_not_a_busy_replica_and_is_not_ret
     await manager.start()
     small = ModelServerConfig(model_repository=str(repo), max_message_bytes=4096)
     servers = [await build_server(small, manager, port=0) for _ in range(2)]
-    replicas = ReplicaSet(tuple(f"127.0.0.1:{port}" for _, port, _ in servers), 4, 60.0, 1 << 24)
+    replicas = ReplicaSet(ReplicaConfig(tuple(f"127.0.0.1:{port}" for _, port, _ in servers), 4, 60.0, 1 << 24))
     try:
         await replicas.start()
         retries = metric_value("infermesh_batcher_retries_total", code="RESOURCE_EXHAUSTED")
@@ -203,7 +206,7 @@ async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_
     await manager.start()
     config = ModelServerConfig(model_repository=str(repo), labels="version=blue,pool=vip")  # both tiers here
     server, port, _ = await build_server(config, manager, port=0)
-    replicas = ReplicaSet((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24, policy)  # one batch in flight per replica
+    replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24), policy)  # one batch in flight per replica
     try:
         await replicas.start()
         (replica,) = replicas._replicas  # noqa: SLF001
@@ -211,7 +214,7 @@ async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_
         async with loaded.gate.turn(0):  # the model is busy: the first batch waits at the server
             first = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0))
             second = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0))
-            await until(lambda: replicas._room_waiters, "a batch waiting for room", timeout_s=10)  # noqa: SLF001
+            await until(lambda: replicas.routing._room_waiters, "a batch waiting for room", timeout_s=10)  # noqa: SLF001
             assert replica.inflight == 1  # the second waits here, not in the server's queue
             with pytest.raises(errors.ResourceExhausted, match=r"had as many batches in flight as it may \(1\) until this "
                                                                "batch could no longer finish before its deadline"):
@@ -241,26 +244,26 @@ async def test_under_a_traffic_policy_each_tier_counts_the_slots_its_route_reach
     servers = [await build_server(ModelServerConfig(model_repository=str(repo), labels=labels), manager, port=0)
                for labels in ("version=blue", "version=blue", "version=green", "pool=vip")]
     addresses = tuple(f"127.0.0.1:{port}" for _, port, _ in servers)
-    replicas = ReplicaSet(addresses, 1, 60.0, 1 << 24, policy)
+    replicas = ReplicaSet(ReplicaConfig(addresses, 1, 60.0, 1 << 24), policy)
     try:
         await replicas.start()
         # One instance each: a standard batch apiece on blue; the VIP pool's one and one more.
         assert replicas.slots("mlp") == (2, 2, 0)  # no standard slot VIP batches reach
-        without_policy = ReplicaSet(addresses, 1, 60.0, 1 << 24)
+        without_policy = ReplicaSet(ReplicaConfig(addresses, 1, 60.0, 1 << 24))
         await without_policy.poll_once()
         assert without_policy.slots("mlp") == (4, 4, 4)  # every replica, for either tier
         await without_policy.close()
-        blue = replicas._detectors["blue"]  # noqa: SLF001
+        blue = replicas.routing._detectors["blue"]  # noqa: SLF001
         now = asyncio.get_running_loop().time()
         assert [blue.record(addresses[0], "UNAVAILABLE", now) for _ in range(3)][-1]  # ejected
         assert replicas.slots("mlp") == (1, 2, 0)
         policy_file.write_text(policy_file.read_text().replace("weight: 100", "weight: 50").replace("weight: 0", "weight: 50"))
         await replicas.poll_once()  # reloads the policy: green comes in, the ejected blue stays out
-        assert replicas._detectors["blue"] is blue and blue.ejected() == [addresses[0]]  # noqa: SLF001
+        assert replicas.routing._detectors["blue"] is blue and blue.ejected() == [addresses[0]]  # noqa: SLF001
         assert replicas.slots("mlp") == (2, 2, 0)
         policy_file.write_text(policy_file.read_text().replace("consecutive5xxErrors: 3", "consecutive5xxErrors: 10"))
         await replicas.poll_once()  # a new outlierDetection: Envoy's new cluster has no ejections
-        assert replicas._detectors["blue"].ejected() == []  # noqa: SLF001
+        assert replicas.routing._detectors["blue"].ejected() == []  # noqa: SLF001
         assert replicas.slots("mlp") == (3, 2, 0)
     finally:
         await replicas.close()
@@ -293,10 +296,10 @@ async def test_a_subsets_own_outlier_detection_and_its_panic_threshold_apply_to_
     servers = [await build_server(ModelServerConfig(model_repository=str(repo), labels=labels), manager, port=0)
                for labels in ("version=blue", "version=blue", "version=green")]
     addresses = tuple(f"127.0.0.1:{port}" for _, port, _ in servers)
-    replicas = ReplicaSet(addresses, 1, 60.0, 1 << 24, policy)
+    replicas = ReplicaSet(ReplicaConfig(addresses, 1, 60.0, 1 << 24), policy)
     try:
         await replicas.start()
-        blue, green = replicas._detectors["blue"], replicas._detectors["green"]  # noqa: SLF001
+        blue, green = replicas.routing._detectors["blue"], replicas.routing._detectors["green"]  # noqa: SLF001
         assert blue.policy.consecutive_5xx == 1 and green.policy.consecutive_5xx == 3
         now = asyncio.get_running_loop().time()
         assert blue.record(addresses[0], "INTERNAL", now)  # one failure is enough in blue
@@ -307,8 +310,8 @@ async def test_a_subsets_own_outlier_detection_and_its_panic_threshold_apply_to_
         assert (await replicas.execute("mlp", "", mlp_batch(), [], 30.0))[0] == "1"
         policy_file.write_text(subset_policy(12))
         await replicas.poll_once()
-        assert replicas._detectors["blue"] is not blue and replicas._detectors["green"] is green  # noqa: SLF001
-        assert replicas._detectors["blue"].ejected() == []  # noqa: SLF001
+        assert replicas.routing._detectors["blue"] is not blue and replicas.routing._detectors["green"] is green  # noqa: SLF001
+        assert replicas.routing._detectors["blue"].ejected() == []  # noqa: SLF001
     finally:
         await replicas.close()
         for server, _, _ in servers:
@@ -325,7 +328,7 @@ async def test_a_replica_is_sent_as_many_batches_as_its_instances_can_start(repo
     manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
     await manager.start()
     server, port, _ = await build_server(ModelServerConfig(model_repository=str(repo)), manager, port=0)
-    replicas = ReplicaSet((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24)
+    replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24))
     batcher = Batcher(replicas, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0))
     try:
         await replicas.start()
@@ -361,7 +364,7 @@ async def test_while_the_vip_instance_is_lent_out_standard_batches_may_use_it_un
     manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
     await manager.start()
     server, port, _ = await build_server(ModelServerConfig(model_repository=str(repo)), manager, port=0)
-    replicas = ReplicaSet((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24)
+    replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24))
     try:
         await replicas.start()
         assert replicas._replicas[0].models["mlp"].lending  # noqa: SLF001
@@ -370,7 +373,7 @@ async def test_while_the_vip_instance_is_lent_out_standard_batches_may_use_it_un
         assert replicas.slots("mlp") == (1, 2, 1)
         await replicas.poll_once()
         assert replicas.slots("mlp") == (2, 1, 2)
-        queued = ReplicaSet((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24, queued_per_replica=1)
+        queued = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24, queued_per_replica=1))
         await queued.poll_once()  # --queued-batches-per-replica 1: one more standard batch waits there
         assert queued.slots("mlp") == (3, 1, 3)
         await queued.close()
@@ -388,7 +391,7 @@ def metric_value(name: str, **labels) -> float:
 @pytest.mark.parametrize("behind_mesh", [True, False], ids=["behind a mesh", "own replicas"])
 async def test_a_failed_batch_marks_the_address_unready_only_when_the_batcher_balances_itself(repo, behind_mesh):
     async with mlp_server(repo) as port:
-        replicas = ReplicaSet((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24, behind_mesh=behind_mesh)  # no poll in the test
+        replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24, behind_mesh=behind_mesh))  # no poll in the test
         await replicas.start()
         assert (await replicas.execute("mlp", "", mlp_batch(), [], 10.0))[0] == "1"
     with pytest.raises(errors.Unavailable):  # the address answers no more (behind a mesh: a 503 from the sidecar)
@@ -417,8 +420,8 @@ async def test_a_models_own_unavailable_goes_once_elsewhere_else_reaches_the_cal
         await manager.start()
         servers.append(await build_server(ModelServerConfig(model_repository=str(repo)), manager, port=0))
     drifted, healthy = (f"127.0.0.1:{port}" for _, port, _ in servers)
-    alone = ReplicaSet((drifted,), 4, 60.0, 1 << 24)  # polled once, at start
-    pair = ReplicaSet((drifted, healthy), 4, 60.0, 1 << 24)
+    alone = ReplicaSet(ReplicaConfig((drifted,), 4, 60.0, 1 << 24))  # polled once, at start
+    pair = ReplicaSet(ReplicaConfig((drifted, healthy), 4, 60.0, 1 << 24))
     try:
         await alone.start()
         await pair.start()
@@ -460,7 +463,7 @@ def test_a_status_our_server_sent_is_no_transport_failure_whatever_its_message_q
 @pytest.mark.parametrize("behind_mesh", [True, False], ids=["behind a mesh", "own replicas"])
 async def test_behind_a_mesh_the_catalog_outlives_a_missed_poll_but_not_a_run_of_them(repo, behind_mesh):
     async with mlp_server(repo) as port:
-        replicas = ReplicaSet((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24, behind_mesh=behind_mesh)  # polled by hand
+        replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24, behind_mesh=behind_mesh))  # polled by hand
         await replicas.poll_once()
         assert [m.name for m in replicas.models()] == ["mlp"]
     for missed in range(1, FAILED_POLLS + 1):
@@ -481,7 +484,7 @@ async def test_a_replica_too_busy_to_answer_its_poll_stays_in_service(repo, tmp_
                                       "--metrics-port", "0", "--model-repository", str(repo)], tmp_path, dict(os.environ))
     try:
         address = server.wait_ready(60)["grpc"]
-        replicas = ReplicaSet((address,), 4, 1.0, 1 << 24)  # polled by hand; each poll waits 1 s
+        replicas = ReplicaSet(ReplicaConfig((address,), 4, 1.0, 1 << 24))  # polled by hand; each poll waits 1 s
         await replicas.poll_once()
         server.popen.send_signal(signal.SIGSTOP)
         for missed in range(1, FAILED_POLLS):
@@ -539,15 +542,15 @@ async def test_behind_a_mesh_vip_batches_have_room_of_their_own(repo):
     their own: a standard surge filling its bound must not leave VIP work one
     batch in flight (it had every + 1 - standard: one)."""
     async with mlp_server(repo) as port:
-        replicas = ReplicaSet((f"127.0.0.1:{port}",), 2, 60.0, 1 << 24, behind_mesh=True)
+        replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 2, 60.0, 1 << 24, behind_mesh=True))
         await replicas.start()
         await replicas.poll_once()
         (replica,) = replicas._replicas  # noqa: SLF001
         replica.running[("mlp", Tier.STANDARD)] = 2  # the standard bound is full
         assert replicas.slots("mlp") == (2, 2, 0)  # standard's two; VIP's own two, none shared
-        assert not replicas._has_room(replica, "mlp", Tier.STANDARD)  # noqa: SLF001
-        assert replicas._has_room(replica, "mlp", Tier.VIP)  # noqa: SLF001
+        assert not replicas.routing._has_room(replica, "mlp", Tier.STANDARD)  # noqa: SLF001
+        assert replicas.routing._has_room(replica, "mlp", Tier.VIP)  # noqa: SLF001
         replica.running[("mlp", Tier.VIP)] = 2
-        assert not replicas._has_room(replica, "mlp", Tier.VIP)  # noqa: SLF001
+        assert not replicas.routing._has_room(replica, "mlp", Tier.VIP)  # noqa: SLF001
         replica.running.clear()
         await replicas.close()

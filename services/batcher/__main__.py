@@ -21,10 +21,7 @@ async def serve(config: BatcherConfig) -> None:
                                          logging.getLogger("services.batcher.traffic"))
         except traffic.PolicyError as exc:
             raise SystemExit(f"batcher: --traffic-policy: {exc}") from None
-    replicas = ReplicaSet(config.model_servers, config.max_inflight_batches_per_replica, config.replica_poll_s,
-                          config.max_message_bytes, policy, behind_mesh=config.model_servers_behind_mesh,
-                          queued_per_replica=config.queued_batches_per_replica,
-                          credentials=tls.upstream_credentials(config))
+    replicas = ReplicaSet(config.replicas(), policy, credentials=tls.upstream_credentials(config))
     await replicas.start()
     batcher = Batcher(replicas, config.batching())
     metrics_port = start_metrics_server(config.host, config.metrics_port)

@@ -66,6 +66,25 @@ class BatchingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReplicaConfig:
+    """What the model-server client (services/batcher/replicas.py) is built from."""
+
+    addresses: tuple[str, ...]  # host:port of each replica (behind a mesh: one Service)
+    max_inflight_per_replica: int  # batches in flight at a replica that does not report its instances
+    poll_s: float  # how often the replicas are asked for their models
+    max_message_bytes: int
+    behind_mesh: bool = False  # the address is a mesh Service whose sidecar balances, retries and ejects
+    queued_per_replica: int = 0  # standard batches sent beyond what a replica's instances can start
+
+    def __post_init__(self):
+        require(len(self.addresses) > 0, "addresses must name at least one host:port")
+        require(self.max_inflight_per_replica >= 1,
+                f"max_inflight_per_replica must be >= 1, got {self.max_inflight_per_replica}")
+        require(self.poll_s > 0, f"poll_s must be > 0, got {self.poll_s}")
+        require(self.queued_per_replica >= 0, f"queued_per_replica must be >= 0, got {self.queued_per_replica}")
+
+
+@dataclasses.dataclass(frozen=True)
 class BatcherConfig(ServingLimits):
     baseline_bytes: ClassVar[int] = 256 * MIB
 
@@ -148,6 +167,11 @@ class BatcherConfig(ServingLimits):
             Tier.VIP: LevelPolicy(self.vip_max_queue_size, self.vip_default_timeout_ms / 1000),
             Tier.STANDARD: LevelPolicy(self.standard_max_queue_size, self.standard_default_timeout_ms / 1000),
         }, aging_s=self.standard_aging_ms / 1000, admission_share=self.admission_share)
+
+    def replicas(self) -> ReplicaConfig:
+        return ReplicaConfig(self.model_servers, self.max_inflight_batches_per_replica, self.replica_poll_s,
+                             self.max_message_bytes, behind_mesh=self.model_servers_behind_mesh,
+                             queued_per_replica=self.queued_batches_per_replica)
 
     def batching(self) -> BatchingConfig:
         return BatchingConfig(self.max_batch_size, self.max_queue_delay_ms, default_timeout_s=self.execute_timeout_s,
