@@ -17,7 +17,7 @@ from services.batcher.config import ReplicaConfig
 from services.batcher.replicas import ReplicaSet
 from services.common.tensors import from_numpy, to_numpy
 from services.model_server.config import ModelServerConfig
-from services.model_server.core import ModelManager
+from services.model_server.core import ManagerConfig, ModelManager
 from services.model_server.server import build_server
 from tests.conftest import settle
 from tests.test_batcher_core import GatedBackend
@@ -83,7 +83,7 @@ def _batches(outcome: str) -> float:
 @pytest.mark.service
 async def test_requests_of_different_widths_sent_together_are_each_answered_by_the_model(tmp_path):
     repository = _row_sum_repository(tmp_path)
-    manager = ModelManager(str(repository), "cpu", 1, probe_interval_s=0)
+    manager = ModelManager(ManagerConfig(str(repository), "cpu", 1, probe_interval_s=0))
     await manager.start()
     server, port, _ = await build_server(ModelServerConfig(model_repository=str(repository)), manager, port=0)
     replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24))

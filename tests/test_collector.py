@@ -8,7 +8,7 @@ import prometheus_client
 import pytest
 
 from services.common import collector
-from services.model_server.core import ModelManager
+from services.model_server.core import ManagerConfig, ModelManager
 from tests.test_model_repository import repo  # noqa: F401 - the mlp repository fixture
 
 pytestmark = pytest.mark.unit
@@ -53,7 +53,7 @@ def test_the_startup_heap_leaves_the_collectors_walks_and_still_dies_by_referenc
 async def test_a_version_loaded_before_the_freeze_is_freed_when_unloaded(repo):
     """A model server freezes its startup models; hot swap and unload must
     still give their sessions back."""
-    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    manager = ModelManager(ManagerConfig(str(repo), "cpu", 1, probe_interval_s=0))
     await manager.start()
     try:
         loaded = manager.resolve("mlp", "")

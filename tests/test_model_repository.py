@@ -28,7 +28,7 @@ from services.common.latency import LatencyProfile
 from services.common.tensors import TensorData, from_numpy, to_numpy
 from services.model_server import execution, metrics
 from services.model_server.config import ModelServerConfig
-from services.model_server.core import ControlMode, ModelManager
+from services.model_server.core import ControlMode, ManagerConfig, ModelManager
 from services.model_server.repository import LEND_RESERVED_AFTER_S, ConfigError, load_config
 from services.model_server.server import Readiness, build_server
 
@@ -104,7 +104,7 @@ async def test_repository_rpcs_need_an_admin_tenant(repo):
 
 @pytest.mark.service
 async def test_without_a_registry_repository_rpcs_are_refused(repo):
-    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    manager = ModelManager(ManagerConfig(str(repo), "cpu", 1, probe_interval_s=0))
     await manager.start()
     server, port, _ = await build_server(ModelServerConfig(model_repository=str(repo)), manager, port=0)
     try:
@@ -153,7 +153,7 @@ class Running:
 async def model_server(repository: pathlib.Path, **options):
     readiness = Readiness()
     options.setdefault("probe_interval_s", 0)
-    manager = ModelManager(str(repository), "cpu", 1, on_readiness=readiness, **options)
+    manager = ModelManager(ManagerConfig(str(repository), "cpu", 1, **options), on_readiness=readiness)
     await manager.start()
     tenants = repository.parent / "tenants.yaml"  # its repository RPCs are an admin's (ADMIN_KEY)
     identity.write_registry(tenants, {"tenants": {
@@ -425,7 +425,7 @@ async def test_an_unforeseen_error_in_a_load_fails_that_model_alone(repo, monkey
     """Whatever a load raises, no check having foreseen it, it is that model's
     failed load, named, with the traceback in the log: never an RPC with no
     reason, never a server that dies at startup, and what served keeps serving."""
-    from services.model_server import core
+    from services.model_server import versions as core  # where loads read configs and load versions
 
     real = {"config": core.load_config, "version": core.load_version}[stage]
     armed = False

@@ -31,7 +31,7 @@ from services.common import errors, traffic
 from services.common.tensors import from_numpy
 from services.launcher.mesh import MODEL_SERVER_NICE, Mesh, Process
 from services.model_server.config import ModelServerConfig
-from services.model_server.core import ModelManager
+from services.model_server.core import ManagerConfig, ModelManager
 from services.model_server.server import build_server
 from tests.conftest import metric, until
 from tests.oip import output_array, text_request
@@ -121,7 +121,7 @@ async def test_both_replicas_get_work_and_one_dying_loses_nothing(two_replicas):
 
 @contextlib.asynccontextmanager
 async def mlp_server(repository, port: int = 0):
-    manager = ModelManager(str(repository), "cpu", 1, probe_interval_s=0)
+    manager = ModelManager(ManagerConfig(str(repository), "cpu", 1, probe_interval_s=0))
     await manager.start()
     server, bound, _ = await build_server(ModelServerConfig(model_repository=str(repository)), manager, port=port)
     try:
@@ -139,7 +139,7 @@ def mlp_batch() -> list:
 async def busy_mlp_server(repository):
     """A model server whose only session is taken and whose batches take 5 s:
     it refuses any batch with a shorter deadline at once, with a retry hint."""
-    manager = ModelManager(str(repository), "cpu", 1, probe_interval_s=0)
+    manager = ModelManager(ManagerConfig(str(repository), "cpu", 1, probe_interval_s=0))
     await manager.start()
     server, port, _ = await build_server(ModelServerConfig(model_repository=str(repository)), manager, port=0)
     loaded = manager.resolve("mlp", "")
@@ -175,7 +175,7 @@ async def test_a_busy_replicas_refusal_goes_once_elsewhere_else_reaches_the_call
 async def test_grpcs_own_resource_exhausted_is_not_a_busy_replica_and_is_not_retried(repo):
     """A batch over a model server's message limit fails there with gRPC's own
     RESOURCE_EXHAUSTED (no retry hint): another replica would refuse it too."""
-    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    manager = ModelManager(ManagerConfig(str(repo), "cpu", 1, probe_interval_s=0))
     await manager.start()
     small = ModelServerConfig(model_repository=str(repo), max_message_bytes=4096)
     servers = [await build_server(small, manager, port=0) for _ in range(2)]
@@ -202,7 +202,7 @@ async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_
     blue one, a single replica) must still get no more than its own bound,
     and a batch that waits for room past its deadline is refused."""
     policy = traffic.PolicyFiles([ROOT / "mesh" / "istio" / "model-server-traffic.yaml"], "model-server")
-    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    manager = ModelManager(ManagerConfig(str(repo), "cpu", 1, probe_interval_s=0))
     await manager.start()
     config = ModelServerConfig(model_repository=str(repo), labels="version=blue,pool=vip")  # both tiers here
     server, port, _ = await build_server(config, manager, port=0)
@@ -239,7 +239,7 @@ async def test_under_a_traffic_policy_each_tier_counts_the_slots_its_route_reach
     policy_file = tmp_path / "traffic.yaml"
     policy_file.write_text((ROOT / "mesh" / "istio" / "model-server-traffic.yaml").read_text())
     policy = traffic.PolicyFiles([policy_file], "model-server")
-    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    manager = ModelManager(ManagerConfig(str(repo), "cpu", 1, probe_interval_s=0))
     await manager.start()
     servers = [await build_server(ModelServerConfig(model_repository=str(repo), labels=labels), manager, port=0)
                for labels in ("version=blue", "version=blue", "version=green", "pool=vip")]
@@ -291,7 +291,7 @@ async def test_a_subsets_own_outlier_detection_and_its_panic_threshold_apply_to_
     policy_file = tmp_path / "traffic.yaml"
     policy_file.write_text(subset_policy(1))
     policy = traffic.PolicyFiles([policy_file], "model-server")
-    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    manager = ModelManager(ManagerConfig(str(repo), "cpu", 1, probe_interval_s=0))
     await manager.start()
     servers = [await build_server(ModelServerConfig(model_repository=str(repo), labels=labels), manager, port=0)
                for labels in ("version=blue", "version=blue", "version=green")]
@@ -325,7 +325,7 @@ async def test_a_replica_is_sent_as_many_batches_as_its_instances_can_start(repo
     and the batcher sends two standard batches at once (not its configured one),
     keeping the third in its queue, while a VIP batch still goes."""
     _config(repo / "mlp", instances={"count": 3, "reserved_for_vip": 1, "lend_reserved_after_s": None})
-    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    manager = ModelManager(ManagerConfig(str(repo), "cpu", 1, probe_interval_s=0))
     await manager.start()
     server, port, _ = await build_server(ModelServerConfig(model_repository=str(repo)), manager, port=0)
     replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24))
@@ -361,7 +361,7 @@ async def test_while_the_vip_instance_is_lent_out_standard_batches_may_use_it_un
     this batcher sends a VIP batch, which ends the loan at the model server; the
     next poll then says whether it is lent again."""
     _config(repo / "mlp", instances={"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": 0})
-    manager = ModelManager(str(repo), "cpu", 1, probe_interval_s=0)
+    manager = ModelManager(ManagerConfig(str(repo), "cpu", 1, probe_interval_s=0))
     await manager.start()
     server, port, _ = await build_server(ModelServerConfig(model_repository=str(repo)), manager, port=0)
     replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24))
@@ -414,7 +414,7 @@ async def test_a_models_own_unavailable_goes_once_elsewhere_else_reaches_the_cal
     keeps serving its other models."""
     shutil.copytree(repo / "mlp", repo / "twin")
     _config(repo / "twin", name="twin")
-    managers = [ModelManager(str(repo), "cpu", 1, probe_interval_s=0) for _ in range(2)]
+    managers = [ModelManager(ManagerConfig(str(repo), "cpu", 1, probe_interval_s=0)) for _ in range(2)]
     servers = []
     for manager in managers:
         await manager.start()
@@ -426,7 +426,7 @@ async def test_a_models_own_unavailable_goes_once_elsewhere_else_reaches_the_cal
         await alone.start()
         await pair.start()
         assert [m.name for m in alone.models()] == ["mlp", "twin"]
-        managers[0]._models["mlp"].drifted["1"] = "correctness probe failed"  # noqa: SLF001 - since the poll
+        managers[0].versions.models["mlp"].drifted["1"] = "correctness probe failed"  # noqa: SLF001 - since the poll
         with pytest.raises(errors.Unavailable, match="model 'mlp' has no ready version: .*correctness probe failed"):
             await alone.execute("mlp", "", mlp_batch(), [], 10.0)
         assert alone._replicas[0].ready  # noqa: SLF001

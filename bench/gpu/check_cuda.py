@@ -14,14 +14,14 @@ import tempfile
 import numpy as np
 
 from services.common.tensors import from_numpy, to_numpy
-from services.model_server.core import ModelManager
+from services.model_server.core import ManagerConfig, ModelManager
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TEXTS = ["", "a GPU check", "Проверка на видеокарте", " ".join(["long"] * 300)]
 
 
 async def embed(repository: pathlib.Path, device: str, overrides: dict | None = None) -> tuple[str, np.ndarray]:
-    manager = ModelManager(str(repository), device, 4, startup_models=("minilm",), probe_interval_s=0)
+    manager = ModelManager(ManagerConfig(str(repository), device, 4, startup_models=("minilm",), probe_interval_s=0))
     await manager.start()
     if overrides:
         await manager.load("minilm", overrides)

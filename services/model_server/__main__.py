@@ -8,19 +8,14 @@ from services.common import serving
 from services.common.metrics import start_metrics_server
 from services.model_server import gpu
 from services.model_server.config import ModelServerConfig
-from services.model_server.core import ControlMode, ModelManager
+from services.model_server.core import ModelManager
 from services.model_server.execution import has_nvidia_gpu
 from services.model_server.server import Readiness, build_server
 
 
 async def serve(config: ModelServerConfig) -> None:
     readiness = Readiness()
-    manager = ModelManager(
-        config.model_repository, config.device, config.threads,
-        control_mode=ControlMode(config.model_control_mode), startup_models=config.startup_models,
-        rollback_grace_s=config.rollback_grace_s, probe_interval_s=config.probe_interval_s,
-        poll_interval_s=config.repository_poll_s, on_readiness=readiness, slice_s=config.slice_ms / 1000,
-    )
+    manager = ModelManager(config.manager(), on_readiness=readiness)
     await manager.start()
     sampler = asyncio.create_task(gpu.sample_forever(config.gpu_sample_s)) if has_nvidia_gpu() else None
     metrics_port = start_metrics_server(config.host, config.metrics_port)

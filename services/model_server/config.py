@@ -1,7 +1,9 @@
 """The model server's configuration."""
 
 import dataclasses
+import enum
 import os
+import pathlib
 from typing import ClassVar
 
 from services.common import tls
@@ -9,6 +11,36 @@ from services.common.budget import GIB, KIB, ServingLimits
 from services.common.config import require
 
 CONTROL_MODES = ("none", "explicit", "poll")
+
+
+class ControlMode(enum.Enum):
+    NONE = "none"  # load everything at startup; no changes afterwards
+    EXPLICIT = "explicit"  # changes by RPC only
+    POLL = "poll"  # changes follow the repository on disk
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerConfig:
+    """What the model manager (services/model_server/core.py) is built from."""
+
+    repository: str  # the model repository's folder: <model>/<version>/ and a config.json per model
+    device: str = "auto"  # cpu, cuda or auto
+    threads: int = 1  # intra-op threads per session
+    control_mode: ControlMode = ControlMode.EXPLICIT
+    startup_models: tuple[str, ...] = ("*",)  # loaded at start ("*": all)
+    rollback_grace_s: float = 600.0  # how long a replaced version stays loaded as a standby
+    probe_interval_s: float = 30.0  # between rounds of the correctness probe; 0: none
+    poll_interval_s: float = 5.0  # poll mode: between looks at the repository
+    slice_s: float = 0.0  # the longest slice a standard batch runs in while VIP batches come; 0: whole batches
+
+    def __post_init__(self):
+        require(self.threads >= 1, f"threads must be >= 1, got {self.threads}")
+        for name in ("rollback_grace_s", "probe_interval_s", "poll_interval_s", "slice_s"):
+            require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def repository_path(self) -> pathlib.Path:
+        return pathlib.Path(self.repository)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,3 +118,9 @@ class ModelServerConfig(ServingLimits):
     @property
     def startup_models(self) -> tuple[str, ...]:
         return tuple(name.strip() for name in self.load_models.split(",") if name.strip())
+
+    def manager(self) -> ManagerConfig:
+        return ManagerConfig(self.model_repository, self.device, self.threads,
+                             control_mode=ControlMode(self.model_control_mode), startup_models=self.startup_models,
+                             rollback_grace_s=self.rollback_grace_s, probe_interval_s=self.probe_interval_s,
+                             poll_interval_s=self.repository_poll_s, slice_s=self.slice_ms / 1000)
