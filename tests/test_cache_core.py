@@ -11,6 +11,7 @@ import redis
 from prometheus_client import REGISTRY
 
 from services.cache import codec
+from services.cache.config import CacheSettings
 from services.cache.core import ResultCache
 from services.cache.disk import DiskStore
 from services.common import errors
@@ -34,7 +35,7 @@ def redis_server(tmp_path):
 
 def replica(redis_server, path, **kwargs) -> ResultCache:
     disk = DiskStore(path, 64 << 20) if path is not None else None
-    return ResultCache(redis_server.redis_url, NAMESPACE, 300, 50, 0.0, disk=disk, **kwargs)
+    return ResultCache(CacheSettings(redis_server.redis_url, NAMESPACE, 300, 50, 0.0, **kwargs), disk=disk)
 
 
 def restart_redis(redis_server) -> redis.Redis:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import redis
 
-from services.cache import core
+from services.cache import generations
 from services.common import errors
 from services.common.tensors import from_numpy
 from tests.test_cache_core import EMBEDDING, NAMESPACE, redis_server, replica  # noqa: F401 - the fixture
@@ -98,13 +98,13 @@ async def test_a_damaged_generation_in_redis_starts_a_fresh_generation(redis_ser
 
 
 async def test_the_models_a_replica_remembers_for_callers_are_bounded(redis_server, tmp_path, monkeypatch):
-    monkeypatch.setattr(core, "MAX_CONFIRMED_MODELS", 50)
+    monkeypatch.setattr(generations, "MAX_CONFIRMED_MODELS", 50)
     a, b = replica(redis_server, tmp_path / "a"), replica(redis_server, tmp_path / "b")
     await a.put("minilm", DIGEST, EMBEDDING)
     for i in range(400):
         await a.lookup(f"model-{i}", DIGEST)
-    assert len(a._confirmed) <= 50 and a._generations == {}  # noqa: SLF001 - the state under test
-    assert "minilm" not in a._confirmed  # noqa: SLF001
+    assert len(a.generations._confirmed) <= 50 and a.generations._generations == {}  # noqa: SLF001 - the state under test
+    assert "minilm" not in a.generations._confirmed  # noqa: SLF001
     await b.purge("minilm")  # while a had forgotten it: a reads it again, never serves the purged entry
     assert await a.get("minilm", DIGEST) is None and a.current_generation("minilm") == 1
     await a.close()

@@ -13,8 +13,7 @@ from services.common.metrics import start_metrics_server
 
 async def serve(config: CacheConfig) -> None:
     disk = DiskStore(config.l2_path, config.l2_max_bytes) if config.l2_path else None
-    cache = ResultCache(config.redis_url, config.namespace, config.ttl_s, config.redis_timeout_ms,
-                        config.breaker_open_s, config.model_ttls(), disk, config.l2_fp16)
+    cache = ResultCache(config.settings(), disk)
     follower = asyncio.create_task(cache.follow_generations(config.generation_poll_s))
     metrics_port = start_metrics_server(config.host, config.metrics_port)
     draining = asyncio.Event()

@@ -9,6 +9,24 @@ from services.common.config import require
 
 
 @dataclasses.dataclass(frozen=True)
+class CacheSettings:
+    """What the result cache (services/cache/core.py) is built from."""
+
+    redis_url: str
+    namespace: str  # prefix of every Redis key
+    ttl_s: int  # time to live of an L1 entry
+    redis_timeout_ms: float  # socket timeout of one Redis call
+    breaker_open_s: float  # how long Redis is skipped after a failure
+    model_ttl_s: dict[str, int] | None = None  # per-model TTLs
+    l2_fp16: bool = False  # store FP32 outputs as FP16 in L2
+
+    def __post_init__(self):
+        require(self.ttl_s >= 1, f"ttl_s must be >= 1, got {self.ttl_s}")
+        require(self.redis_timeout_ms > 0, f"redis_timeout_ms must be > 0, got {self.redis_timeout_ms}")
+        require(self.breaker_open_s >= 0, f"breaker_open_s must be >= 0, got {self.breaker_open_s}")
+
+
+@dataclasses.dataclass(frozen=True)
 class CacheConfig(ServingLimits):
     baseline_bytes: ClassVar[int] = 256 * MIB
 
@@ -59,3 +77,7 @@ class CacheConfig(ServingLimits):
                     f"model_ttl_s entries look like model=seconds, got {item!r}")
             ttls[model] = int(value)
         return ttls
+
+    def settings(self) -> CacheSettings:
+        return CacheSettings(self.redis_url, self.namespace, self.ttl_s, self.redis_timeout_ms, self.breaker_open_s,
+                             self.model_ttls(), self.l2_fp16)

@@ -23,31 +23,16 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from services.cache import codec, metrics
-from services.cache.disk import DAMAGED, MAX_GENERATION, DiskStore, fresh_generation
+from services.cache.config import CacheSettings
+from services.cache.disk import DiskStore
+from services.cache.generations import Generations
 from services.common import errors
 from services.common.tensors import TensorData
 from services.common.tier import Tier
 
 log = logging.getLogger(__name__)
 MAX_QUEUED_STORES = 10_000
-# Models whose generation this replica has read from Redis (callers name them):
-# past this, the oldest is forgotten, and read again when next used.
-MAX_CONFIRMED_MODELS = 4096
 STALE = "stale"  # a store's result when a purge came between its lookup and it
-# Both raise the stored generation to at least ARGV[1] (a replica's floor);
-# purge then adds one. Atomic, so two replicas never hand out the same one.
-_RAISE_GENERATION = """
-local stored = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
-local floor = tonumber(ARGV[1])
-if stored < floor then redis.call('SET', KEYS[1], floor); return floor end
-return stored
-"""
-_BUMP_GENERATION = """
-local stored = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
-local next = math.max(stored, tonumber(ARGV[1])) + 1
-redis.call('SET', KEYS[1], next)
-return next
-"""
 
 
 class Breaker:
@@ -119,133 +104,45 @@ class Coalescer:
 class ResultCache:
     """get / put / purge of results by (model, digest), L1 then L2."""
 
-    def __init__(self, redis_url: str, namespace: str, ttl_s: int, timeout_ms: float, breaker_open_s: float,
-                 model_ttl_s: dict[str, int] | None = None, disk: DiskStore | None = None, l2_fp16: bool = False):
-        timeout = timeout_ms / 1000
+    def __init__(self, config: CacheSettings, disk: DiskStore | None = None):
+        timeout = config.redis_timeout_ms / 1000
         self._redis = redis.Redis.from_url(
-            redis_url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False,
+            config.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False,
             health_check_interval=0)
-        self._namespace = namespace
-        self._ttl_s = ttl_s
-        self._model_ttl_s = model_ttl_s or {}
-        self._breaker = Breaker(breaker_open_s)
+        self._namespace = config.namespace
+        self._ttl_s = config.ttl_s
+        self._model_ttl_s = dict(config.model_ttl_s or {})
+        self._breaker = Breaker(config.breaker_open_s)
         self._disk = disk
-        self._l2_fp16 = l2_fp16
+        self._l2_fp16 = config.l2_fp16
         # One writer thread (LMDB allows one writer) and one reader: LMDB's readers never wait
         # for its writer, so a write that evicts does not hold up lookups.
         self._disk_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cache-l2")
         self._disk_reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cache-l2-read")
-        self._raise_generation = self._redis.register_script(_RAISE_GENERATION)
-        self._bump_generation = self._redis.register_script(_BUMP_GENERATION)
-        # Per model: the highest generation seen (never lowered), kept only where it
-        # is above the floor (every model's least: 0 unless damaged records raised
-        # it), so that only purged models have an entry; the highest L2 has
-        # recorded; and which ones Redis has been asked about (bounded, oldest first).
-        self._generations: dict[str, int] = {}
-        self._floor = 0
+        self.generations = Generations(self._redis, config.namespace, self._breaker, disk, self._disk_thread,
+                                       self._failed)
         if disk is not None:
-            self._read_disk_generations(disk)
             metrics.L2_BYTES.set(disk.stored_bytes)  # what a restart found, before any write
-        self._recorded: dict[str, int] = dict(self._generations)
-        self._confirmed: dict[str, None] = {}
         self._lookups = Coalescer(self._lookup_batch)
         self._stores = Coalescer(self._store_batch)
         self._queued_stores = 0
 
-    # -- keys and generations -------------------------------------------------------
-    def _read_disk_generations(self, disk: DiskStore) -> None:
-        """Damaged generation records never stop start-up: the store drops them
-        and raises its floor; one it cannot read at all gives a fresh floor here."""
-        try:
-            generations, floor = disk.generations(), disk.generation_floor()
-        except DAMAGED as exc:
-            generations, floor = {}, None
-            log.error("L2 generation records cannot be read (%s: %s)", type(exc).__name__, exc)
-        if floor is None:
-            floor = fresh_generation()
-            log.error("starting every model at fresh generation %d: entries older than a purge stay unreachable",
-                      floor)
-        self._floor = floor
-        self._generations = {m: g for m, g in generations.items() if g > floor}
-
+    # -- generations (generations.py) ------------------------------------------------
     def current_generation(self, model: str) -> int:
         """The model's generation as this replica knows it now."""
-        return self._generations.get(model, self._floor)
+        return self.generations.current(model)
 
-    def _set_generation(self, model: str, generation: int) -> None:
-        if generation > self._floor:
-            self._generations[model] = generation
+    async def refresh_generations(self, models: list[str] | None = None) -> None:
+        await self.generations.refresh(models)
 
-    def _confirm(self, models) -> None:
-        for model in models:
-            self._confirmed.pop(model, None)
-            self._confirmed[model] = None
-        while len(self._confirmed) > MAX_CONFIRMED_MODELS:
-            del self._confirmed[next(iter(self._confirmed))]
+    async def follow_generations(self, every_s: float) -> None:
+        await self.generations.follow(every_s)
 
     def _l1_key(self, model: str, generation: int, digest: bytes) -> str:
         return f"{self._namespace}:v1:{model}:g{generation}:{digest.hex()}"
 
     def _l2_key(self, model: str, generation: int, digest: bytes) -> bytes:
         return _l2_prefix(model) + generation.to_bytes(8, "big") + digest
-
-    def _generation_key(self, model: str) -> str:
-        return f"{self._namespace}:v1:generation:{model}"
-
-    async def _generation(self, model: str) -> int:
-        if model not in self._confirmed:
-            await self.refresh_generations([model])
-        return self.current_generation(model)
-
-    async def refresh_generations(self, models: list[str] | None = None) -> None:
-        """Re-reads the generations of `models` (default: every model seen);
-        one Redis reads lower than seen here is raised back, never followed,
-        and a damaged one is replaced by a fresh generation."""
-        models = list({**self._confirmed, **dict.fromkeys(self._generations)}) if models is None else models
-        if not models or not self._breaker.allows():
-            return
-        try:
-            values = await self._redis.mget([self._generation_key(m) for m in models])
-            for model, value in zip(models, values):
-                known = self.current_generation(model)
-                stored = int(value) if value is not None and value.isdigit() and len(value) <= 19 else None
-                if value is None:
-                    stored = 0
-                elif stored is None or stored >= MAX_GENERATION:
-                    fresh = max(fresh_generation(), known)
-                    log.error("redis holds a damaged generation %r of model %s; starting it at fresh generation %d",
-                              value[:40], model, fresh)
-                    await self._redis.set(self._generation_key(model), fresh)
-                    stored = fresh
-                if stored < known:
-                    log.warning("redis holds generation %d of model %s, older than %d seen before (did Redis restart?); "
-                                "writing %d back", stored, model, known, known)
-                    stored = int(await self._raise_generation([self._generation_key(model)], [known]))
-                self._set_generation(model, max(stored, known))
-        except (RedisError, OSError) as exc:
-            self._failed("generation", exc)
-            return
-        self._confirm(models)
-        await self._record_generations()
-
-    async def _record_generations(self) -> None:
-        """Keeps in L2 every generation higher than it has recorded."""
-        newer = {m: g for m, g in self._generations.items() if g > self._recorded.get(m, 0)}
-        if self._disk is None or not newer:
-            return
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._disk_thread, self._disk.record_generations, newer)
-        except Exception:  # noqa: BLE001 - memory still holds them; the next refresh tries again
-            metrics.ERRORS.labels("l2_generation").inc()
-            log.exception("recording generations %s in L2 failed", newer)
-            return
-        self._recorded.update(newer)
-
-    async def follow_generations(self, every_s: float) -> None:
-        while True:
-            await asyncio.sleep(every_s)
-            await self.refresh_generations()
 
     # -- lookups ----------------------------------------------------------------------
     async def get(self, model: str, digest: bytes, tier: Tier = Tier.STANDARD) -> list[TensorData] | None:
@@ -258,7 +155,7 @@ class ResultCache:
 
     async def _lookup_batch(self, items: list[tuple[str, bytes, int]]) -> list[tuple[list[TensorData] | None, int]]:
         for model in {m for m, _, _ in items}:
-            await self._generation(model)
+            await self.generations.of(model)
         keyed = [(model, self.current_generation(model), digest, tier) for model, digest, tier in items]
         results: list[list[TensorData] | None] = [None] * len(items)
         levels = ["all"] * len(items)
@@ -338,10 +235,10 @@ class ResultCache:
         too, so that Store's summary counts only what was kept. A promotion to
         L1 never fails: nobody waits for it, and L2 still holds the value."""
         for model in {item[1] for item in items if item[2] is None}:
-            await self._generation(model)
+            await self.generations.of(model)
         ahead = {m for _, m, g, _, _ in items if g is not None and g > self.current_generation(m)}
         if ahead:  # perhaps a purge through another replica that this one has not read yet
-            await self.refresh_generations(sorted(ahead))
+            await self.generations.refresh(sorted(ahead))
         results: list[None | Exception] = [None] * len(items)
         l1, l2, raw = [], [], 0
         on_disk: set[int] = set()
@@ -416,10 +313,7 @@ class ResultCache:
     async def purge(self, model: str) -> tuple[int, int]:
         """Bumps the model's generation in Redis and drops its L2 entries here.
         Raises RedisError when Redis is unreachable: a purge must not half-happen silently."""
-        generation = int(await self._bump_generation([self._generation_key(model)], [self.current_generation(model)]))
-        self._set_generation(model, generation)
-        self._confirm([model])
-        await self._record_generations()
+        generation = await self.generations.bump(model)
         deleted = 0
         if self._disk is not None:
             loop = asyncio.get_running_loop()
