@@ -21,7 +21,7 @@ from services.common.tensors import from_numpy, pack_bytes_elements, TensorData
 from services.launcher.mesh import Mesh
 from services.router.breaker import HALF_OPEN_STEPS, Breaker, BreakerPolicy, FailureSamples, State
 from services.router.config import RouterConfig
-from services.router.core import Catalog, InferRequest, Router
+from services.router.core import Catalog, InferRequest, Router, RouterSettings
 from tests.conftest import metric, until
 from tests.oip import output_array, text_request
 from tests.test_router_validation import MINILM
@@ -103,7 +103,7 @@ def breaker_router(batcher, samples: FailureSamples | None = None) -> Router:
     catalog = Catalog()
     catalog.replace([dataclasses.replace(MINILM, fallback="minilm-lite"),
                      dataclasses.replace(MINILM, name="minilm-lite")])
-    return Router(catalog, batcher, cache=None, breaker_policy=RouterConfig().breaker_policy(),
+    return Router(catalog, batcher, cache=None, settings=RouterSettings(breaker_policy=RouterConfig().breaker_policy()),
                   failure_samples=samples)
 
 

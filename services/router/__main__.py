@@ -34,8 +34,8 @@ async def serve(config: RouterConfig) -> None:
         authenticator = Authenticator(settings_from(config))
     except RegistryError as exc:  # before anything listens: a registry that cannot be used stops the start
         sys.exit(f"router: {exc}")
-    router = Router(catalog, batcher, cache, bypass, config.default_timeout_s, near, config.breaker_policy(),
-                    config.failure_samples(), RateLimiter(), authenticator.label, config.request_limits())
+    router = Router(catalog, batcher, cache, config.settings(), bypass=bypass, near=near,
+                    failure_samples=config.failure_samples(), limiter=RateLimiter(), tenant_label=authenticator.label)
     await batcher.start()
     metrics_port = start_metrics_server(config.host, config.metrics_port)
     draining = asyncio.Event()

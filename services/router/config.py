@@ -147,6 +147,11 @@ class RouterConfig(ServingLimits):
     def stream_message_bytes(self) -> int:
         return self.max_stream_message_bytes or self.max_request_bytes
 
+    def settings(self):
+        from services.router.core import RouterSettings
+
+        return RouterSettings(self.default_timeout_s, self.breaker_policy(), self.request_limits())
+
     def breaker_policy(self):
         from services.router.breaker import BreakerPolicy
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from services.common import errors, identity
+from services.common.config import require
 from services.common.tensors import TensorData, bytes_elements, check_tensor_data
 from services.common.tier import Tier
 from services.router import metrics
@@ -136,21 +137,35 @@ class Catalog:
         return any(sig.ready_versions for sig in self._models.values())
 
 
+@dataclasses.dataclass(frozen=True)
+class RouterSettings:
+    """What the router's core is configured with (RouterConfig.settings() builds it)."""
+
+    default_timeout_s: float = 60.0  # the deadline of a request that brings none
+    breaker_policy: BreakerPolicy = dataclasses.field(default_factory=BreakerPolicy)
+    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
+
+    def __post_init__(self):
+        require(self.default_timeout_s > 0, f"default_timeout_s must be > 0, got {self.default_timeout_s}")
+
+
 class Router:
-    def __init__(self, catalog: Catalog, batcher: Batcher, cache: Cache | None, bypass: AdaptiveBypass | None = None,
-                 default_timeout_s: float = 60.0, near: NearCache | None = None,
-                 breaker_policy: BreakerPolicy | None = None, failure_samples: FailureSamples | None = None,
-                 limiter: RateLimiter | None = None, tenant_label: Callable[[str], str] = lambda name: name,
-                 limits: RequestLimits | None = None):
+    """The data plane behind the router's protocol adapters: validation, the
+    cache, single-flight, the breaker and its fallback, shedding, the batcher."""
+
+    def __init__(self, catalog: Catalog, batcher: Batcher, cache: Cache | None,
+                 settings: RouterSettings = RouterSettings(), *, bypass: AdaptiveBypass | None = None,
+                 near: NearCache | None = None, failure_samples: FailureSamples | None = None,
+                 limiter: RateLimiter | None = None, tenant_label: Callable[[str], str] = lambda name: name):
         self.catalog = catalog
         self._limiter = limiter if limiter is not None else RateLimiter()
         self._tenant_label = tenant_label
-        self.limits = limits or RequestLimits()
-        self._breaker_policy = breaker_policy or BreakerPolicy()
+        self.limits = settings.limits
+        self._breaker_policy = settings.breaker_policy
         self._breakers: dict[str, Breaker] = {}
         self._failure_samples = failure_samples
         self._near = near if near is not None else NearCache(ttl_s=0, max_bytes=0)
-        self._default_timeout_s = default_timeout_s
+        self._default_timeout_s = settings.default_timeout_s
         self._batcher = batcher
         self._cache = cache
         self._bypass = bypass if bypass is not None else AdaptiveBypass()
