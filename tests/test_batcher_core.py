@@ -8,10 +8,10 @@ import pytest
 
 from services.batcher.admission import ServiceRate
 from services.batcher.core import Batcher, BatchingConfig, LevelPolicy, ModelLimits, QueuePolicy
-from services.common.tier import Tier
 from services.common import errors
 from services.common.latency import CAUTIOUS_DEVIATIONS, MovingTime
 from services.common.tensors import TensorData, from_numpy, to_numpy
+from services.common.tier import Tier
 from tests.conftest import settle
 
 pytestmark = pytest.mark.unit

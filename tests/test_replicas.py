@@ -19,20 +19,20 @@ import pytest
 import yaml
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from infermesh.common.v1 import tensor_pb2
-from infermesh.model_server.v1 import model_server_pb2
+from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
-from services.batcher.core import Batcher, BatchingConfig
-from services.common.tier import Tier
 from services.batcher.config import ReplicaConfig
+from services.batcher.core import Batcher, BatchingConfig
 from services.batcher.discovery import FAILED_POLLS, MESH_HISTORY_POLLS, _merge_polls
 from services.batcher.replicas import ReplicaSet
 from services.batcher.upstream import transport_failure as _transport_failure
 from services.common import errors, traffic
 from services.common.tensors import from_numpy
+from services.common.tier import Tier
 from services.launcher.mesh import MODEL_SERVER_NICE, Mesh, Process
 from services.model_server.config import ModelServerConfig
 from services.model_server.core import ManagerConfig, ModelManager
-from services.model_server.server import build_server
+from services.model_server.server import ModelServerServicer, build_server
 from tests.conftest import metric, until
 from tests.oip import output_array, text_request
 from tests.test_model_repository import _config, repo  # noqa: F401 - the mlp repository fixture
@@ -554,3 +554,40 @@ async def test_behind_a_mesh_vip_batches_have_room_of_their_own(repo):
         assert not replicas.routing._has_room(replica, "mlp", Tier.VIP)  # noqa: SLF001
         replica.running.clear()
         await replicas.close()
+
+
+class RecordingServicer(ModelServerServicer):
+    """The model server's own servicer, noting how each batch's tier arrived."""
+
+    def __init__(self, manager: ModelManager):
+        super().__init__(manager)
+        self.seen: list[tuple[int, str | None]] = []
+
+    async def Execute(self, request, context):
+        self.seen.append((request.tier, dict(context.invocation_metadata()).get("x-user-tier")))
+        return await super().Execute(request, context)
+
+
+@pytest.mark.service
+@pytest.mark.parametrize("behind_mesh", [False, True])
+async def test_a_batch_carries_its_tier_once_and_as_a_header_only_for_a_mesh_to_route_on(repo, behind_mesh):
+    """ExecuteRequest.tier is what the model server reads; x-user-tier goes
+    along only behind a mesh, whose sidecar routes on headers."""
+    manager = ModelManager(ManagerConfig(str(repo), "cpu", 1, probe_interval_s=0))
+    await manager.start()
+    server = grpc.aio.server()
+    servicer = RecordingServicer(manager)
+    model_server_pb2_grpc.add_ModelServerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24, behind_mesh=behind_mesh))
+    try:
+        await replicas.start()
+        await replicas.execute("mlp", "", mlp_batch(), [], 30.0, tier=Tier.VIP)
+        await replicas.execute("mlp", "", mlp_batch(), [], 30.0, tier=Tier.STANDARD)
+    finally:
+        await replicas.close()
+        await server.stop(0)
+        await manager.close()
+    headers = ("vip", "standard") if behind_mesh else (None, None)
+    assert servicer.seen == [(Tier.VIP, headers[0]), (Tier.STANDARD, headers[1])]
