@@ -29,8 +29,8 @@ import onnxruntime as ort
 
 from services.common import errors
 from services.common.latency import CAUTIOUS_DEVIATIONS, LatencyProfile
-from services.common.tier import Tier
 from services.common.tensors import NUMPY_DTYPES, TensorData, concat_rows, from_numpy, split_rows, to_numpy
+from services.common.tier import Tier
 from services.model_server import metrics
 from services.model_server.repository import (MAX_TOKENIZER_BYTES, ConfigError, Golden, ModelConfig, read_bounded,
                                               version_fingerprint)

@@ -27,7 +27,7 @@ from services.router.tenants import RateLimiter
 log = logging.getLogger(__name__)
 
 SINGLE_FLIGHT_LINGER_S = 0.05
-MAX_SHED_MS = 1000  # the longest a batcher's "retry after" makes the router refuse a level by itself
+MAX_SHED_MS = 1000  # the longest a batcher's "retry after" makes the router refuse a tier by itself
 # A request whose BYTES elements are more than this is checked in a thread (a
 # walk of 200 ns an element), so that the event loop goes on meanwhile.
 INLINE_ELEMENTS = 4096
@@ -399,7 +399,7 @@ class Router:
             raise
 
     def _refuse_if_shed(self, model: str, tier: Tier, deadline: float, rows: int, tenant: str) -> None:
-        """The batcher refused this level lately, and this request is at least as
+        """The batcher refused this tier lately, and this request is at least as
         large as the refused one and has no more time than that one would have
         needed: refuse it here, before it costs the batcher anything. A request
         with more time, or fewer rows (the refusal may have been for the size of

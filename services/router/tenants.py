@@ -107,7 +107,7 @@ class Authenticator:
             found["jwt_tenant"] = tenant
         return found
 
-    def tier(self, tenant: identity.Tenant, claimed: int | None) -> int:
+    def tier(self, tenant: identity.Tenant, claimed: Tier | None) -> Tier:
         """The tier this tenant's request runs at (PERMISSION_DENIED beyond its own)."""
         try:
             return tenant.tier_for(claimed)
