@@ -292,7 +292,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
             axis.axvspan(fault["at_s"], fault["at_s"] + max(fault["lasted_s"], 0.3), color="grey", alpha=0.25)
         rate.annotate(fault["fault"], (fault["at_s"], rate.get_ylim()[1]), fontsize=7, rotation=60,
                       va="top", ha="left")
-    save_figure(fig, path, report, "chaos, first run's timeline")
+    save_figure(fig, path, {**report, "runs": 1}, f"chaos, the first of {report['runs']} runs")
 
 
 async def measure(runs: int, gap_s: float, warm_s: float, seed: int, config: LoadConfig,
