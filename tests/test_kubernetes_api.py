@@ -1,7 +1,8 @@
 """The manifests and meshctl --apply against a real Kubernetes API server
-(tests/kube.py) with Istio's CRDs: every rendered overlay is accepted by a
-server-side dry run with strict field validation (the server's own schemas,
-defaulting and CEL rules), and meshctl patches the live VirtualService."""
+(tests/kube.py) with Istio's CRDs and the PrometheusRule's: every rendered
+overlay is accepted by a server-side dry run with strict field validation (the
+server's own schemas, defaulting and CEL rules), and meshctl patches the live
+VirtualService."""
 
 import contextlib
 import copy

@@ -1,5 +1,5 @@
 """The Kubernetes and Istio manifests, rendered by the real kustomize and
-checked against the Kubernetes schemas, Istio's CRD schemas and CEL rules,
+checked against the Kubernetes schemas, Istio's and the PrometheusRule's CRD schemas and CEL rules,
 Istio's rules in code and our cross-resource rules (tools/manifests.py).
 Each check is also shown to catch the mistake it exists for."""
 
@@ -21,7 +21,7 @@ POLICY = manifests.ROOT / "mesh" / "istio" / "model-server-traffic.yaml"
 
 @pytest.fixture(scope="module")
 def istio():
-    return manifests.IstioSchemas()
+    return manifests.CrdSchemas()
 
 
 @pytest.fixture(scope="module")
