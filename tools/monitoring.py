@@ -365,10 +365,9 @@ def _grouping_problems(tree) -> list[str]:
             if node.modifier.matching is not None:
                 modifier_labels += list(node.modifier.matching.labels)
             modifier_labels += list(node.modifier.group_labels or [])
-        if modifier_labels:
-            under = set(SCRAPE_LABELS)
-            for selector in _selectors(node):
-                under |= _labels_of(selector) or set()
+        known = [_labels_of(s) for s in _selectors(node)]
+        if modifier_labels and None not in known:  # an unknown series is reported already, its labels unknown
+            under = set(SCRAPE_LABELS).union(*known)
             for label in modifier_labels:
                 if label not in under:
                     found.append(f"groups or matches by {label!r}, which no series under it has "
