@@ -92,7 +92,7 @@ def test_the_lifecycle_names_every_refusal_reason_the_metrics_count():
 def test_the_check_sees_the_refusals_it_is_about():
     """The walk finds the refusals it must (so the test above cannot pass on an empty list)."""
     found = refusals()
-    assert ("batcher/core.py", "ModelQueue._admit") in found
+    assert ("batcher/admission.py", "Admission.admit") in found
     assert ("router/limits.py", "too_many") in found
     assert ("batcher/server.py", "BatcherServicer._answer") in found  # a nested handler counts as its method
     assert len(found) > 60

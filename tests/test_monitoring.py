@@ -10,7 +10,8 @@ import prometheus_client
 import pytest
 import yaml
 
-from services.common import errors, identity
+from services.common import errors
+from services.common.tier import Tier
 from tools import monitoring
 
 
@@ -54,7 +55,7 @@ def test_series_names_are_the_ones_prometheus_client_exposes():
 @pytest.mark.unit
 def test_label_values_are_read_where_the_code_sets_them():
     values = monitoring.label_values()
-    assert values["services.router.metrics.REQUESTS", "tier"].known == set(identity.TIER_NAMES.values())
+    assert values["services.router.metrics.REQUESTS", "tier"].known == {tier.label for tier in Tier}
     assert values["services.router.metrics.REQUESTS", "code"].known == (
         {"OK"} | {cls.code_name for cls in errors.BY_CODE.values()})
     # The reasons the metric's help text promises are the ones the batcher sets.
@@ -155,7 +156,7 @@ def test_a_dashboard_panel_or_variable_on_what_no_service_exports_is_caught():
     broken = copy.deepcopy(dashboard)
     broken["templating"]["list"][1]["query"]["query"] = "label_values(infermesh_router_requests_total, colour)"
     row = next(p for p in broken["panels"] if p.get("type") == "row")
-    row["panels"] = [{"title": "collapsed", "targets": [{"expr": 'sum(infermesh_batcher_queue_length{level="gold"})'}]}]
+    row["panels"] = [{"title": "collapsed", "targets": [{"expr": 'sum(infermesh_batcher_queue_length{tier="gold"})'}]}]
     found = monitoring.dashboard_problems(broken)
     assert "variable 'namespace': infermesh_router_requests_total has no label 'colour'" in found
-    assert any(p.startswith("panel 'collapsed': ") and "level is never 'gold'" in p for p in found), found
+    assert any(p.startswith("panel 'collapsed': ") and "tier is never 'gold'" in p for p in found), found

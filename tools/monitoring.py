@@ -174,6 +174,10 @@ class _Resolver:
             return None if body is None or orelse is None else body | orelse
         if isinstance(node, ast.Attribute) and node.attr == "code_name":
             return _error_codes()
+        if isinstance(node, ast.Attribute) and node.attr == "label":  # a Tier's (services/common/tier.py)
+            from services.common.tier import Tier
+
+            return {tier.label for tier in Tier}
         if isinstance(node, ast.Subscript):
             table = self.constant(node.value)
             if isinstance(table, dict) and all(isinstance(v, str) for v in table.values()):
