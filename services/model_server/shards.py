@@ -31,6 +31,7 @@ import json
 import pathlib
 
 import numpy as np
+import onnxruntime as ort
 
 from services.common.config import field, read_json_object
 
@@ -378,6 +379,7 @@ class ShardedSession:
         self._segments = by_segment
         self.weight_bytes = [shard["bytes"] for shard in self.manifest["shards"]]
         self.failed: str = ""
+        self._reducer = _sum_session(degree, devices[0])
 
     def get_inputs(self):
         return self._segments[0][1][0].get_inputs() + [
@@ -394,7 +396,7 @@ class ShardedSession:
 
     def run(self, output_names, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         if any(device is not None for device in self.devices):
-            return self._run_on_gpus(list(output_names), feeds)
+            return self._run_bound(list(output_names), feeds)
         mask = feeds["attention_mask"]
         ids = feeds["input_ids"]
         types = feeds.get("token_type_ids", np.zeros_like(ids))
@@ -411,57 +413,51 @@ class ShardedSession:
                 residual = results[0][0]
         raise ShardError("the shard set has no pool segment")
 
-    def _run_on_gpus(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """The same loop with every tensor in device memory: each shard reads its
-        inputs from and writes its outputs to torch tensors on its own GPU
-        (IOBinding), and the all-reduce sums on GPU 0 and copies device to
-        device; only the token ids go up and the embeddings come down."""
-        import torch
+    def _run_bound(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The same loop with every tensor left where ONNX Runtime put it (IOBinding):
+        each shard reads its inputs from and writes its outputs to its own device,
+        the all-reduce is a Sum session on shard 0's device, and ORT copies a bound
+        tensor that lies on another device across; only the token ids go up and
+        the embeddings come down. On the CPU it binds CPU memory."""
+        kind = "cpu" if self.devices[0] is None else "cuda"
+        devices = [device or 0 for device in self.devices]
+        host = {"input_ids": feeds["input_ids"], "attention_mask": feeds["attention_mask"],
+                "token_type_ids": feeds.get("token_type_ids", np.zeros_like(feeds["input_ids"]))}
+        on = {d: {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), kind, d) for k, v in host.items()}
+              for d in set(devices)}
+        total = None
+        residual: list = [None] * len(devices)
 
-        devices = [torch.device("cuda", d) for d in self.devices]
-        hidden = self.manifest["shape"]["hidden"]
-        ids = torch.from_numpy(feeds["input_ids"])
-        batch, seq = ids.shape
-        host = {"input_ids": ids, "attention_mask": torch.from_numpy(feeds["attention_mask"]),
-                "token_type_ids": torch.from_numpy(feeds.get("token_type_ids", np.zeros_like(feeds["input_ids"])))}
-        on = [{k: v.to(d) for k, v in host.items()} for d in devices]
-        total = residual = None
+        def bound(session, shard: int, takes: frozenset, outputs: list[str]):
+            binding = session.io_binding()
+            available = {**on[devices[shard]], "hidden_sum": total, "residual": residual[shard]}
+            for key, value in available.items():
+                if key in takes:
+                    binding.bind_ortvalue_input(key, value)
+            for name in outputs:
+                binding.bind_output(name, kind, devices[shard])
+            session.run_with_iobinding(binding)
+            return binding
+
         for name, sessions, takes in self._segments:
             if name == "pool":
-                out = torch.empty((batch, hidden), dtype=torch.float32, device=devices[0])
-                self._bound_run(sessions[0], self.devices[0],
-                                {**on[0], "hidden_sum": total[0], "residual": residual[0]}, takes,
-                                {output_names[0]: out})
-                return [out.cpu().numpy()]
-            outputs = [{"partial": torch.empty((batch, seq, hidden), dtype=torch.float32, device=d),
-                        **({"hidden": torch.empty((batch, seq, hidden), dtype=torch.float32, device=d)}
-                           if name != "embed" else {})} for d in devices[: len(sessions)]]
-            inputs = [{**on[i], "hidden_sum": None if total is None else total[i],
-                       "residual": None if residual is None else residual[i]} for i in range(len(sessions))]
-            self._all_shards(name, [lambda i=i, s=s: self._bound_run(s, self.devices[i], inputs[i], takes, outputs[i])
-                                    for i, s in enumerate(sessions)])
-            summed = outputs[0]["partial"]
-            for other in outputs[1:]:
-                summed = summed + other["partial"].to(devices[0])  # the all-reduce
-            total = [summed if d == devices[0] else summed.to(d) for d in devices]
-            for d in set(devices):  # ORT reads these on its own stream next
-                torch.cuda.synchronize(d)
+                return bound(sessions[0], 0, takes, list(output_names)).copy_outputs_to_cpu()
+            # Bound in graph order: "hidden" (every segment but embed), then "partial".
+            results = self._all_shards(name, [
+                lambda s=s, i=i: bound(s, i, takes, [o.name for o in s.get_outputs()]).get_outputs()
+                for i, s in enumerate(sessions)])
+            total = results[0][-1] if len(results) == 1 else self._all_reduce(kind, devices[0], [r[-1] for r in results])
             if name != "embed":
-                residual = [o["hidden"] for o in outputs] if len(outputs) == len(devices) else \
-                    [outputs[0]["hidden"].to(d) for d in devices]
+                residual = [r[0] for r in results]
         raise ShardError("the shard set has no pool segment")
 
-    @staticmethod
-    def _bound_run(session, device_id: int, inputs: dict, takes: frozenset, outputs: dict) -> None:
-        binding = session.io_binding()
-        for name, tensor in inputs.items():
-            if name in takes:
-                tensor = tensor.contiguous()
-                binding.bind_input(name, "cuda", device_id, np.int64 if tensor.dtype == _torch_int64() else np.float32,
-                                   list(tensor.shape), tensor.data_ptr())
-        for name, tensor in outputs.items():
-            binding.bind_output(name, "cuda", device_id, np.float32, list(tensor.shape), tensor.data_ptr())
-        session.run_with_iobinding(binding)
+    def _all_reduce(self, kind: str, device: int, partials: list):
+        binding = self._reducer.io_binding()
+        for i, partial in enumerate(partials):
+            binding.bind_ortvalue_input(f"partial{i}", partial)
+        binding.bind_output("sum", kind, device)
+        self._reducer.run_with_iobinding(binding)
+        return binding.get_outputs()[0]
 
     def _all_shards(self, name: str, calls) -> list:
         futures = [self._pool.submit(call) for call in calls]
@@ -478,10 +474,48 @@ class ShardedSession:
         self._pool.shutdown(wait=True)
 
 
-def _torch_int64():
-    import torch
+def _sum_graph(inputs: int) -> bytes:
+    """A serialised ONNX model whose one Sum node adds the float [batch, seq, hidden] tensors
+    partial0..partial{inputs-1} into "sum": the all-reduce. The protobuf is written by hand
+    (the bytes onnx.helper would write) so that serving needs no onnx package."""
 
-    return torch.int64
+    def varint(value: int) -> bytes:
+        out = bytearray()
+        while True:
+            out.append(value & 0x7F | (0x80 if value > 0x7F else 0))
+            value >>= 7
+            if not value:
+                return bytes(out)
+
+    def message(number: int, payload: bytes) -> bytes:  # a length-delimited field
+        return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+    def integer(number: int, value: int) -> bytes:
+        return varint(number << 3) + varint(value)
+
+    # ValueInfoProto: name, then TypeProto.tensor_type: elem_type FLOAT, shape [batch, seq, hidden].
+    shape = b"".join(message(1, message(2, dim)) for dim in (b"batch", b"seq", b"hidden"))
+
+    def tensor(name: str) -> bytes:
+        return message(1, name.encode()) + message(2, message(1, integer(1, 1) + message(2, shape)))
+
+    names = [f"partial{i}" for i in range(inputs)]
+    node = b"".join(message(1, n.encode()) for n in names) + message(2, b"sum") + message(4, b"Sum")
+    graph = (message(1, node) + message(2, b"all_reduce") + b"".join(message(11, tensor(n)) for n in names)
+             + message(12, tensor("sum")))
+    # ModelProto: ir_version 8 and opset 18 of the default domain, as the shard sets' graphs.
+    return integer(1, 8) + message(7, graph) + message(8, message(1, b"") + integer(2, 18))
+
+
+def _sum_session(inputs: int, device: int | None) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.log_severity_level = 3
+    providers = ["CPUExecutionProvider"]
+    if device is not None:
+        providers = [("CUDAExecutionProvider", {"device_id": device}), "CPUExecutionProvider"]
+    return ort.InferenceSession(_sum_graph(inputs), options, providers=providers)
 
 
 def minilm_weights() -> tuple[dict[str, np.ndarray], dict]:
@@ -510,3 +544,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
