@@ -18,10 +18,10 @@ from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
 from services.launcher.mesh import Mesh
-from services.model_server.shards import (BertShape, ShardedSession, ShardError, _sum_graph, minilm_weights,
-                                          read_manifest)
+from services.model_server.shards import ShardedSession, ShardError, _sum_graph, read_manifest
 from tests.oip import output_array, text_request
 from tests.test_model_repository import model_server
+from tools.build_models.shards import BertShape, minilm_weights
 
 TEXTS = [
     "",
