@@ -35,6 +35,7 @@ Writes bench/results/chaos.{json,md,png}.
 import argparse
 import asyncio
 import dataclasses
+import json
 import os
 import pathlib
 import signal
@@ -223,7 +224,7 @@ def summarise(runs: list[dict]) -> dict:
             "p99_never_back": sum(r["p99_back_s"] is None for r in rows),
         }
     totals = {key: sum(run["totals"][key] for run in runs)
-              for key in ("sent", "ok", "checked", "unsent", *MUST_BE_ZERO)}
+              for key in ("sent", "ok", "checked", "unsent", "status_lost", *MUST_BE_ZERO)}
     return {"by_fault": by_fault, "totals": totals}
 
 
@@ -291,7 +292,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
             axis.axvspan(fault["at_s"], fault["at_s"] + max(fault["lasted_s"], 0.3), color="grey", alpha=0.25)
         rate.annotate(fault["fault"], (fault["at_s"], rate.get_ylim()[1]), fontsize=7, rotation=60,
                       va="top", ha="left")
-    save_figure(fig, path, report, "chaos, first run's timeline")
+    save_figure(fig, path, {**report, "runs": 1}, f"chaos, the first of {report['runs']} runs")
 
 
 async def measure(runs: int, gap_s: float, warm_s: float, seed: int, config: LoadConfig,
@@ -334,6 +335,8 @@ def main() -> int:
         parser.error(f"no fault {sorted(unknown)}; the faults are {', '.join(FAULTS)}")
     report = asyncio.run(measure(args.runs, args.gap_s, args.warm_s, chosen_seed(args.seed),
                                  LoadConfig(callers=args.callers), faults))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "chaos.json").write_text(json.dumps(report, indent=1))  # kept even if rendering fails
     write(args.out, "chaos", report, markdown(report), plot)
     t = report["summary"]["totals"]
     return 0 if not any(t[key] for key in MUST_BE_ZERO) else 1

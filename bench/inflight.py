@@ -27,6 +27,7 @@ Writes bench/results/inflight.{json,md,png}.
 
 import argparse
 import asyncio
+import json
 import dataclasses
 import pathlib
 import sys
@@ -156,6 +157,12 @@ async def overload(mesh: Mesh, capacity: float, factor: float, seconds: float, r
             "timeline": result.buckets, "overload_at_s": began - result.started, "overload_end_s": ended - result.started}
 
 
+def others(totals: dict) -> str:
+    """The answers that were not OK, as 'n STATUS, ...' (or 'none')."""
+    counts = {k: v for k, v in (totals["by_status"] | totals["stream_failed"]).items() if k != "OK"}
+    return ", ".join(f"{v} {k}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
+
+
 def markdown(report: dict) -> str:
     h, o = report["hold"], report["overload"]
     mib = 1024 * 1024
@@ -179,16 +186,16 @@ def markdown(report: dict) -> str:
         f"{h['config']['stream_window']} outstanding requests and "
         f"{round(h['config']['callers'] * (1 - h['config']['stream_share']))} unary callers for {h['seconds']:g} s: "
         f"**{h['most_in_flight']} requests in flight at most**; {t['sent']} sent, {t['ok']} OK, other answers "
-        f"{t['by_status'] | t['stream_failed']}, **{t['unanswered']} unanswered, {t['twice']} twice, "
+        f"{others(t)}, **{t['unanswered']} unanswered, {t['twice']} twice, "
         f"{t['wrong']} wrong** of {t['checked']} checked; OK latency p50 {h['p50_ms']:.0f} ms, p99 "
-        f"{h['p99_ms']:.0f} ms (a request waits behind the ten thousand before it).", "",
+        f"{h['p99_ms']:.0f} ms (a request waits behind every one sent before it).", "",
         f"Peak RSS: {rss(h['peak_rss_bytes'])}.", "",
         "## Three times saturation",
         f"ghz open loop at {o['factor']:g}x capacity ({o['offered_rps']:.0f} requests/s) for {o['seconds']:g} s: "
         f"{g['sent']} sent; {statuses}.", "",
         f"Peak RSS during the overload: {rss(o['peak_rss_during_bytes'])}.", "",
         f"The probe (4 accounted callers before, during and after): {p['sent']} sent, {p['ok']} OK, other answers "
-        f"{p['by_status'] | p['stream_failed']}, **{p['unanswered']} unanswered, {p['twice']} twice, {p['wrong']} "
+        f"{others(p)}, **{p['unanswered']} unanswered, {p['twice']} twice, {p['wrong']} "
         f"wrong**; its p99 before the overload {o['probe_p99_before_ms']:.0f} ms, back within 1.5x of it "
         + (f"**{back:.1f} s** after the overload ended." if back is not None else "**not within the 20 s watched**."),
         "", "The probe's timeline is in inflight.png.", ""])
@@ -244,6 +251,8 @@ def main() -> int:
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     report = asyncio.run(measure(args))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "inflight.json").write_text(json.dumps(report, indent=1))  # kept even if rendering fails
     write(args.out, "inflight", report, markdown(report), plot)
     h, p = report["hold"]["totals"], report["overload"]["probe"]
     return 0 if h["unanswered"] == h["twice"] == h["wrong"] == p["unanswered"] == p["twice"] == p["wrong"] == 0 else 1

@@ -19,6 +19,7 @@ Writes bench/results/soak.{json,md,png}.
 
 import argparse
 import asyncio
+import json
 import pathlib
 import statistics
 import sys
@@ -26,7 +27,7 @@ import tempfile
 import time
 
 from bench.chaos_load import ChaosLoad, LoadConfig, Reference
-from bench.inflight import RssSampler, ghz_summary
+from bench.inflight import RssSampler, ghz_summary, others
 from bench.report import machine, progress, pyplot, save_figure, write
 from bench.workload import ghz_unique_template, run_ghz
 from services.launcher.mesh import Mesh
@@ -84,7 +85,7 @@ def markdown(report: dict) -> str:
         f"loop (distinct minilm texts) beside 4 accounted mixed callers.", "",
         f"ghz: {s['sent']} sent, **{s['errors']} not OK**. p99 of the first minutes (2-4) {s['p99_first_ms']:.0f} ms, "
         f"of the last three {s['p99_last_ms']:.0f} ms: drift x{s['p99_drift']:.2f}.", "",
-        f"Mixed load: {p['sent']} sent, {p['ok']} OK, other answers {p['by_status'] | p['stream_failed']}, "
+        f"Mixed load: {p['sent']} sent, {p['ok']} OK, other answers {others(p)}, "
         f"**{p['unanswered']} unanswered, {p['twice']} twice, {p['wrong']} wrong** of {p['checked']} checked.", "",
         "| service | RSS in minute 2 | RSS in the last minute | growth |", "|---|---|---|---|"]
     for name, growth in s["rss_growth_bytes"].items():
@@ -133,6 +134,8 @@ def main() -> int:
     if args.minutes < 2:
         parser.error("--minutes must be at least 2 (the first is warm-up)")
     report = asyncio.run(measure(args.minutes, args.share))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "soak.json").write_text(json.dumps(report, indent=1))  # kept even if rendering fails
     write(args.out, "soak", report, markdown(report), plot)
     p = report["probe"]
     return 0 if report["summary"]["errors"] == p["unanswered"] == p["twice"] == p["wrong"] == 0 else 1

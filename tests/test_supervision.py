@@ -146,3 +146,27 @@ def test_make_run_prints_each_restart_and_meshctl_lists_the_services(model_repos
     finally:
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(60)
+
+
+@pytest.mark.e2e
+def test_a_launcher_killed_outright_takes_every_service_with_it_redis_included(model_repository, tmp_path):
+    from tests.test_launcher import descendants
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "services.launcher", "--models", str(model_repository), "--port", "0",
+         "--metrics-port", "0", "--log-dir", str(tmp_path), "--run-file", str(tmp_path / "mesh.json"),
+         "--l2-path", "", "--tenants-file", str(tmp_path / "tenants.yaml")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        while "infermesh ready" not in (line := launcher.stdout.readline()):
+            assert line, "the launcher ended before it was ready"
+        children = descendants(launcher.pid)
+        assert len(children) == 5
+    finally:
+        launcher.kill()  # no drain, no cleanup of its own: the kernel's death signal is all there is
+        launcher.wait()
+
+    def gone():
+        return not any(os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read().lower()
+                       for pid in children)
+    wait_until(gone, "every service of the killed launcher ended", timeout_s=30)

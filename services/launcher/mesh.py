@@ -392,7 +392,11 @@ class Mesh:
         if self.redis_dir is None:
             self.redis_dir = tempfile.mkdtemp(prefix="infermesh-redis-")
         socket_path = os.path.join(self.redis_dir, "redis.sock")
-        argv = [executable, "--port", "0", "--bind", "127.0.0.1", "--unixsocket", socket_path, "--unixsocketperm", "700",
+        # redis-server cannot ask for a death signal itself as our services do; where
+        # util-linux's setpriv is there it asks for it before it execs redis-server.
+        setpriv = shutil.which("setpriv")
+        argv = [*([setpriv, "--pdeathsig", "TERM"] if setpriv else []), executable, "--port", "0",
+                "--bind", "127.0.0.1", "--unixsocket", socket_path, "--unixsocketperm", "700",
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--maxmemory", "512mb",
                 "--maxmemory-policy", "allkeys-lru", "--dir", self.redis_dir]
         with self.lock:
