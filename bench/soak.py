@@ -3,9 +3,10 @@
 One mesh as `make run` starts it. Its capacity is measured first (ghz, 64
 callers, closed loop, distinct minilm texts); then ghz sends distinct minilm
 texts open loop at `--share` of it, one ghz run a minute back to back, beside
-a small accounted mixed load (bench/chaos_load: 4 callers, unary and
-streams, VIP and standard, minilm and mlp, repeats; every request accounted
-for and a sample checked against ONNX Runtime). Every service's RSS is
+a light accounted mixed load (bench/chaos_load: 4 callers, about 10
+requests a second in all, unary and streams, VIP and standard, minilm and
+mlp, repeats; every request accounted for and a sample checked against ONNX
+Runtime); ghz sends the rest of the rate. Every service's RSS is
 sampled every second. Reported: per minute, ghz's p50/p99 and its non-OK
 answers, and each service's median RSS; the growth of each service's RSS from
 the second minute to the last (the first holds the warm-up: arenas, caches,
@@ -19,6 +20,7 @@ Writes bench/results/soak.{json,md,png}.
 
 import argparse
 import asyncio
+import os
 import json
 import pathlib
 import statistics
@@ -28,41 +30,95 @@ import time
 
 from bench.chaos_load import ChaosLoad, LoadConfig, Reference
 from bench.inflight import RssSampler, ghz_summary, others
-from bench.report import machine, progress, pyplot, save_figure, write
+from bench.report import cpu_times, machine, process_cpu_s, progress, pyplot, save_figure, write
 from bench.workload import ghz_unique_template, run_ghz
 from services.launcher.mesh import Mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
+PROBE_CALLERS, PROBE_RPS = 4, 10.0  # the accounted mixed load beside ghz
 
 
-def minute_row(index: int, ghz: dict, rss: list[dict[str, int]]) -> dict:
+class OtherLoad:
+    """The share of the machine's CPU that neither the mesh nor this benchmark
+    (ghz included, as its child) used since the last reading: another program's
+    load, which a soak's latency figures must be read against."""
+
+    def __init__(self, mesh: Mesh):
+        self._pids = [p.popen.pid for p in mesh.processes.values()]
+        self._last = self._reading()
+
+    def _reading(self) -> tuple[list[int] | None, float]:
+        ours = sum(_cpu_s(pid) for pid in self._pids)
+        times = os.times()
+        return cpu_times(), ours + times.user + times.system + times.children_user + times.children_system
+
+    def share(self) -> float | None:
+        (before, ours_before), (after, ours_after) = self._last, self._reading()
+        self._last = (after, ours_after)
+        if before is None or after is None:
+            return None
+        spent = [b - a for a, b in zip(before, after)]
+        total_s = sum(spent) / os.sysconf("SC_CLK_TCK")
+        busy_s = total_s - (spent[3] + spent[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+        return max(0.0, busy_s - (ours_after - ours_before)) / total_s if total_s else 0.0
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        return process_cpu_s(pid)
+    except OSError:
+        return 0.0
+
+
+def minute_row(index: int, ghz: dict, rss: list[dict[str, int]], other_cpu: float | None = None) -> dict:
     ok = ghz["statuses"].get("OK", {})
-    return {"minute": index + 1, "sent": ghz["sent"], "ok": ok.get("count", 0), "p50_ms": ok.get("p50_ms"),
+    return {"minute": index + 1, "other_cpu_share": other_cpu, "sent": ghz["sent"], "ok": ok.get("count", 0),
+            "p50_ms": ok.get("p50_ms"),
             "p99_ms": ok.get("p99_ms"), "errors": {s: v["count"] for s, v in ghz["statuses"].items() if s != "OK"},
             "rss_bytes": {name: int(statistics.median(s[name] for s in rss)) for name in (rss[0] if rss else {})}}
 
 
 async def soak(mesh: Mesh, rate: float, minutes: int, reference: Reference) -> dict:
-    probe = ChaosLoad(mesh.router, LoadConfig(callers=4, timeout_s=10.0),
+    # Light: about PROBE_RPS in all (a pause before each request), so that ghz's share stays the load.
+    probe = ChaosLoad(mesh.router, LoadConfig(callers=PROBE_CALLERS, stream_window=1, timeout_s=10.0,
+                                              think_s=PROBE_CALLERS / PROBE_RPS),
                       {"vip": mesh.credentials("dev-vip"), "standard": mesh.credentials("dev-standard")},
                       reference=reference)
     rows = []
+    other = OtherLoad(mesh)
     with RssSampler(mesh, period_s=1.0) as rss:
         running = asyncio.create_task(probe.run(60.0 * minutes))
         await probe.started.wait()
         for index in range(minutes):
             began = time.monotonic()
             report = await asyncio.to_thread(run_ghz, mesh.router, ghz_unique_template(f"soak{index}"), 0, 256,
-                                             rps=rate, timeout_s=10, seconds=60, key=mesh.keys["dev-standard"])
-            row = minute_row(index, ghz_summary(report), [s for t, s in rss.samples if t >= began])
+                                             rps=rate - PROBE_RPS, timeout_s=10, seconds=60,
+                                             key=mesh.keys["dev-standard"])
+            row = minute_row(index, ghz_summary(report), [s for t, s in rss.samples if t >= began], other.share())
             rows.append(row)
-            progress(f"minute {index + 1}/{minutes}: {row['ok']} OK, p99 {row['p99_ms']:.0f} ms, errors "
+            progress(f"minute {index + 1}/{minutes}: other programs' CPU {_percent(row['other_cpu_share'])}, "
+                     f"{row['ok']} OK, p99 {row['p99_ms']:.0f} ms, errors "
                      f"{row['errors'] or 0}, RSS " + ", ".join(f"{n} {v / MIB:.0f} MiB"
                                                               for n, v in row["rss_bytes"].items()))
         probe.stop()
         result = await running
     return {"minutes": rows, "probe": result.totals}
+
+
+def _other_line(rows: list[dict]) -> str:
+    """What other programs took of the CPU while the soak ran (a measured soak is a quiet one)."""
+    shares = [r.get("other_cpu_share") for r in rows]
+    if any(share is None for share in shares):
+        return "Other programs' CPU use was not measured in this run.\n"
+    busy = [r["minute"] for r in rows if r["other_cpu_share"] > 0.05]
+    return (f"Other programs took {statistics.median(shares):.0%} of the CPU at the median minute, at most "
+            f"{max(shares):.0%}" + (f" (over 5% in minutes {busy[0]}-{busy[-1]}: read their latency against it)"
+                                    if busy else "") + ".\n")
+
+
+def _percent(share: float | None) -> str:
+    return "?" if share is None else f"{share:.0%}"
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -82,11 +138,12 @@ def markdown(report: dict) -> str:
         f"# Soak: {len(report['minutes'])} minutes at {report['share']:.0%} of saturation", "",
         f"Machine: {report['machine']}. Command: `{report['command']}`. One run. Capacity (ghz, 64 callers, "
         f"closed loop): {report['capacity_rps']:.0f} requests/s; the soak sends {report['rate_rps']:.0f}/s open "
-        f"loop (distinct minilm texts) beside 4 accounted mixed callers.", "",
+        f"loop in all: ghz's distinct minilm texts and about {PROBE_RPS:g}/s from 4 accounted mixed callers.", "",
         f"ghz: {s['sent']} sent, **{s['errors']} not OK**. p99 of the first minutes (2-4) {s['p99_first_ms']:.0f} ms, "
         f"of the last three {s['p99_last_ms']:.0f} ms: drift x{s['p99_drift']:.2f}.", "",
         f"Mixed load: {p['sent']} sent, {p['ok']} OK, other answers {others(p)}, "
         f"**{p['unanswered']} unanswered, {p['twice']} twice, {p['wrong']} wrong** of {p['checked']} checked.", "",
+        _other_line(report["minutes"]),
         "| service | RSS in minute 2 | RSS in the last minute | growth |", "|---|---|---|---|"]
     for name, growth in s["rss_growth_bytes"].items():
         lines.append(f"| {name} | {s['rss_first_bytes'][name] / MIB:.0f} MiB | {s['rss_last_bytes'][name] / MIB:.0f} MiB"
@@ -100,13 +157,20 @@ def plot(report: dict, path: pathlib.Path) -> None:
     rows = report["minutes"]
     fig, (memory, latency) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     minutes = [r["minute"] for r in rows]
+    base = rows[min(1, len(rows) - 1)]["rss_bytes"]  # minute 2: after the warm-up
     for name in rows[0]["rss_bytes"]:
-        memory.plot(minutes, [r["rss_bytes"][name] / MIB for r in rows], label=name)
-    memory.set_ylabel("median RSS (MiB)")
+        memory.plot(minutes, [(r["rss_bytes"][name] - base[name]) / MIB for r in rows],
+                    label=f"{name} ({base[name] / MIB:.0f} MiB in minute 2)")
+    memory.set_ylabel("RSS since minute 2 (MiB)")
     memory.legend(fontsize=8)
     latency.plot(minutes, [r["p99_ms"] for r in rows], label="p99", color="tab:orange")
     latency.plot(minutes, [r["p50_ms"] for r in rows], label="p50", color="tab:blue")
     latency.set(ylabel="ghz latency (ms)", xlabel="minute")
+    shares = [r.get("other_cpu_share") for r in rows]
+    if all(share is not None for share in shares):
+        other = latency.twinx()
+        other.fill_between(minutes, [100 * share for share in shares], color="grey", alpha=0.2, step="mid")
+        other.set(ylabel="other programs' CPU (%)", ylim=(0, 100))
     latency.legend(fontsize=8)
     save_figure(fig, path, {**report, "runs": 1}, f"soak at {report['share']:.0%} of saturation")
 
@@ -130,7 +194,12 @@ def main() -> int:
     parser.add_argument("--minutes", type=int, default=30)
     parser.add_argument("--share", type=float, default=0.7, help="of the measured capacity")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--render", type=pathlib.Path, help="render this soak.json again instead of measuring")
     args = parser.parse_args()
+    if args.render:
+        report = json.loads(args.render.read_text())
+        write(args.out, "soak", report, markdown(report), plot)
+        return 0
     if args.minutes < 2:
         parser.error("--minutes must be at least 2 (the first is warm-up)")
     report = asyncio.run(measure(args.minutes, args.share))

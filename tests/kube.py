@@ -1,7 +1,8 @@
 """A real Kubernetes API server for the tests: etcd and kube-apiserver, built
 from source by `make setup` (tools/kube), on loopback ports, with Istio's CRDs
-installed. No scheduler or kubelet: nothing runs, but every object is
-validated, defaulted and stored exactly as a cluster would."""
+and the Prometheus Operator's PrometheusRule CRD installed. No scheduler or
+kubelet: nothing runs, but every object is validated, defaulted and stored
+exactly as a cluster would."""
 
 import contextlib
 import pathlib
@@ -14,7 +15,8 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BIN = ROOT / "bin"
-ISTIO_CRDS = ROOT / "build" / "istio" / "customresourcedefinitions.gen.yaml"
+CRD_FILES = (ROOT / "build" / "istio" / "customresourcedefinitions.gen.yaml",
+             ROOT / "build" / "monitoring" / "monitoring.coreos.com_prometheusrules.yaml")
 TOKEN = "infermesh-test-admin"
 
 
@@ -65,7 +67,7 @@ class KubeAPI:
                 "certificate-authority": str(self.dir / "certs" / "apiserver.crt")}}],
             "users": [{"name": "admin", "user": {"token": TOKEN}}],
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": "admin"}}]}))
-        self.install_istio_crds()
+        self.install_crds()
 
     def _start(self, name: str, argv: list[str]) -> None:
         log = open(self.dir / f"{name}.log", "wb")
@@ -112,10 +114,11 @@ class KubeAPI:
 
         return dynamic.DynamicClient(config.new_client_from_config(config_file=str(self.kubeconfig)))
 
-    def install_istio_crds(self, timeout_s: float = 60.0) -> None:
+    def install_crds(self, timeout_s: float = 60.0) -> None:
         api = self.client()
         definitions = api.resources.get(api_version="apiextensions.k8s.io/v1", kind="CustomResourceDefinition")
-        crds = [d for d in yaml.safe_load_all(ISTIO_CRDS.read_text()) if d and d.get("kind") == "CustomResourceDefinition"]
+        crds = [d for path in CRD_FILES for d in yaml.safe_load_all(path.read_text())
+                if d and d.get("kind") == "CustomResourceDefinition"]
         for crd in crds:
             definitions.create(body=crd)
         deadline = time.monotonic() + timeout_s

@@ -1,7 +1,8 @@
 """The manifests and meshctl --apply against a real Kubernetes API server
-(tests/kube.py) with Istio's CRDs: every rendered overlay is accepted by a
-server-side dry run with strict field validation (the server's own schemas,
-defaulting and CEL rules), and meshctl patches the live VirtualService."""
+(tests/kube.py) with Istio's CRDs and the PrometheusRule's: every rendered
+overlay is accepted by a server-side dry run with strict field validation (the
+server's own schemas, defaulting and CEL rules), and meshctl patches the live
+VirtualService."""
 
 import contextlib
 import copy
@@ -60,6 +61,20 @@ def test_the_api_server_rejects_what_istio_forbids(kube):
     broken["spec"]["http"][1]["retries"]["perTryTimeout"] = "0s"  # CEL: at least 1ms
     with pytest.raises(UnprocessibleEntityError, match="perTryTimeout"):
         _resource(api, broken).create(body=broken, namespace="default", dry_run="All")
+
+
+@pytest.mark.e2e
+def test_the_api_server_validates_the_alert_rules_against_their_crd(kube):
+    """The PrometheusRule CRD is installed: a rule with a `for` that is no duration is refused."""
+    from kubernetes.dynamic.exceptions import UnprocessibleEntityError
+
+    api = kube.client()
+    rules = yaml.safe_load((manifests.ROOT / "mesh" / "kubernetes" / "monitoring" / "infermesh-alerts.yaml").read_text())
+    broken = copy.deepcopy(rules)
+    broken["spec"]["groups"][0]["rules"][0]["for"] = "5 minutes"
+    with pytest.raises(UnprocessibleEntityError, match="for"):
+        _resource(api, broken).create(body=broken, namespace="default", dry_run="All")
+    assert _resource(api, rules).create(body=rules, namespace="default", dry_run="All").metadata.name == "infermesh"
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The Kubernetes and Istio manifests, rendered by the real kustomize and
-checked against the Kubernetes schemas, Istio's CRD schemas and CEL rules,
+checked against the Kubernetes schemas, Istio's and the PrometheusRule's CRD schemas and CEL rules,
 Istio's rules in code and our cross-resource rules (tools/manifests.py).
 Each check is also shown to catch the mistake it exists for."""
 
@@ -21,7 +21,7 @@ POLICY = manifests.ROOT / "mesh" / "istio" / "model-server-traffic.yaml"
 
 @pytest.fixture(scope="module")
 def istio():
-    return manifests.IstioSchemas()
+    return manifests.CrdSchemas()
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_every_overlay_passes_every_check(overlay, istio):
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "VirtualService", "DestinationRule", "PeerAuthentication",
             "RequestAuthentication", "AuthorizationPolicy", "HorizontalPodAutoscaler", "PodDisruptionBudget",
-            "ConfigMap"} <= kinds
+            "ConfigMap", "PrometheusRule"} <= kinds
     assert manifests.problems(docs, istio) == []
 
 
@@ -204,6 +204,11 @@ MISTAKES = {
         "PodDisruptionBudget/router: minAvailable 3 with Deployment/router's 3 replica(s) allows no eviction"),
     "dashboard query of a metric we do not export": (
         _break_dashboard, "infermesh_router_answers_total is not a series our services export"),
+    "alert on a label value no service emits": (
+        lambda d: _find(d, "PrometheusRule", "infermesh")["spec"]["groups"][0]["rules"][0].update(
+            expr='sum(rate(infermesh_router_requests_total{code="UNKNOWN"}[5m])) > 0'),
+        "PrometheusRule/infermesh: infermesh-router/InfermeshErrorRatioHigh: infermesh_router_requests_total"
+        '{code="UNKNOWN"}: code is never \'UNKNOWN\''),
 }
 
 

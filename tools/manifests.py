@@ -7,8 +7,9 @@ rendered by the real kustomize (bin/kustomize, built by `make setup`), then:
 - Kubernetes resources are validated against the Kubernetes OpenAPI schemas
   (kubernetes-validate, strict: an unknown field is an error);
 - Istio resources against the OpenAPI schemas of Istio's own CRDs (the
-  istio.io/api Go module, fetched by `make setup`), with unknown fields
-  rejected as the API server's strict field validation does, and with the
+  istio.io/api Go module, fetched by `make setup`), and the PrometheusRule
+  against the Prometheus Operator's CRD (its Go module, likewise), with unknown
+  fields rejected as the API server's strict field validation does, and with the
   CRDs' x-kubernetes-validations CEL rules evaluated;
 - the rules Istio checks in code rather than in its schemas (retry policies,
   weights, subset names, durations, header matches, unreachable routes);
@@ -20,7 +21,8 @@ rendered by the real kustomize (bin/kustomize, built by `make setup`), then:
   AuthorizationPolicy; routes that carry bidirectional streams have no
   timeout; outlier detection can eject with the pool's fewest replicas;
   autoscalers read metrics that prometheus-adapter serves and our services
-  export, and own the replica count of what they scale; the dashboard's queries name metrics and labels that exist;
+  export, and own the replica count of what they scale; the dashboard's queries and the
+  alert rules name series, labels and label values that exist (tools/monitoring.py);
   each pod's memory limit covers its service's byte budget plus that service's baseline;
   every Deployment has one PodDisruptionBudget that lets a pod go but not all;
   a stopped pod leaves its endpoints before it drains (preStop withdraws it and
@@ -49,10 +51,13 @@ import yaml
 from services.common.budget import HELD_COPIES
 from services.common.serving import WITHDRAW_SIGNAL
 from services.common.traffic import GRPC_RETRY_ON, HTTP_RETRY_ON, PolicyError, parse_duration
+from tools import monitoring
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KUSTOMIZE = ROOT / "bin" / "kustomize"
 ISTIO_CRDS = ROOT / "build" / "istio" / "customresourcedefinitions.gen.yaml"
+PROMETHEUS_RULE_CRD = ROOT / "build" / "monitoring" / "monitoring.coreos.com_prometheusrules.yaml"
+CRD_FILES = (ISTIO_CRDS, PROMETHEUS_RULE_CRD)
 OVERLAYS = ROOT / "mesh" / "kubernetes" / "overlays"
 ADAPTER_VALUES = ROOT / "mesh" / "kubernetes" / "monitoring" / "prometheus-adapter-values.yaml"
 KUBERNETES_VERSION = "1.34"
@@ -63,8 +68,6 @@ SERVICES = {  # module -> (config class, env prefix)
     "model_server": ("services.model_server.config:ModelServerConfig", "INFERMESH_MODEL_SERVER_"),
     "cache": ("services.cache.config:CacheConfig", "INFERMESH_CACHE_"),
 }
-METRICS_MODULES = ("services.router.metrics", "services.batcher.metrics", "services.model_server.metrics",
-                   "services.cache.metrics", "services.common.metrics")
 
 
 class ManifestError(Exception):
@@ -108,33 +111,38 @@ def is_kubernetes_kind(doc: dict) -> bool:
     return "." not in group or group.endswith(".k8s.io")
 
 
-# ---------------------------------------------------------------- Istio CRD schemas
+# ---------------------------------------------------------------- CRD schemas (Istio's, the PrometheusRule)
 
 
-class IstioSchemas:
-    """The openAPIV3Schema of every served version of Istio's CRDs."""
+class CrdSchemas:
+    """The openAPIV3Schema of every served version of the CRDs our manifests use."""
 
-    def __init__(self, crd_file: pathlib.Path = ISTIO_CRDS):
-        if not crd_file.exists():
-            raise ManifestError(f"{crd_file} is missing: run `make setup` (it fetches istio.io/api with Go)")
+    def __init__(self, crd_files: tuple[pathlib.Path, ...] = CRD_FILES):
         self._schemas: dict[tuple[str, str], dict] = {}
-        for crd in yaml.safe_load_all(crd_file.read_text()):
-            if not crd or crd.get("kind") != "CustomResourceDefinition":
-                continue
-            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
-            for version in crd["spec"]["versions"]:
-                if version.get("served"):
-                    self._schemas[(f"{group}/{version['name']}", kind)] = version["schema"]["openAPIV3Schema"]
+        self._groups: set[str] = set()
+        for crd_file in crd_files:
+            if not crd_file.exists():
+                raise ManifestError(f"{crd_file} is missing: run `make setup` (it fetches the CRDs' Go modules)")
+            for crd in yaml.safe_load_all(crd_file.read_text()):
+                if not crd or crd.get("kind") != "CustomResourceDefinition":
+                    continue
+                group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+                self._groups.add(group)
+                for version in crd["spec"]["versions"]:
+                    if version.get("served"):
+                        self._schemas[(f"{group}/{version['name']}", kind)] = version["schema"]["openAPIV3Schema"]
 
     def knows(self, doc: dict) -> bool:
-        return doc.get("apiVersion", "").split("/")[0].endswith("istio.io")
+        """Whether the doc's API group is one of these CRDs' (any Istio group counts as Istio's)."""
+        group = doc.get("apiVersion", "").split("/")[0]
+        return group in self._groups or group.endswith("istio.io")
 
     def problems(self, doc: dict) -> list[str]:
         import jsonschema
 
         schema = self._schemas.get((doc.get("apiVersion"), doc.get("kind")))
         if schema is None:
-            return [f"{name_of(doc)}: Istio serves no {doc.get('kind')} in {doc.get('apiVersion')}"]
+            return [f"{name_of(doc)}: no CRD defines {doc.get('kind')} in {doc.get('apiVersion')}"]
         found = []
         spec_schema = schema["properties"]["spec"]
         validator = jsonschema.Draft7Validator(_strict(spec_schema), format_checker=None)
@@ -460,26 +468,6 @@ def streams_bidirectionally(module: str) -> bool:
 def config_fields(module: str) -> frozenset[str]:
     path, cls = SERVICES[module][0].split(":")
     return frozenset(f.name for f in dataclasses.fields(getattr(importlib.import_module(path), cls)))
-
-
-@functools.lru_cache(maxsize=None)
-def exported_metrics() -> dict[str, frozenset[str]]:
-    """Every Prometheus series name our services export, with its label names."""
-    import prometheus_client
-
-    names: dict[str, frozenset[str]] = {}
-    for module in METRICS_MODULES:
-        for value in vars(importlib.import_module(module)).values():
-            if isinstance(value, prometheus_client.metrics.MetricWrapperBase):
-                labels = frozenset(value._labelnames)
-                base = value._name
-                if value._type == "counter":
-                    names[base + "_total"] = labels
-                elif value._type == "histogram":
-                    names.update({base + "_bucket": labels | {"le"}, base + "_sum": labels, base + "_count": labels})
-                else:
-                    names[base] = labels
-    return names
 
 
 QUANTITY = re.compile(r"^([0-9.]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
@@ -909,7 +897,7 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
                 if wanted not in served:
                     found.append(f"{name_of(hpa)}: Pods metric {wanted!r} is not served by prometheus-adapter "
                                  f"({adapter_values.name} serves {sorted(served)})")
-                elif served[wanted] not in exported_metrics():
+                elif served[wanted] not in monitoring.exported():
                     found.append(f"{name_of(hpa)}: prometheus-adapter builds {wanted!r} from {served[wanted]!r}, "
                                  "which no service of ours exports")
         if hpa["spec"].get("minReplicas", 1) > hpa["spec"]["maxReplicas"]:
@@ -925,11 +913,13 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
     # and neither it nor its sidecar killed while draining.
     found += stopping_problems(docs)
 
-    # The dashboard asks for metrics and labels that exist.
+    # The dashboard and the alerts ask for series, labels and label values that exist.
     for config_map in by_kind.get("ConfigMap", []):
         if config_map["metadata"].get("labels", {}).get("grafana_dashboard"):
             for key, text in config_map.get("data", {}).items():
-                found += [f"{name_of(config_map)} {key}: {p}" for p in dashboard_problems(json.loads(text))]
+                found += [f"{name_of(config_map)} {key}: {p}" for p in monitoring.dashboard_problems(json.loads(text))]
+    for rule in by_kind.get("PrometheusRule", []):
+        found += [f"{name_of(rule)}: {p}" for p in monitoring.rule_problems(rule)]
     return found
 
 
@@ -994,42 +984,14 @@ def _adapter_metrics(values: pathlib.Path) -> dict[str, str]:
     return served
 
 
-PROMETHEUS_LABELS = {"namespace", "pod", "instance", "job", "container"}  # added when Prometheus scrapes pods
-PROMQL_WORDS = {"sum", "avg", "max", "min", "count", "rate", "increase", "irate", "by", "without", "histogram_quantile",
-                "avg_over_time", "max_over_time", "le", "on", "ignoring", "group_left", "group_right", "and", "or",
-                "unless", "offset", "bool", "topk", "bottomk", "quantile", "label_values", "abs", "clamp_min"}
-
-
-def dashboard_problems(dashboard: dict) -> list[str]:
-    """Each infermesh_* series a panel queries exists, and so does each label it groups by or filters on."""
-    found = []
-    exported = exported_metrics()
-    for panel in dashboard.get("panels", []):
-        for target in panel.get("targets", []):
-            expr = target.get("expr", "")
-            series = set(re.findall(r"\b(infermesh_[a-z0-9_]+)\b", expr))
-            for name in sorted(series):
-                if name not in exported:
-                    found.append(f"panel {panel.get('title')!r}: {name} is not a series our services export")
-            labels = exported.get(next(iter(series), ""), frozenset()) if len(series) == 1 else None
-            if labels is None:
-                continue
-            used = set(re.findall(r"\bby \(([^)]*)\)", expr))
-            used = {label.strip() for group in used for label in group.split(",")}
-            used |= set(re.findall(r"([a-z_]+)\s*(?:=|!=|=~|!~)\s*\"", expr))
-            for label in sorted(used - labels - PROMETHEUS_LABELS - {"le"}):
-                found.append(f"panel {panel.get('title')!r}: {next(iter(series))} has no label {label!r}")
-    return found
-
-
 # ---------------------------------------------------------------- all together
 
 
-def problems(docs: list[dict], istio: IstioSchemas) -> list[str]:
+def problems(docs: list[dict], crds: CrdSchemas) -> list[str]:
     found = []
     for doc in docs:
-        if istio.knows(doc):
-            found += istio.problems(doc)
+        if crds.knows(doc):
+            found += crds.problems(doc)
             found += istio_code_problems(doc)
         elif is_kubernetes_kind(doc):
             found += kubernetes_problems(doc)
@@ -1044,11 +1006,11 @@ def main(argv: list[str] | None = None) -> int:
                         default=sorted(p for p in OVERLAYS.iterdir() if p.is_dir()))
     args = parser.parse_args(argv)
     try:
-        istio = IstioSchemas()
+        crds = CrdSchemas()
         failed = 0
         for path in args.kustomizations:
             docs = render(path)
-            found = problems(docs, istio)
+            found = problems(docs, crds)
             failed += bool(found)
             print(f"{path}: {len(docs)} resources, " + (f"{len(found)} problem(s)" if found else "all valid"))
             for problem in found:
