@@ -13,13 +13,13 @@ COPY protos protos
 COPY tools tools
 RUN python tools/gen_stubs.py --out gen
 COPY services services
-RUN PYTHONPATH=/app:/app/gen python -m services.model_server.build_repository --out build/models
+RUN PYTHONPATH=/app:/app/gen python -m tools.build_models --out build/models
 
 FROM python:3.11-slim
 WORKDIR /app
 COPY requirements.lock .
-# The services' own imports, at the versions the lock pins (no torch: the
-# sharded GPU path that uses it is for tp_degree > 1 on CUDA; add it there).
+# The services' own imports, at the versions the lock pins (no torch, onnx or
+# the weights: only tools/build_models, in the first stage, imports them).
 # The CUDA 13 and cuDNN libraries come as wheels (the extras and cuBLAS), so a
 # slim base image serves on a GPU node too: the NVIDIA container runtime
 # mounts only the driver, and the model server loads the rest from

@@ -111,8 +111,11 @@ gen/.stamp: $(PROTOS) $(VENV)/.installed tools/gen_stubs.py
 	$(PY) tools/gen_stubs.py --out gen
 	@touch $@
 
+# The model repository, built by tools/build_models (python -m tools.build_models --help). It
+# rebuilds only when its stamp (build/models/.stamp) changes: the builder's sources, the
+# versions of the libraries that shape the models, the weights package; else a quick check.
 models: $(VENV)/.installed
-	$(PY) -m services.model_server.build_repository --out $(MODEL_REPO)
+	$(PY) -m tools.build_models --out $(MODEL_REPO)
 
 # The local tenant registry (docs/tenants.md): a VIP, a standard and an admin
 # development tenant, their keys printed once; an existing registry is kept.

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from bench.report import chosen_seed, machine, phase_order, progress, pyplot, seed_argument, write
-from services.model_server import build_variants as bv
+from tools.build_models import variants as bv
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -37,7 +37,7 @@ ALTERNATIVES = {
 
 _RSS_PROBE = """
 import sys
-from services.model_server import build_variants as bv
+from tools.build_models import variants as bv
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
@@ -206,7 +206,7 @@ def _markdown(r: dict) -> str:
         + ", ".join(f"{n} {x['golden_min_cosine']:.4f}" for n, x in v.items() if n in ("v1 fp32", "v2 int8"))
         + ". Broken copies of v1 (worst row; the probe fails when any row is below): "
         + ", ".join(f"{n} {c:.4f}" for n, c in r["broken_golden_worst_row_cosine"].items()) + ".",
-        "minilm-lite has its own threshold (build_repository.LITE_GOLDEN_MIN, worst row shown in the table): "
+        "minilm-lite has its own threshold (tools/build_models/repository.py LITE_GOLDEN_MIN, worst row shown in the table): "
         "the golden texts include languages and code it barely models.",
         "",
         "## minilm-lite",

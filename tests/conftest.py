@@ -184,7 +184,7 @@ def own_mesh(model_repository, tmp_path_factory):
 def reference_embeddings():
     """sentence-transformers' own embeddings of the package weights (offline)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from services.model_server.build_repository import reference_embeddings as compute
+    from tools.build_models.repository import reference_embeddings as compute
 
     cache: dict[str, np.ndarray] = {}
 

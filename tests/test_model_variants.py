@@ -11,8 +11,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from services.model_server import build_variants
-from services.model_server.build_repository import EMBED_DIM, REQUIRED_FILES
+from tools.build_models import variants
+from tools.build_models.repository import EMBED_DIM, REQUIRED_FILES
 
 pytestmark = pytest.mark.unit
 
@@ -41,8 +41,8 @@ def _golden(repo, model):
 @pytest.mark.parametrize("model_dir", ["minilm/1", "minilm/2", "minilm-lite/1"])
 def test_text_models_give_unit_length_embeddings(repo, model_dir):
     d = repo / model_dir
-    got = build_variants.embed(build_variants.session(d / "model.onnx"),
-                               build_variants.tokenizer(d / "tokenizer.json"), TEXTS, batch=len(TEXTS))
+    got = variants.embed(variants.session(d / "model.onnx"),
+                         variants.tokenizer(d / "tokenizer.json"), TEXTS, batch=len(TEXTS))
     assert got.shape == (len(TEXTS), EMBED_DIM) and got.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-4)
 
@@ -77,7 +77,7 @@ def test_text_goldens_are_varied_and_unit_length(repo):
     golden = _golden(repo, "minilm")
     texts = golden["inputs"][0]["data"]
     assert 8 <= len(texts) <= 16 and "" in texts and len(set(texts)) == len(texts)
-    tok = build_variants.tokenizer(repo / "minilm" / "1" / "tokenizer.json")
+    tok = variants.tokenizer(repo / "minilm" / "1" / "tokenizer.json")
     tok.no_padding()
     assert max(len(tok.encode(t, add_special_tokens=True).ids) for t in texts) == 256  # one is truncated
     expected = np.asarray(golden["outputs"][0]["data"], dtype=np.float32).reshape(len(texts), EMBED_DIM)
@@ -88,7 +88,7 @@ def test_text_goldens_are_varied_and_unit_length(repo):
 @pytest.mark.parametrize("model, version", [("minilm", 1), ("minilm", 2), ("minilm-lite", 1)])
 def test_versions_pass_their_golden_probe(repo, model, version):
     d = repo / model / str(version)
-    cos = build_variants.probe_cosines(d / "model.onnx", d / "tokenizer.json", _golden(repo, model))
+    cos = variants.probe_cosines(d / "model.onnx", d / "tokenizer.json", _golden(repo, model))
     assert cos.min() >= _config(repo, model)["golden_probe"]["min_cosine"], cos
 
 
@@ -108,7 +108,7 @@ def _perturbed(src: pathlib.Path, dst: pathlib.Path, scale: float) -> None:
 def test_a_model_with_perturbed_weights_fails_the_golden_probe(repo, model, tmp_path):
     d = repo / model / "1"
     _perturbed(d / "model.onnx", tmp_path / "model.onnx", scale=1.0)
-    cos = build_variants.probe_cosines(tmp_path / "model.onnx", d / "tokenizer.json", _golden(repo, model))
+    cos = variants.probe_cosines(tmp_path / "model.onnx", d / "tokenizer.json", _golden(repo, model))
     # The probe fails (a row below the threshold), and not by a hair: on average too.
     assert cos.mean() < _config(repo, model)["golden_probe"]["min_cosine"], cos
 
@@ -117,13 +117,13 @@ def test_a_slightly_perturbed_minilm_fails_the_golden_probe(repo, tmp_path):
     # 10% weight noise moves minilm less than a shuffle does, and still must not pass.
     d = repo / "minilm" / "1"
     _perturbed(d / "model.onnx", tmp_path / "model.onnx", scale=0.1)
-    cos = build_variants.probe_cosines(tmp_path / "model.onnx", d / "tokenizer.json", _golden(repo, "minilm"))
+    cos = variants.probe_cosines(tmp_path / "model.onnx", d / "tokenizer.json", _golden(repo, "minilm"))
     assert cos.min() < _config(repo, "minilm")["golden_probe"]["min_cosine"], cos
 
 
 def test_lite_has_at_most_15_percent_of_minilms_parameters(repo):
-    lite = build_variants.parameter_count(repo / "minilm-lite" / "1" / "model.onnx")
-    full = build_variants.parameter_count(repo / "minilm" / "1" / "model.onnx")
+    lite = variants.parameter_count(repo / "minilm-lite" / "1" / "model.onnx")
+    full = variants.parameter_count(repo / "minilm" / "1" / "model.onnx")
     assert lite <= 0.15 * full, (lite, full)
-    assert {i.name for i in build_variants.session(repo / "minilm-lite" / "1" / "model.onnx").get_inputs()} <= {
+    assert {i.name for i in variants.session(repo / "minilm-lite" / "1" / "model.onnx").get_inputs()} <= {
         "input_ids", "attention_mask", "token_type_ids"}

@@ -1,5 +1,6 @@
 """Tensor-parallel shards: the builder's checks, degree 2 and 4 equal to the
-whole model on padded batches, weights split about 1/N per shard, a sharded
+whole model on padded batches (on host arrays and bound through IOBinding, with
+the all-reduce's Sum graph), weights split about 1/N per shard, a sharded
 version served by the model server and through the mesh as one model, and a
 failing shard failing its batch cleanly and withdrawing readiness."""
 
@@ -17,9 +18,10 @@ from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
 from services.launcher.mesh import Mesh
-from services.model_server.shards import BertShape, ShardedSession, ShardError, minilm_weights, read_manifest
+from services.model_server.shards import ShardedSession, ShardError, _sum_graph, read_manifest
 from tests.oip import output_array, text_request
 from tests.test_model_repository import model_server
+from tools.build_models.shards import BertShape, minilm_weights
 
 TEXTS = [
     "",
@@ -83,6 +85,41 @@ def test_shards_equal_the_whole_model_on_a_padded_batch(version_dir, feeds, degr
     assert split.shape == (len(TEXTS), 384)
     assert np.abs(split - whole).max() <= 1e-4
     assert np.abs(one - whole[2:3]).max() <= 1e-4
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("degree", [2, 4])
+def test_the_bound_loop_gives_what_the_host_loop_gives(version_dir, feeds, degree):
+    # The GPU path's loop (IOBinding, the all-reduce a Sum session) bound to CPU memory here.
+    sharded = ShardedSession(version_dir / f"tp{degree}", degree, _session, [None] * degree)
+    try:
+        (host,) = sharded.run(["sentence_embedding"], feeds)
+        (bound,) = sharded._run_bound(["sentence_embedding"], feeds)  # noqa: SLF001
+    finally:
+        sharded.close()
+    assert bound.shape == host.shape == (len(TEXTS), 384)
+    assert np.abs(bound - host).max() <= 1e-6
+
+
+@pytest.mark.unit
+def test_the_all_reduce_graph_is_the_onnx_sum_model_it_claims():
+    import onnx
+    from onnx import TensorProto, helper
+
+    names = [f"partial{i}" for i in range(3)]
+
+    def tensor(name):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", "seq", "hidden"])
+
+    graph = helper.make_graph([helper.make_node("Sum", names, ["sum"])], "all_reduce",
+                              [tensor(n) for n in names], [tensor("sum")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    assert _sum_graph(3) == model.SerializeToString()
+    onnx.checker.check_model(onnx.load_from_string(_sum_graph(3)), full_check=True)
+    partials = [np.random.default_rng(i).standard_normal((2, 5, 384), dtype=np.float32) for i in range(3)]
+    (got,) = ort.InferenceSession(_sum_graph(3), providers=["CPUExecutionProvider"]).run(
+        None, dict(zip(names, partials)))
+    np.testing.assert_array_equal(got, partials[0] + partials[1] + partials[2])
 
 
 @pytest.mark.unit

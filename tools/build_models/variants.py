@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy
 
-# Module-level imports stay stdlib-only, like build_repository's.
+# Module-level imports stay stdlib-only, like repository.py's.
 
 EMBED_DIM = 384
 LITE_DIM = 64  # PCA dimension of minilm-lite's token table: 30522 x 64 ~ 2.0M parameters

@@ -1,5 +1,6 @@
 """Build and verify the ONNX model repository the model server loads: minilm (text embedder,
-version 1 fp32 and version 2 INT8), its fallback minilm-lite, and the mlp tensor model."""
+version 1 fp32 and version 2 INT8, tensor-parallel shard sets), its fallback minilm-lite, and
+the mlp tensor model.  python -m tools.build_models [--out build/models] [--force]"""
 
 from __future__ import annotations
 
@@ -91,8 +92,10 @@ REQUIRED_FILES = (
     "minilm/1/tp4/manifest.json",
 )
 TP_DEGREES = (2, 4)
-# Builder modules whose source shapes the repository: a change to any of them rebuilds it.
-BUILDER_SOURCES = (Path(__file__), Path(__file__).with_name("build_variants.py"), Path(__file__).with_name("shards.py"))
+# Sources that shape the repository, a change to any of which rebuilds it: this package, and the
+# model server's shard-set reader (its manifest names, and it runs the sets the build verifies).
+BUILDER_SOURCES = (*sorted(Path(__file__).parent.glob("*.py")),
+                   Path(__file__).resolve().parents[2] / "services" / "model_server" / "shards.py")
 STAMP = ".stamp"
 
 VERIFY_TEXTS = [
@@ -462,18 +465,18 @@ def _verify_v2(v2: Path) -> float:
     """Returns v2's worst cosine to sentence-transformers on VERIFY_TEXTS (batched and single)."""
     import numpy as np
 
-    from services.model_server import build_variants
+    from tools.build_models import variants
 
     ref = reference_embeddings(VERIFY_TEXTS)
-    sess = build_variants.session(v2 / "model.onnx")
-    tok = build_variants.tokenizer(v2 / "tokenizer.json")
+    sess = variants.session(v2 / "model.onnx")
+    tok = variants.tokenizer(v2 / "tokenizer.json")
     worst = 1.0
     for label, batch in (("batched", len(VERIFY_TEXTS)), ("single", 1)):
-        got = build_variants.embed(sess, tok, VERIFY_TEXTS, batch=batch)
+        got = variants.embed(sess, tok, VERIFY_TEXTS, batch=batch)
         norms = np.linalg.norm(got, axis=1)
         if got.shape != ref.shape or not np.allclose(norms, 1.0, atol=1e-4):
             raise VerificationError(f"minilm v2 {label} output is {got.dtype}{list(got.shape)} with norms {norms}")
-        cos = build_variants.cosines(got, ref)
+        cos = variants.cosines(got, ref)
         for i, c in enumerate(cos):
             if not c >= MINILM_GOLDEN_MIN:
                 raise VerificationError(
@@ -486,9 +489,9 @@ def _verify_v2(v2: Path) -> float:
 
 def _check_probe(label: str, model_dir: Path, golden: dict, min_cosine: float) -> float:
     """A text model's worst golden-probe cosine; fails the build below min_cosine."""
-    from services.model_server import build_variants
+    from tools.build_models import variants
 
-    cos = build_variants.probe_cosines(model_dir / "model.onnx", model_dir / "tokenizer.json", golden)
+    cos = variants.probe_cosines(model_dir / "model.onnx", model_dir / "tokenizer.json", golden)
     texts = golden["inputs"][0]["data"]
     for i, c in enumerate(cos):
         if not c >= min_cosine:
@@ -585,7 +588,8 @@ def _build_shards(version_dir: Path, degree: int) -> tuple[list[int], float]:
     import numpy as np
     from tokenizers import Tokenizer
 
-    from services.model_server import shards
+    from services.model_server.shards import ShardedSession
+    from tools.build_models import shards
 
     weights, config = shards.minilm_weights()
     manifest = shards.build(weights, config, degree, version_dir / f"tp{degree}")
@@ -593,8 +597,7 @@ def _build_shards(version_dir: Path, degree: int) -> tuple[list[int], float]:
     tok.enable_padding(pad_id=tok.token_to_id("[PAD]"), pad_token="[PAD]")
     feeds = _tokenize(tok, VERIFY_TEXTS)
     (whole,) = _session(version_dir / "model.onnx").run(["sentence_embedding"], feeds)
-    sharded = shards.ShardedSession(version_dir / f"tp{degree}", degree, lambda path, device: _session(path),
-                                    [None] * degree)
+    sharded = ShardedSession(version_dir / f"tp{degree}", degree, lambda path, device: _session(path), [None] * degree)
     try:
         (split,) = sharded.run(["sentence_embedding"], feeds)
     finally:
@@ -644,34 +647,34 @@ def build(out: Path, stamp: dict[str, str]) -> None:
         diff = _verify_mlp(mlp)
         _say(f"      ok: max abs diff {diff:.1e} ({time.monotonic() - t:.1f}s)")
 
-        from services.model_server import build_variants
+        from tools.build_models import variants
 
         t = time.monotonic()
         _say("[5/8] quantising minilm version 2 to INT8 (dynamic, per-channel weights) ...")
         v2 = tmp / "minilm" / "2"
         v2.mkdir()
-        build_variants.quantize_minilm(minilm / "model.onnx", v2 / "model.onnx")
+        variants.quantize_minilm(minilm / "model.onnx", v2 / "model.onnx")
         shutil.copyfile(minilm / "tokenizer.json", v2 / "tokenizer.json")
         worst = _verify_v2(v2)
         _say(f"      minilm/2/model.onnx {_size(v2 / 'model.onnx')}; cosine to sentence-transformers >= {worst:.4f} "
              f"(need {MINILM_GOLDEN_MIN}) ({time.monotonic() - t:.1f}s)")
 
         t = time.monotonic()
-        train, heldout = build_variants.corpus()
+        train, heldout = variants.corpus()
         _say(f"[6/8] distilling minilm-lite from minilm ({len(train)} training sentences from the standard "
              f"library's docs; {len(heldout)} more held out) ...")
         lite = tmp / "minilm-lite" / "1"
         lite.mkdir(parents=True)
-        table, projection = build_variants.fit_lite(minilm / "model.onnx", minilm / "tokenizer.json", train)
-        build_variants.write_lite_graph(table, projection, lite / "model.onnx", opset=OPSET)
+        table, projection = variants.fit_lite(minilm / "model.onnx", minilm / "tokenizer.json", train)
+        variants.write_lite_graph(table, projection, lite / "model.onnx", opset=OPSET)
         shutil.copyfile(minilm / "tokenizer.json", lite / "tokenizer.json")
         _write_json(tmp / "minilm-lite" / "config.json", LITE_CONFIG)
         _say(f"      minilm-lite/1/model.onnx {_size(lite / 'model.onnx')}, "
-             f"{build_variants.parameter_count(lite / 'model.onnx') / 1e6:.2f}M parameters ({time.monotonic() - t:.1f}s)")
+             f"{variants.parameter_count(lite / 'model.onnx') / 1e6:.2f}M parameters ({time.monotonic() - t:.1f}s)")
 
         t = time.monotonic()
         _say(f"[7/8] writing golden probes ({len(GOLDEN_TEXTS)} texts, mlp {MLP_GOLDEN_ROWS} rows) and checking every model ...")
-        text_golden = build_variants.text_golden(GOLDEN_TEXTS, reference_embeddings(GOLDEN_TEXTS))
+        text_golden = variants.text_golden(GOLDEN_TEXTS, reference_embeddings(GOLDEN_TEXTS))
         _write_json(tmp / "minilm" / GOLDEN_FILE, text_golden)
         _write_json(tmp / "minilm-lite" / GOLDEN_FILE, text_golden)
         mlp_golden = _mlp_golden()
@@ -703,7 +706,7 @@ def build(out: Path, stamp: dict[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.build_models", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("build/models"), help="model repository directory")
     parser.add_argument("--force", action="store_true", help="rebuild even if the stamp says it is up to date")
     args = parser.parse_args(argv)
