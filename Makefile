@@ -20,8 +20,28 @@ $(shell mkdir -p $(VERSIONS); \
     f=$(VERSIONS)/$${pair%%=*}; [ "$$(cat $$f 2>/dev/null)" = "$${pair#*=}" ] || echo "$${pair#*=}" > $$f; done)
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
-.PHONY: setup venv system-deps ghz kustomize istio-crds monitoring-crds kube-test-server stubs models tenants certs run test \
+.PHONY: help setup venv system-deps ghz kustomize istio-crds monitoring-crds kube-test-server stubs models tenants certs run test \
   test-fast test-e2e test-stress check-manifests bench chaos inflight soak peers bench-peers clean
+
+# make help: the targets a user runs, one line each.
+help:
+	@printf '%s\n' \
+	  'make setup            everything the mesh and its tests need (venv, redis-server, ghz, kustomize,' \
+	  '                      kube-apiserver, CRDs, stubs, models, the tenant registry)' \
+	  'make run              the whole mesh in the foreground, supervised (TLS=1: mutual TLS; ROUTERS=n)' \
+	  'make test             the whole suite, shuffled (SEED=n replays an order; TLS=1 on mutual TLS)' \
+	  'make test-fast        the unit tier alone' \
+	  'make test-e2e         the e2e tier alone' \
+	  'make test-stress      the service and e2e tiers on a starved machine (ROUNDS=n, SEED=n)' \
+	  'make check-manifests  the Kubernetes, Istio and monitoring manifests against their rules' \
+	  'make certs            a development CA and certificates for mutual TLS' \
+	  'make tenants          the development tenant registry (kept if it exists)' \
+	  'make bench            throughput beside in-process ONNX Runtime (bench/README.md lists the rest)' \
+	  'make chaos            faults under mixed load, every request accounted for (ARGS=...)' \
+	  'make inflight         10,000 requests in flight, then 3x saturation' \
+	  'make soak             30 minutes at 70% of saturation (ARGS="--minutes n")' \
+	  'make bench-peers      the mesh beside PyTriton and Ray Serve' \
+	  'make clean            remove gen/, build/ and var/'
 
 setup: venv system-deps ghz kustomize istio-crds monitoring-crds kube-test-server stubs models tenants
 	@echo "setup complete: 'make run' starts the mesh, 'make test' runs the tests"
