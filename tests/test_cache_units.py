@@ -141,6 +141,18 @@ def test_near_cache_expires_and_stays_within_its_byte_bound():
     assert not NearCache(ttl_s=0, max_bytes=1 << 20).enabled
 
 
+def test_near_cache_results_nobody_asks_for_again_go_once_expired_not_at_the_byte_bound():
+    """Distinct inputs: every result is put once and never read. Past their TTL
+    they must not sit in memory until the byte bound pushes them out."""
+    now = [0.0]
+    near = NearCache(ttl_s=1.0, max_bytes=1 << 30, clock=lambda: now[0])
+    tensor = embedding_tensor(1)
+    for i in range(100):
+        now[0] = i * 0.1  # ten puts a second, each a new digest
+        near.put(i.to_bytes(2, "big"), [tensor])
+    assert len(near) <= 11 and near.bytes <= 11 * (1536 + 64)  # about one TTL's worth, not all 100
+
+
 def test_a_refused_write_leaves_the_byte_count_as_it_was(tmp_path):
     store = DiskStore(tmp_path, max_bytes=1 << 20)
     store.put_many([(b"k", b"x" * 100)])

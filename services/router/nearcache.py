@@ -45,7 +45,16 @@ class NearCache:
         old = self._entries.pop(digest, None)
         if old is not None:
             self._bytes -= old[2]
-        self._entries[digest] = (self._clock() + self._ttl_s, outputs, size)
+        now = self._clock()
+        # Expired entries at the least recently used end go now: results nobody asks for
+        # again (distinct inputs) would otherwise sit until the byte bound pushed them out.
+        while self._entries:
+            expires, _, evicted = next(iter(self._entries.values()))
+            if expires > now:
+                break
+            self._entries.popitem(last=False)
+            self._bytes -= evicted
+        self._entries[digest] = (now + self._ttl_s, outputs, size)
         self._bytes += size
         while self._bytes > self._max_bytes:
             _, (_, _, evicted) = self._entries.popitem(last=False)
