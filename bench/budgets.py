@@ -43,7 +43,8 @@ import grpc
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from bench.report import chosen_seed, goal_verdict, machine, phase_order, progress, seed_argument, span, spread, write
+from bench.report import (chosen_seed, goal_verdict, machine, phase_order, process_rss_bytes, progress, seed_argument,
+                          span, spread, write)
 from services.batcher.config import BatcherConfig
 from services.cache.config import CacheConfig
 from services.common import errors
@@ -83,13 +84,6 @@ class Settings:
 
     def memory_bytes(self, service: str) -> int:
         return getattr(self, f"{service}_memory_mib") * MIB
-
-
-def rss_bytes(pid: int) -> int:
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def held_bytes(mesh: Mesh, service: str) -> float:
@@ -202,7 +196,7 @@ async def run_phase(mesh: Mesh, phase: str, settings: Settings, cached: pb.Model
     load = Load(mesh.router, settings)
     channels = [grpc.aio.insecure_channel(mesh.router, options=OWN_CONNECTION) for _ in range(4)]
     probe_channel = grpc.aio.insecure_channel(mesh.router, options=OWN_CONNECTION)
-    peaks = {name: {"rss_bytes": rss_bytes(pid), "held_bytes": 0.0} for name, pid in pids.items()}
+    peaks = {name: {"rss_bytes": process_rss_bytes(pid), "held_bytes": 0.0} for name, pid in pids.items()}
     os.kill(pids["model_server"], signal.SIGSTOP)
     tasks = [asyncio.create_task(load.probe(probe_channel, cached))]
     if phase in ("unary", "combined"):
@@ -219,7 +213,7 @@ async def run_phase(mesh: Mesh, phase: str, settings: Settings, cached: pb.Model
             await asyncio.sleep(SAMPLE_S)
             samples += 1
             for name, pid in pids.items():
-                peaks[name]["rss_bytes"] = max(peaks[name]["rss_bytes"], rss_bytes(pid))
+                peaks[name]["rss_bytes"] = max(peaks[name]["rss_bytes"], process_rss_bytes(pid))
                 if samples % 3 == 0 and name != "model_server":  # a stopped process serves no metrics
                     peaks[name]["held_bytes"] = max(peaks[name]["held_bytes"],
                                                     await asyncio.to_thread(held_bytes, mesh, name))
@@ -265,7 +259,7 @@ async def one_run(settings: Settings, run: int, seed: int) -> dict:
         async with grpc.aio.insecure_channel(mesh.router, options=OWN_CONNECTION) as channel:
             cached = text_request([b"a small request, answered from the cache"], "small")
             await pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(cached, timeout=60)  # computed and stored
-        idle = {name: rss_bytes(pid) for name, pid in pids.items()}
+        idle = {name: process_rss_bytes(pid) for name, pid in pids.items()}
         budgets = {name: await asyncio.to_thread(budget_bytes, mesh, name) for name in SERVICES}
         phases = []
         for phase in phase_order(PHASES, run, seed):

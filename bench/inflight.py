@@ -36,7 +36,7 @@ import threading
 import time
 
 from bench.chaos_load import ChaosLoad, LoadConfig, Reference, recovery
-from bench.report import machine, progress, pyplot, save_figure, write
+from bench.report import machine, process_rss_bytes, progress, pyplot, save_figure, write
 from bench.workload import ghz_unique_template, run_ghz
 from services.launcher.mesh import Mesh
 
@@ -46,13 +46,11 @@ P99_FACTOR = 1.5
 
 
 def rss_bytes(pid: int) -> int:
+    """The process's RSS, 0 once it is gone (a sampler outlives a restart)."""
     try:
-        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+        return process_rss_bytes(pid)
     except OSError:
-        pass
-    return 0
+        return 0
 
 
 class RssSampler:

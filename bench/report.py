@@ -34,6 +34,14 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_rss_bytes(pid: int) -> int:
+    """A process's resident set now (VmRSS), in bytes; OSError once it is gone."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
     """The share of the CPU time between two cpu_times() that the hypervisor gave to
     other guests (steal): on a shared virtual machine the part of every figure that

@@ -4,17 +4,27 @@ with a request unanswered; the router sends a request whose stream was lost
 once more, to whichever batcher its channel reaches."""
 
 import asyncio
+import concurrent.futures
+import os
+import signal
+import threading
+import time
 
 import grpc
 import pytest
+from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from infermesh.batcher.v1 import batcher_pb2, batcher_pb2_grpc
 
 from services.batcher.server import FRAMING
 from services.common import errors
-from services.common.streams import StreamLost, StreamMux, answer_concurrently
+from services.common.streams import StreamLost, answer_concurrently
+from services.launcher.mesh import Mesh
+from services.launcher.supervisor import RestartPolicy
 from services.router.clients import BatcherClient
+from services.router.config import RouterConfig
 from services.router.core import Catalog
-from tests.conftest import settle, until
+from tests.conftest import settle, until, wait_until
+from tests.oip import text_request
 
 
 async def answers_of(stream) -> tuple[list, Exception | None]:
@@ -201,8 +211,6 @@ async def test_a_batcher_that_drains_hands_its_unread_requests_to_the_one_that_s
 
 @pytest.mark.unit
 def test_a_list_of_batchers_takes_only_ipv4_entries():
-    from services.router.config import RouterConfig
-
     assert RouterConfig(batcher="127.0.0.1:1,127.0.0.1:2").batcher == "127.0.0.1:1,127.0.0.1:2"
     with pytest.raises(ValueError, match="'batcher.local:1'"):
         RouterConfig(batcher="batcher.local:1,127.0.0.1:2")
@@ -211,16 +219,8 @@ def test_a_list_of_batchers_takes_only_ipv4_entries():
 def load_while(mesh, fault, callers: int = 4, after_s: float = 1.5) -> dict[str, int]:
     """Unary requests of distinct texts from `callers` threads until `after_s`
     after `fault()` returns; the count of each outcome (OK or a status name)."""
-    import concurrent.futures
-    import threading
-    import time
-
-    from inference import grpc_predict_v2_pb2_grpc as pb_grpc
-
-    from tests.oip import text_request
-
     outcomes: dict[str, int] = {}
-    lock, stop, sent = threading.Lock(), threading.Event(), [0]
+    lock, stop = threading.Lock(), threading.Event()
 
     def caller(index: int):
         with grpc.insecure_channel(mesh.router) as channel:
@@ -249,10 +249,6 @@ def load_while(mesh, fault, callers: int = 4, after_s: float = 1.5) -> dict[str,
 
 @pytest.mark.e2e
 def test_with_two_batchers_one_drained_under_load_costs_no_request(model_repository, tmp_path):
-    import signal
-
-    from services.launcher.mesh import Mesh
-
     with Mesh(models=model_repository, cache=False, log_dir=tmp_path, batchers=2) as mesh:
         leaving = mesh.processes["batcher"].popen
 
@@ -266,13 +262,6 @@ def test_with_two_batchers_one_drained_under_load_costs_no_request(model_reposit
 
 @pytest.mark.e2e
 def test_a_supervised_batcher_killed_under_load_costs_no_request(model_repository, tmp_path):
-    import os
-    import signal
-
-    from services.launcher.mesh import Mesh
-    from services.launcher.supervisor import RestartPolicy
-    from tests.conftest import wait_until
-
     with Mesh(models=model_repository, cache=False, log_dir=tmp_path, supervise=True,
               restart_policy=RestartPolicy(base_delay_s=0.2, probe_period_s=0.5)) as mesh:
         def kill():

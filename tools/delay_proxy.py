@@ -27,13 +27,11 @@ import contextlib
 import dataclasses
 import json
 import os
+import pathlib
 import random
-import select
 import signal
 import socket
-import subprocess
 import sys
-import time
 
 CHUNK_BYTES = 64 * 1024
 LOOPBACK = "127.0.0.1"
@@ -272,7 +270,7 @@ class DelayProxy:
         self.buffer_bytes = buffer_bytes
         self.seed = seed
         self.ready_timeout_s = ready_timeout_s
-        self.popen: subprocess.Popen | None = None
+        self.process = None  # a services.launcher.mesh.Process while it runs
         self.listen = ""
         self.control_address = ""
         self._control: socket.socket | None = None
@@ -280,45 +278,25 @@ class DelayProxy:
 
     def start(self, upstream: str, listen: str = f"{LOOPBACK}:0", control_port: int = 0) -> str:
         """Starts the process (it dies with this one) and returns its listen address."""
-        if self.popen is not None:
-            raise DelayProxyError(f"this proxy already runs (pid {self.popen.pid}, listening on {self.listen})")
-        from services.common.serving import DIE_WITH_PARENT
+        from services.launcher.mesh import MeshError, Process  # started and awaited as the mesh's services are
 
+        if self.process is not None:
+            raise DelayProxyError(f"this proxy already runs (pid {self.process.popen.pid}, listening on {self.listen})")
         argv = [sys.executable, "-m", "tools.delay_proxy", "--listen", listen, "--upstream", upstream,
                 "--control-port", str(control_port), "--buffer-bytes", str(self.buffer_bytes)]
         if self.seed is not None:
             argv += ["--seed", str(self.seed)]
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - the child's
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        log = pathlib.Path(self.log_path) if self.log_path else None
+        self.process = Process(log.stem if log else "delay-proxy", argv, log.parent if log else None, dict(os.environ))
         try:
-            self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, cwd=root, start_new_session=True,
-                                          env={**os.environ, DIE_WITH_PARENT: str(os.getpid())})
-        finally:
-            if log is not subprocess.DEVNULL:
-                log.close()
-        info = self._wait_ready()
+            info = self.process.wait_ready(self.ready_timeout_s)
+        except MeshError as exc:
+            self.stop()
+            raise DelayProxyError(f"the delay proxy did not start: {exc}") from None
         self.listen, self.control_address = info["listen"], info["control"]
         host, port = _address(self.control_address, "control")
         self._control = socket.create_connection((host, port), timeout=10)
         return self.listen
-
-    def _wait_ready(self) -> dict:
-        deadline = time.monotonic() + self.ready_timeout_s
-        buffer = b""
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                code = self.popen.returncode
-                self.stop()
-                raise DelayProxyError(f"the delay proxy exited with code {code} before it was ready"
-                                      + (f" (its log: {self.log_path})" if self.log_path else ""))
-            readable, _, _ = select.select([self.popen.stdout], [], [], 0.1)
-            if readable:
-                buffer += os.read(self.popen.stdout.fileno(), 65536)
-                for line in buffer.splitlines():
-                    if line.startswith(b"{") and b'"ready"' in line:
-                        return json.loads(line)
-        self.stop()
-        raise DelayProxyError(f"the delay proxy was not ready within {self.ready_timeout_s:g} s")
 
     def command(self, line: str) -> dict:
         """Sends one control command and returns its answer; raises if refused."""
@@ -353,17 +331,9 @@ class DelayProxy:
         if self._control is not None:
             self._control.close()
             self._control = None
-        if self.popen is None:
-            return
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self.popen.stdout.close()
-        self.popen = None
+        if self.process is not None:
+            self.process.stop(timeout_s)
+            self.process = None
 
     def __enter__(self) -> "DelayProxy":
         return self

@@ -98,6 +98,7 @@ class Supervisor:
         self._idle = threading.Event()  # set while held and no step is under way
         self._closed = threading.Event()
         self._channels: dict[str, grpc.Channel] = {}
+        self._redis: redis.Redis | None = None
         self._thread = threading.Thread(target=self._run, name="mesh-supervisor", daemon=True)
 
     def start(self) -> None:
@@ -125,6 +126,8 @@ class Supervisor:
             self._thread.join(10)
         for channel in self._channels.values():
             channel.close()
+        if self._redis is not None:
+            self._redis.close()
 
     # -- the loop ------------------------------------------------------------------
     def _run(self) -> None:
@@ -221,8 +224,11 @@ class Supervisor:
         """(answered, serving): a health check of one of our services, a PING of Redis."""
         timeout_s = self._policy.probe_timeout_s
         if name == "redis":
+            if self._redis is None:  # one client: it reconnects by itself after a restart
+                self._redis = redis.Redis.from_url(self._mesh.redis_url, socket_timeout=timeout_s,
+                                                   socket_connect_timeout=timeout_s)
             try:
-                return True, bool(redis.Redis.from_url(self._mesh.redis_url, socket_timeout=timeout_s).ping())
+                return True, bool(self._redis.ping())
             except (redis.RedisError, OSError):
                 return False, False
         channel = self._channels.get(name)
