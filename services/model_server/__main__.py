@@ -31,5 +31,9 @@ async def serve(config: ModelServerConfig) -> None:
                 await sampler
 
 
+def main() -> int:
+    return serving.main(ModelServerConfig, "INFERMESH_MODEL_SERVER_", serve, __doc__)
+
+
 if __name__ == "__main__":
-    sys.exit(serving.main(ModelServerConfig, "INFERMESH_MODEL_SERVER_", serve, __doc__))
+    sys.exit(main())

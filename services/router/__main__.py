@@ -73,5 +73,9 @@ async def serve(config: RouterConfig) -> None:
     await serving.run_until_signal(server, health, config.drain_grace_s, close, draining)
 
 
+def main() -> int:
+    return serving.main(RouterConfig, "INFERMESH_ROUTER_", serve, __doc__)
+
+
 if __name__ == "__main__":
-    sys.exit(serving.main(RouterConfig, "INFERMESH_ROUTER_", serve, __doc__))
+    sys.exit(main())
