@@ -52,7 +52,7 @@ from bench.report import (bucket_quantile, chosen_seed, cpu_times, machine, phas
                           seed_argument, span, spread, steal_share, write)
 from bench.workload import InProcessMinilm, ghz_texts, ghz_unique_template, minilm_instances_repository, run_ghz
 from services.common.metrics import scrape
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from services.model_server.repository import LEND_RESERVED_AFTER_S
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -125,15 +125,15 @@ def main() -> int:
     policy = work / "traffic.yaml"
     shutil.copy(ROOT / "mesh" / "istio" / "model-server-traffic.yaml", policy)
     one_instance = minilm_instances_repository(work, 1)  # minilm with one session, every core
-    with Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / "on") as on, \
-            Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / "off",
-                 batcher_args=("--max-batch-size", "1")) as off, \
-            Mesh(models=one_instance, cache=False, log_dir=work / "one") as one, \
-            Mesh(models=one_instance, cache=False, log_dir=work / "sliced",
-                 model_server_args=("--slice-ms", str(SLICE_MS))) as sliced, \
-            Mesh(models=one_instance, cache=False, log_dir=work / "pools", model_servers=2,
+    with Mesh(MeshConfig(models=ROOT / "build" / "models", cache=False, log_dir=work / "on")) as on, \
+            Mesh(MeshConfig(models=ROOT / "build" / "models", cache=False, log_dir=work / "off",
+                 batcher_args=("--max-batch-size", "1"))) as off, \
+            Mesh(MeshConfig(models=one_instance, cache=False, log_dir=work / "one")) as one, \
+            Mesh(MeshConfig(models=one_instance, cache=False, log_dir=work / "sliced",
+                 model_server_args=("--slice-ms", str(SLICE_MS)))) as sliced, \
+            Mesh(MeshConfig(models=one_instance, cache=False, log_dir=work / "pools", model_servers=2,
                  model_server_labels=("version=blue", "pool=vip"), model_server_nice=(10, 0),
-                 batcher_args=("--traffic-policy", str(policy))) as pools:
+                 batcher_args=("--traffic-policy", str(policy)))) as pools:
         progress("meshes up (defaults, batching off, one instance, sliced, VIP pool); warming up")
         for mesh in (on, off, one, sliced, pools):
             ghz(mesh.router, "warm", 200, 16)

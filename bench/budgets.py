@@ -51,7 +51,7 @@ from services.common import errors
 from services.common.budget import MIB
 from services.common.metrics import scrape
 from services.common.tensors import pack_bytes_elements
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from services.model_server.config import ModelServerConfig
 from services.router.config import RouterConfig
 
@@ -254,7 +254,7 @@ def mesh_arguments(settings: Settings) -> dict:
 
 async def one_run(settings: Settings, run: int, seed: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="budgets-") as logs, \
-            Mesh(models=ROOT / "build" / "models", log_dir=logs, **mesh_arguments(settings)) as mesh:
+            Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=logs, **mesh_arguments(settings))) as mesh:
         pids = {name: mesh.processes[name].popen.pid for name in SERVICES}
         async with grpc.aio.insecure_channel(mesh.router, options=OWN_CONNECTION) as channel:
             cached = text_request([b"a small request, answered from the cache"], "small")

@@ -32,7 +32,7 @@ import numpy as np
 from bench import loadgen
 from bench.report import chosen_seed, goal_verdict, machine, phase_order, progress, pyplot, seed_argument, spread, write
 from bench.workload import ghz_data, texts
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from tests.conftest import metric
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -109,11 +109,11 @@ def main() -> int:
     # Four meshes side by side; only the one being measured gets traffic. The
     # unique workloads get meshes of their own: they would (rightly) switch on
     # the automatic bypass of a mesh that the Zipf workload then measures.
-    with Mesh(models=models, cache=False, log_dir=work / "plain") as plain, \
-            Mesh(models=models, l2_path=work / "l2", log_dir=work / "cached") as cached, \
-            Mesh(models=models, l2_path=work / "l2-unique", log_dir=work / "unique") as unique_mesh, \
-            Mesh(models=models, l2_path=work / "l2-nobypass", log_dir=work / "nobypass",
-                 router_args=("--cache-min-hit-rate", "0", "--near-cache-ttl-s", "0")) as nobypass:
+    with Mesh(MeshConfig(models=models, cache=False, log_dir=work / "plain")) as plain, \
+            Mesh(MeshConfig(models=models, l2_path=work / "l2", log_dir=work / "cached")) as cached, \
+            Mesh(MeshConfig(models=models, l2_path=work / "l2-unique", log_dir=work / "unique")) as unique_mesh, \
+            Mesh(MeshConfig(models=models, l2_path=work / "l2-nobypass", log_dir=work / "nobypass",
+                 router_args=("--cache-min-hit-rate", "0", "--near-cache-ttl-s", "0"))) as nobypass:
         progress(f"four meshes up; warming up (seed {seed})")
         for mesh in (plain, cached, nobypass):
             load(mesh.router, texts(200, seed=7), 8)

@@ -47,7 +47,7 @@ from bench.chaos_load import ChaosLoad, LoadConfig, Reference, recovery
 from bench.report import (chosen_seed, machine, phase_order, progress, pyplot, save_figure, seed_argument, span,
                           spread, write)
 from services.common.metrics import scrape
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from services.launcher.supervisor import RestartPolicy
 from tools.delay_proxy import DelayProxy
 
@@ -86,10 +86,7 @@ class Chaos:
 
         # The cache is asked for every request (no automatic bypass, no near cache in the
         # router): its faults are then on every request's path.
-        self.mesh = Mesh(models=ROOT / "build" / "models", log_dir=work / "logs", l2_path=work / "l2",
-                         model_servers=2, batchers=2, routers=2, supervise=True, restart_policy=restart_policy,
-                         model_server_via=via, on_event=lambda m: self.events.append((time.monotonic(), m)),
-                         router_args=("--cache-min-hit-rate", "0", "--near-cache-ttl-s", "0"))
+        self.mesh = Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=work / "logs", l2_path=work / "l2", model_servers=2, batchers=2, routers=2, supervise=True, restart_policy=restart_policy, router_args=("--cache-min-hit-rate", "0", "--near-cache-ttl-s", "0")), model_server_via=via, on_event=lambda m: self.events.append((time.monotonic(), m)))
 
     def start(self) -> "Chaos":
         try:

@@ -36,7 +36,7 @@ from bench.report import (chosen_seed, goal_verdict, machine, phase_order, progr
                           seed_argument, span, spread, write)
 from bench.workload import ghz_unique_template, run_ghz
 from services.common import identity
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MESHES = ("one_queue", "fair", "fair_limited")
@@ -173,7 +173,7 @@ def measure(runs: int, seconds: float, seed: int) -> dict:
     in its summary, every phase's figures in its raw."""
     work = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-fairness-"))
     models = ROOT / "build" / "models"
-    with Mesh(models=models, cache=False, log_dir=work / "probe") as probe:
+    with Mesh(MeshConfig(models=models, cache=False, log_dir=work / "probe")) as probe:
         run_ghz(probe.router, ghz_unique_template("warm"), 200, 16)
         capacity = summary_of(run_ghz(probe.router, ghz_unique_template("capacity"), 0, 64, seconds=seconds,
                                       timeout_s=10))["ok_rps"]
@@ -183,7 +183,7 @@ def measure(runs: int, seconds: float, seed: int) -> dict:
     for kind in MESHES:
         path = work / f"{kind}.yaml"
         identity.write_registry(path, registry(kind, capacity))
-        meshes[kind] = Mesh(models=models, cache=False, log_dir=work / kind, tenants_file=path)
+        meshes[kind] = Mesh(MeshConfig(models=models, cache=False, log_dir=work / kind, tenants_file=path))
     try:
         for mesh in meshes.values():
             mesh.start()

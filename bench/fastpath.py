@@ -53,7 +53,7 @@ from bench.report import (chosen_seed, cpu_times, goal_verdict, machine, phase_o
                           seed_argument, steal_share, write)
 from bench.workload import ghz_unique_template, run_ghz
 from services.common.metrics import scrape
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CALLERS = 64
@@ -358,10 +358,10 @@ def main() -> int:
     for _ in range(2):
         chain.insert(0, start_bare(ROOT, forward=chain[0][1]))
     try:
-        with Mesh(models=models, log_dir=logs / "one") as one, \
-                Mesh(models=models, log_dir=logs / "two", routers=2) as two, \
-                Mesh(models=models, log_dir=logs / "flood", cache=False,
-                     batcher_args=("--standard-max-queue-size", "1")) as flood:
+        with Mesh(MeshConfig(models=models, log_dir=logs / "one")) as one, \
+                Mesh(MeshConfig(models=models, log_dir=logs / "two", routers=2)) as two, \
+                Mesh(MeshConfig(models=models, log_dir=logs / "flood", cache=False,
+                     batcher_args=("--standard-max-queue-size", "1"))) as flood:
             meshes = {"mesh": one, "mesh_2_routers": two}
             progress(f"bare server {bare_address}, meshes up (logs in {logs}); warming up until the bypass engages")
             for mesh in meshes.values():  # past the bypass window (500 lookups) with unique inputs

@@ -36,7 +36,7 @@ import time
 from bench import budgets, fairness
 from bench.report import (chosen_seed, cpu_times, goal_verdict, machine, phase_order, process_cpu_s, progress,
                           seed_argument, span, spread, steal_share, write)
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from services.router.limits import RequestLimits
 from tools import fuzz_oip, pathological
 
@@ -150,7 +150,7 @@ def health_under_flood(runs: int, seconds: float, seed: int, scale: float, model
     rows = []
     for run in range(runs):
         order = phase_order([IDLE, *attacks], run, seed)
-        with tempfile.TemporaryDirectory() as logs, Mesh(models=models, log_dir=pathlib.Path(logs), cache=False) as mesh:
+        with tempfile.TemporaryDirectory() as logs, Mesh(MeshConfig(models=models, log_dir=pathlib.Path(logs), cache=False)) as mesh:
             pid = mesh.processes["router"].popen.pid
             run_rows = []
             for kind in order:

@@ -32,7 +32,7 @@ from bench.bare import start as start_bare
 from bench.report import (chosen_seed, cpu_times, machine, phase_order, process_cpu_s, progress, pyplot, save_figure,
                           seed_argument, steal_share, write)
 from bench.workload import ghz_unique_template, run_ghz
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RATES = (150, 300, 600)  # the overload's standard rate at the saturation measured here, and either side of it
@@ -110,8 +110,8 @@ def main() -> int:
     seed = chosen_seed(args.seed)
     bare, bare_address = start_bare(ROOT)
     try:
-        with Mesh(models=ROOT / "build" / "models", cache=False,
-                  log_dir=pathlib.Path(tempfile.mkdtemp(prefix="infermesh-hop-"))) as mesh:
+        with Mesh(MeshConfig(models=ROOT / "build" / "models", cache=False,
+                  log_dir=pathlib.Path(tempfile.mkdtemp(prefix="infermesh-hop-")))) as mesh:
             router_pid = mesh.processes["router"].popen.pid
             plan = {"bare_ok": (bare_address, bare.pid, "minilm"), "bare_refused": (bare_address, bare.pid, REFUSE),
                     "router_refused": (mesh.router, router_pid, "no-such-model")}

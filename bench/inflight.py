@@ -38,7 +38,7 @@ import time
 from bench.chaos_load import ChaosLoad, LoadConfig, Reference, recovery
 from bench.report import machine, process_rss_bytes, progress, pyplot, save_figure, write
 from bench.workload import ghz_unique_template, run_ghz
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVICES = ("router", "batcher", "model_server", "cache", "redis")
@@ -220,8 +220,8 @@ def plot(report: dict, path: pathlib.Path) -> None:
 async def measure(args) -> dict:
     work = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-inflight-"))
     reference = Reference()
-    with Mesh(models=ROOT / "build" / "models", log_dir=work / "logs", l2_path=work / "l2",
-              batcher_args=("--standard-max-queue-size", "12000", "--vip-max-queue-size", "4096")) as mesh:
+    with Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=work / "logs", l2_path=work / "l2",
+              batcher_args=("--standard-max-queue-size", "12000", "--vip-max-queue-size", "4096"))) as mesh:
         run_ghz(mesh.router, ghz_unique_template("warm"), 300, 16, key=mesh.keys["dev-standard"])
         capacity = ghz_summary(run_ghz(mesh.router, ghz_unique_template("capacity"), 0, 64, seconds=10,
                                        timeout_s=10, key=mesh.keys["dev-standard"]))["ok_rps"]

@@ -26,7 +26,7 @@ import time
 from bench.batching import ghz
 from bench.report import machine, progress, pyplot, save_figure, write
 from bench.workload import minilm_instances_repository
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CALLERS = (1, 16, 64, 256)
@@ -47,7 +47,7 @@ def main() -> int:
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-instances-"))
-    meshes = {name: Mesh(models=minilm_instances_repository(work, count), cache=False, log_dir=work / str(count))
+    meshes = {name: Mesh(MeshConfig(models=minilm_instances_repository(work, count), cache=False, log_dir=work / str(count)))
               for name, count in LAYOUTS.items()}
     runs = []
     try:

@@ -82,7 +82,7 @@ from bench.fastpath import ghz_cpu_s, mlp_template
 from bench.report import (chosen_seed, cpu_times, machine, phase_order, process_cpu_s, progress, pyplot, save_figure,
                           seed_argument, span, spread, steal_share, write)
 from bench.workload import GHZ, ghz_unique_template
-from services.launcher.mesh import Mesh, MeshError, Process
+from services.launcher.mesh import Mesh, MeshConfig, MeshError, Process
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PEERS = ROOT / "bench" / "peers"
@@ -397,7 +397,7 @@ def measure(args, seed: int, work: pathlib.Path, stack: contextlib.ExitStack) ->
     batching = ("--max-batch-size", str(MAX_BATCH_SIZE), "--max-queue-delay-ms", str(args.max_queue_delay_ms))
     started = time.monotonic()
     progress(f"starting the mesh, PyTriton and Ray Serve (logs in {logs})")
-    mesh = stack.enter_context(Mesh(models=ROOT / "build" / "models", log_dir=logs / "mesh", batcher_args=batching))
+    mesh = stack.enter_context(Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=logs / "mesh", batcher_args=batching)))
     servers = [Server("mesh", mesh.router, tuple(p.popen.pid for p in mesh.processes.values()))]
     triton_address = pytriton.wait_ready(300)["grpc"]
     servers.append(Server("pytriton", triton_address, (pytriton.popen.pid,), text_shape=(1, 1), layouts=LAYOUTS))

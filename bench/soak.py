@@ -32,7 +32,7 @@ from bench.chaos_load import ChaosLoad, LoadConfig, Reference
 from bench.inflight import RssSampler, ghz_summary, others
 from bench.report import cpu_times, machine, process_cpu_s, progress, pyplot, save_figure, write
 from bench.workload import ghz_unique_template, run_ghz
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
@@ -178,7 +178,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
 async def measure(minutes: int, share: float) -> dict:
     work = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-soak-"))
     reference = Reference()
-    with Mesh(models=ROOT / "build" / "models", log_dir=work / "logs", l2_path=work / "l2") as mesh:
+    with Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=work / "logs", l2_path=work / "l2")) as mesh:
         run_ghz(mesh.router, ghz_unique_template("warm"), 300, 16, key=mesh.keys["dev-standard"])
         capacity = ghz_summary(run_ghz(mesh.router, ghz_unique_template("capacity"), 0, 64, seconds=10,
                                        timeout_s=10, key=mesh.keys["dev-standard"]))["ok_rps"]

@@ -24,7 +24,7 @@ from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from bench.report import machine, progress, pyplot, write
 from bench.workload import texts
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from tests.oip import text_request
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -148,7 +148,7 @@ def main() -> int:
     repo = _repository(work)
     runs = []
     # No rollback standby, so every swap (both directions, every run) is a fresh load.
-    with Mesh(models=repo, cache=False, log_dir=work, model_server_args=("--rollback-grace-s", "0")) as mesh:
+    with Mesh(MeshConfig(models=repo, cache=False, log_dir=work, model_server_args=("--rollback-grace-s", "0"))) as mesh:
         model_server = mesh.processes["model_server"].info["grpc"]
         for run in range(args.runs):
             results = asyncio.run(_one_run(mesh.router, model_server, run))

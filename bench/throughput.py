@@ -33,7 +33,7 @@ import time
 from bench.report import (chosen_seed, goal_verdict, machine, phase_order, progress, pyplot, save_figure, seed_argument,
                           span, spread, write)
 from bench.workload import InProcessMinilm, ghz_texts, ghz_unique_template, run_ghz
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -100,7 +100,7 @@ def main() -> int:
     phases = ["ort", "ort_sessions", *(f"mesh{c}" for c in levels)]
 
     runs, orders = [], []
-    with Mesh(models=ROOT / "build" / "models", log_dir=tempfile.mkdtemp(prefix="infermesh-bench-")) as mesh:
+    with Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=tempfile.mkdtemp(prefix="infermesh-bench-"))) as mesh:
         progress(f"mesh up, router {mesh.router}; warming up (seed {seed})")
         ghz_run(mesh.router, 16, 3.0, "warm")
         for run in range(args.runs):

@@ -22,7 +22,7 @@ import time
 
 from bench.batching import ghz, in_process
 from bench.report import chosen_seed, machine, phase_order, progress, pyplot, save_figure, seed_argument, write
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYOUTS = {  # report key -> the batcher's arguments
@@ -49,8 +49,8 @@ def main() -> int:
     per_row = in_process(3.0, seed=1, sizes=IN_PROCESS_SIZES, threads=1)
     progress("in-process, one thread: " + ", ".join(f"{rows}: {rate:.0f}" for rows, rate in per_row.items())
              + " rows/s by batch size")
-    meshes = {name: Mesh(models=ROOT / "build" / "models", cache=False, log_dir=work / name.replace(", ", "-"),
-                         batcher_args=batcher_args) for name, batcher_args in LAYOUTS.items()}
+    meshes = {name: Mesh(MeshConfig(models=ROOT / "build" / "models", cache=False, log_dir=work / name.replace(", ", "-"),
+                         batcher_args=batcher_args)) for name, batcher_args in LAYOUTS.items()}
     runs = []
     try:
         for mesh in meshes.values():

@@ -149,14 +149,14 @@ def model_repository() -> pathlib.Path:
 
 def _test_mesh(model_repository, tmp_path_factory):
     """A whole mesh (with its own redis-server) as the end-to-end tests expect it."""
-    from services.launcher.mesh import Mesh
+    from services.launcher.mesh import Mesh, MeshConfig
 
     # Automatic cache bypass is off here (the tests send mostly unique texts yet expect lookups),
     # and so is the near cache: these tests watch the cache service itself.
-    return Mesh(models=model_repository, log_dir=tmp_path_factory.mktemp("mesh-logs"),
+    return Mesh(MeshConfig(models=model_repository, log_dir=tmp_path_factory.mktemp("mesh-logs"),
                 l2_path=tmp_path_factory.mktemp("l2"),
                 router_args=("--max-request-bytes", str(MAX_REQUEST_BYTES), "--cache-min-hit-rate", "0",
-                             "--near-cache-ttl-s", "0"))
+                             "--near-cache-ttl-s", "0")))
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.common import errors
 from services.common.tensors import from_numpy, pack_bytes_elements, TensorData
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from services.router.breaker import HALF_OPEN_STEPS, Breaker, BreakerPolicy, FailureSamples, State
 from services.router.config import RouterConfig
 from services.router.core import Catalog, InferRequest, Router, RouterSettings
@@ -288,10 +288,10 @@ async def test_tiny_deadlines_through_the_mesh_leave_the_breaker_closed(mesh):
 @pytest.mark.e2e
 async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(model_repository, tmp_path,
                                                                              reference_embeddings):
-    with Mesh(models=model_repository, log_dir=tmp_path, l2_path=tmp_path / "l2",
+    with Mesh(MeshConfig(models=model_repository, log_dir=tmp_path, l2_path=tmp_path / "l2",
               batcher_args=("--replica-poll-s", "0.2"),
               router_args=("--catalog-poll-s", "0.2", "--breaker-min-requests", "10", "--breaker-open-s", "1",
-                           "--near-cache-ttl-s", "0", "--cache-min-hit-rate", "0")) as mesh:
+                           "--near-cache-ttl-s", "0", "--cache-min-hit-rate", "0"))) as mesh:
         async with grpc.aio.insecure_channel(mesh.router) as channel, \
                 grpc.aio.insecure_channel(mesh.processes["model_server"].info["grpc"]) as control_channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)

@@ -24,7 +24,7 @@ from services.common.budget import GIB, MIB, ByteBudget
 from services.common.protoconv import tensors_to_proto
 from services.common.streams import StreamMux
 from services.common.tensors import from_numpy
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from services.model_server.config import ModelServerConfig
 from services.router.config import RouterConfig
 from services.router.server import build_server
@@ -334,8 +334,8 @@ def test_the_cache_holds_stored_results_in_its_budget_until_written(tmp_path):
     """Redis stopped: writes wait, the stored results are held, and those past
     the budget are dropped (a failed store: nobody waits for one) before they
     reach Redis."""
-    mesh = Mesh(log_dir=tmp_path / "logs", cache_args=(
-        "--max-message-bytes", str(1 * MIB), "--request-budget-bytes", str(2 * MIB), "--redis-timeout-ms", "20000"))
+    mesh = Mesh(MeshConfig(log_dir=tmp_path / "logs", cache_args=(
+        "--max-message-bytes", str(1 * MIB), "--request-budget-bytes", str(2 * MIB), "--redis-timeout-ms", "20000")))
     try:
         mesh.start_redis()
         mesh.start_cache().wait_ready(60)

@@ -16,7 +16,7 @@ from services.cache.core import ResultCache
 from services.cache.disk import DiskStore
 from services.common import errors
 from services.common.tensors import TensorData, from_numpy
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 
 pytestmark = pytest.mark.service
 
@@ -27,7 +27,7 @@ NAMESPACE = "core-test"
 @pytest.fixture
 def redis_server(tmp_path):
     """A redis-server of our own (no persistence, as `make run` starts it), restartable."""
-    mesh = Mesh(log_dir=tmp_path / "logs")
+    mesh = Mesh(MeshConfig(log_dir=tmp_path / "logs"))
     mesh.start_redis()
     yield mesh
     mesh.stop()

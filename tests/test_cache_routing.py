@@ -11,7 +11,7 @@ from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from services.router.core import SINGLE_FLIGHT_LINGER_S
 from tests.conftest import metric, wait_until
 from tests.oip import output_array, text_request
@@ -73,8 +73,8 @@ def test_purge_needs_an_admin_tenant_of_the_registry(mesh):
 
 
 def test_near_cache_then_bypass_for_unique_work_then_recovery(model_repository, tmp_path):
-    with Mesh(models=model_repository, log_dir=tmp_path,
-              router_args=("--cache-bypass-window", "20", "--cache-min-hit-rate", "0.1")) as m:
+    with Mesh(MeshConfig(models=model_repository, log_dir=tmp_path,
+              router_args=("--cache-bypass-window", "20", "--cache-min-hit-rate", "0.1"))) as m:
         lookups = lambda: sum(metric(m.router_metrics, "infermesh_router_cache_lookups_total", result=r)  # noqa: E731
                               for r in ("hit", "miss", "error"))
         gauge = lambda: metric(m.router_metrics, "infermesh_router_cache_bypassed", model="minilm")  # noqa: E731

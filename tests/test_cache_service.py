@@ -11,7 +11,7 @@ from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from services.common.protoconv import tensors_to_proto
 from services.common.tensors import TensorData, from_numpy
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from tests.conftest import metric
 
 pytestmark = pytest.mark.service
@@ -23,9 +23,9 @@ class CacheOnly:
     """redis-server and the cache service alone, restartable."""
 
     def __init__(self, tmp_path, ttl_s=1):
-        self.mesh = Mesh(log_dir=tmp_path / "logs", l2_path=tmp_path / "l2",
+        self.mesh = Mesh(MeshConfig(log_dir=tmp_path / "logs", l2_path=tmp_path / "l2",
                          cache_args=("--ttl-s", str(ttl_s), "--admin-token", TOKEN, "--generation-poll-s", "0.2",
-                                     "--breaker-open-s", "0.5"))
+                                     "--breaker-open-s", "0.5")))
 
     def start(self):
         if "redis" not in self.mesh.processes:

@@ -18,7 +18,7 @@ from infermesh.batcher.v1 import batcher_pb2, batcher_pb2_grpc
 from services.batcher.server import FRAMING
 from services.common import errors
 from services.common.streams import StreamLost, answer_concurrently
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from services.launcher.supervisor import RestartPolicy
 from services.router.clients import BatcherClient
 from services.router.config import RouterConfig
@@ -249,7 +249,7 @@ def load_while(mesh, fault, callers: int = 4, after_s: float = 1.5) -> dict[str,
 
 @pytest.mark.e2e
 def test_with_two_batchers_one_drained_under_load_costs_no_request(model_repository, tmp_path):
-    with Mesh(models=model_repository, cache=False, log_dir=tmp_path, batchers=2) as mesh:
+    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path, batchers=2)) as mesh:
         leaving = mesh.processes["batcher"].popen
 
         def drain():
@@ -262,8 +262,8 @@ def test_with_two_batchers_one_drained_under_load_costs_no_request(model_reposit
 
 @pytest.mark.e2e
 def test_a_supervised_batcher_killed_under_load_costs_no_request(model_repository, tmp_path):
-    with Mesh(models=model_repository, cache=False, log_dir=tmp_path, supervise=True,
-              restart_policy=RestartPolicy(base_delay_s=0.2, probe_period_s=0.5)) as mesh:
+    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path, supervise=True,
+              restart_policy=RestartPolicy(base_delay_s=0.2, probe_period_s=0.5))) as mesh:
         def kill():
             os.kill(mesh.processes["batcher"].popen.pid, signal.SIGKILL)
             wait_until(lambda: mesh.status()["batcher"]["restarts"] == 1 and mesh.status()["batcher"]["ready"],

@@ -11,15 +11,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from tests.conftest import metric, wait_until
 from tests.oip import output_array, text_request
 
 
 @pytest.fixture
 def uncached_mesh(model_repository, tmp_path):
-    with Mesh(models=model_repository, cache=False, log_dir=tmp_path,
-              batcher_args=("--replica-poll-s", "0.2"), router_args=("--catalog-poll-s", "0.2")) as mesh:
+    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path,
+              batcher_args=("--replica-poll-s", "0.2"), router_args=("--catalog-poll-s", "0.2"))) as mesh:
         yield mesh
 
 
@@ -88,8 +88,8 @@ def test_a_batcher_too_busy_to_answer_a_catalog_poll_keeps_its_models_offered(un
 
 @pytest.fixture
 def tiny_queues(model_repository, tmp_path):
-    with Mesh(models=model_repository, cache=False, log_dir=tmp_path,
-              batcher_args=("--max-batch-size", "1", "--standard-max-queue-size", "2", "--vip-max-queue-size", "50")) as mesh:
+    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path,
+              batcher_args=("--max-batch-size", "1", "--standard-max-queue-size", "2", "--vip-max-queue-size", "50"))) as mesh:
         yield mesh
 
 

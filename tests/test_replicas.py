@@ -29,7 +29,7 @@ from services.batcher.upstream import transport_failure as _transport_failure
 from services.common import errors, traffic
 from services.common.tensors import from_numpy
 from services.common.tier import Tier
-from services.launcher.mesh import MODEL_SERVER_NICE, Mesh, Process
+from services.launcher.mesh import MODEL_SERVER_NICE, Mesh, MeshConfig, Process
 from services.model_server.config import ModelServerConfig
 from services.model_server.core import ManagerConfig, ModelManager
 from services.model_server.server import ModelServerServicer, build_server
@@ -43,8 +43,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def two_replicas(model_repository, tmp_path):
-    with Mesh(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2, model_server_nice=(0, 3),
-              batcher_args=("--replica-poll-s", "0.2", "--max-batch-size", "4")) as mesh:
+    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2, model_server_nice=(0, 3),
+              batcher_args=("--replica-poll-s", "0.2", "--max-batch-size", "4"))) as mesh:
         yield mesh
 
 

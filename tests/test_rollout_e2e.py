@@ -16,7 +16,7 @@ import pytest
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from services.meshctl import core
 from tests.conftest import metric, until
 from tests.faulty import faulty_repository
@@ -37,10 +37,10 @@ def blue_green(request, model_repository, tmp_path):
     shutil.copy(POLICY, policy)
     if getattr(request, "param", "") == "faulty":
         model_repository = faulty_repository(model_repository, tmp_path / "models")
-    with Mesh(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2,
+    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2,
               model_server_labels=("version=blue,pool=vip", "version=green"),
               batcher_args=("--replica-poll-s", "0.2", "--traffic-policy", str(policy)),
-              router_args=("--catalog-poll-s", "0.2")) as mesh:
+              router_args=("--catalog-poll-s", "0.2"))) as mesh:
         yield mesh, policy
 
 

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from tests.oip import output_array, tensor_request
 from tools import pathological
 
@@ -52,7 +52,7 @@ class Pinger:
 async def test_health_checks_are_answered_while_pathological_requests_are_refused(model_repository, tmp_path):
     attacks = pathological.all_attacks()
     options = [("grpc.max_send_message_length", 64 << 20)]
-    with Mesh(models=model_repository, log_dir=tmp_path, cache=False) as mesh:
+    with Mesh(MeshConfig(models=model_repository, log_dir=tmp_path, cache=False)) as mesh:
         async with grpc.aio.insecure_channel(mesh.router, options=options) as flood, \
                 grpc.aio.insecure_channel(mesh.router) as probes:
             infer = flood.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,

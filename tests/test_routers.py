@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from tests.conftest import ROOT, metric
 from tests.oip import output_array, tensor_request
 from tests.test_launcher import free_port
@@ -33,7 +33,7 @@ def ask_on_new_connections(address: str, count: int) -> None:
 
 def test_two_routers_share_one_port_and_both_serve(model_repository, tmp_path):
     port = free_port()
-    with Mesh(models=model_repository, log_dir=tmp_path, cache=False, router_port=port, routers=2) as mesh:
+    with Mesh(MeshConfig(models=model_repository, log_dir=tmp_path, cache=False, router_port=port, routers=2)) as mesh:
         assert mesh.router == f"127.0.0.1:{port}"
         assert mesh.address("router-2") == f"127.0.0.1:{port}"
         ask_on_new_connections(mesh.router, 24)
@@ -49,7 +49,7 @@ def test_two_routers_share_one_port_and_both_serve(model_repository, tmp_path):
 def test_a_router_without_reuse_port_cannot_take_a_port_in_use(model_repository, tmp_path):
     """Sharing is asked for, never fallen into: a second router started on a
     router's port without --reuse-port fails instead of splitting its callers."""
-    with Mesh(models=model_repository, log_dir=tmp_path, cache=False) as mesh:
+    with Mesh(MeshConfig(models=model_repository, log_dir=tmp_path, cache=False)) as mesh:
         second = subprocess.run(
             [sys.executable, "-m", "services.router", "--batcher", mesh.address("batcher"), "--port",
              mesh.router.rsplit(":", 1)[1], "--metrics-port", "0"],

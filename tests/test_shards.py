@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from services.model_server.shards import ShardedSession, ShardError, _sum_graph, read_manifest
 from tests.oip import output_array, text_request
 from tests.test_model_repository import model_server
@@ -202,7 +202,7 @@ async def test_the_model_server_runs_a_sharded_version_and_withdraws_it_when_a_s
 @pytest.mark.e2e
 async def test_router_and_batcher_see_one_model_served_by_four_shards(tmp_path, model_repository, reference_embeddings):
     repo = _minilm_repo(tmp_path, model_repository, tp_degree=4)
-    with Mesh(models=repo, cache=False, log_dir=tmp_path) as mesh:
+    with Mesh(MeshConfig(models=repo, cache=False, log_dir=tmp_path)) as mesh:
         async with grpc.aio.insecure_channel(mesh.router) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             responses = await asyncio.gather(*(stub.ModelInfer(text_request([t]), timeout=60) for t in TEXTS))

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from services.launcher.supervisor import RestartPolicy, exit_reason
 from tests.conftest import ROOT, wait_until
 from tests.oip import output_array, text_request
@@ -43,9 +43,7 @@ def test_an_exit_is_told_by_its_signal_or_code():
 @pytest.fixture
 def supervised(model_repository, tmp_path):
     events: list[str] = []
-    with Mesh(models=model_repository, log_dir=tmp_path, l2_path=tmp_path / "l2", supervise=True,
-              restart_policy=QUICK, on_event=events.append,
-              batcher_args=("--replica-poll-s", "0.2"), router_args=("--catalog-poll-s", "0.2")) as mesh:
+    with Mesh(MeshConfig(models=model_repository, log_dir=tmp_path, l2_path=tmp_path / "l2", supervise=True, restart_policy=QUICK, batcher_args=("--replica-poll-s", "0.2"), router_args=("--catalog-poll-s", "0.2")), on_event=events.append) as mesh:
         yield mesh, events
 
 

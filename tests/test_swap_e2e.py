@@ -15,7 +15,7 @@ import pytest
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from tests.conftest import MODELS, until
 from tests.oip import output_array, tensor_request, text_request
 from tests.test_model_repository import ROWS, _add_version, _config, _mlp_outputs, _write_golden
@@ -31,8 +31,8 @@ async def test_a_swap_under_load_through_the_mesh_fails_no_request(tmp_path, mod
     _add_version(repo / "mlp", 2)
     _write_golden(repo / "mlp", _mlp_outputs(MODELS / "mlp" / "1" / "model.onnx", ROWS))
     model = ort.InferenceSession(str(MODELS / "mlp" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
-    with Mesh(models=repo, cache=False, log_dir=tmp_path,
-              batcher_args=("--replica-poll-s", "0.2"), router_args=("--catalog-poll-s", "0.2")) as mesh:
+    with Mesh(MeshConfig(models=repo, cache=False, log_dir=tmp_path,
+              batcher_args=("--replica-poll-s", "0.2"), router_args=("--catalog-poll-s", "0.2"))) as mesh:
         async with grpc.aio.insecure_channel(mesh.router) as router, \
                 grpc.aio.insecure_channel(mesh.processes["model_server"].info["grpc"]) as model_server:
             stub = pb_grpc.GRPCInferenceServiceStub(router)
@@ -89,9 +89,9 @@ def test_a_config_only_reload_that_changes_the_answers_is_not_answered_from_the_
             request.parameters["cache_bypass"].bool_param = True
         return output_array(stub.ModelInfer(request, timeout=30), "EMBEDDING")[0]
 
-    with Mesh(models=repo, log_dir=tmp_path / "logs", l2_path=tmp_path / "l2",
+    with Mesh(MeshConfig(models=repo, log_dir=tmp_path / "logs", l2_path=tmp_path / "l2",
               batcher_args=("--replica-poll-s", "0.2"),
-              router_args=("--catalog-poll-s", "0.2", "--near-cache-ttl-s", "0", "--cache-min-hit-rate", "0")) as mesh:
+              router_args=("--catalog-poll-s", "0.2", "--near-cache-ttl-s", "0", "--cache-min-hit-rate", "0"))) as mesh:
         with grpc.insecure_channel(mesh.router) as router, \
                 grpc.insecure_channel(mesh.processes["model_server"].info["grpc"]) as model_server:
             stub = pb_grpc.GRPCInferenceServiceStub(router)

@@ -184,12 +184,12 @@ async def test_a_vip_claim_without_a_vip_identity_is_refused(mesh):
 @pytest.mark.e2e
 async def test_a_rate_limited_tenant_is_refused_with_a_hint_and_the_registry_reloads(model_repository, tmp_path,
                                                                                      capsys):
-    from services.launcher.mesh import Mesh
+    from services.launcher.mesh import Mesh, MeshConfig
 
     path = tmp_path / "tenants.yaml"
     identity.write_registry(path, {"tenants": {
         "slow": {"keys": [identity.hash_key("imk_slow")], "rate_per_s": 1, "burst": 2}}})
-    with Mesh(models=model_repository, cache=False, log_dir=tmp_path / "logs", tenants_file=path) as mesh:
+    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path / "logs", tenants_file=path)) as mesh:
         async with grpc.aio.insecure_channel(mesh.router) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             slow = identity.bearer_metadata("imk_slow")

@@ -121,11 +121,11 @@ def test_config_checks_name_the_tls_fields(cert_dirs):
 @pytest.fixture(scope="module")
 def tls_mesh(model_repository, cert_dirs, tmp_path_factory):
     """A whole mesh on mutual TLS: every service asks every caller for a certificate of our CA."""
-    from services.launcher.mesh import Mesh
+    from services.launcher.mesh import Mesh, MeshConfig
 
     ours, _ = cert_dirs
-    with Mesh(models=model_repository, log_dir=tmp_path_factory.mktemp("tls-mesh-logs"), tls_dir=ours,
-              router_args=("--near-cache-ttl-s", "0")) as running:
+    with Mesh(MeshConfig(models=model_repository, log_dir=tmp_path_factory.mktemp("tls-mesh-logs"), tls_dir=ours,
+              router_args=("--near-cache-ttl-s", "0"))) as running:
         yield running
         assert not running.dead(), f"services died during the tests: {running.dead()}"
 
@@ -213,10 +213,10 @@ def test_a_client_refuses_a_server_of_another_ca(tls_mesh, cert_dirs):
 
 @pytest.mark.unit
 def test_the_router_binds_the_public_host_and_the_others_the_internal_one(tmp_path):
-    from services.launcher.mesh import Mesh
+    from services.launcher.mesh import Mesh, MeshConfig
 
     (tmp_path / "ca.pem").write_text("")  # the folder's files are the services' to read
-    mesh = Mesh(host="0.0.0.0", internal_host="127.0.0.1", tls_dir=tmp_path)
+    mesh = Mesh(MeshConfig(host="0.0.0.0", internal_host="127.0.0.1", tls_dir=tmp_path))
 
     def flag(argv, name):
         return argv[argv.index(name) + 1]
@@ -228,7 +228,7 @@ def test_the_router_binds_the_public_host_and_the_others_the_internal_one(tmp_pa
     assert flag(model_server, "--tls-cert-file") == str(tmp_path / "model-server.pem")
     assert all("--tls-require-client-cert" in argv for argv in (router, batcher, cache, model_server))
     assert "--upstream-tls" in router and "--upstream-tls" in batcher and "--upstream-tls" not in cache
-    plain = Mesh(tls_dir=None).argv("services.batcher", [])
+    plain = Mesh(MeshConfig(tls_dir=None)).argv("services.batcher", [])
     assert not any(arg.startswith("--tls") or arg == "--upstream-tls" for arg in plain)
 
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, MeshConfig
 from tests.conftest import metric, until
 from tests.oip import text_request
 
@@ -34,9 +34,9 @@ def set_weights(path: pathlib.Path, blue: int, green: int) -> None:
 def blue_green(model_repository, tmp_path):
     policy = tmp_path / "traffic.yaml"
     set_weights(policy, 75, 25)
-    with Mesh(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2,
+    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2,
               model_server_labels=("version=blue,pool=vip", "version=green"),
-              batcher_args=("--replica-poll-s", "0.2", "--max-batch-size", "1", "--traffic-policy", str(policy))) as mesh:
+              batcher_args=("--replica-poll-s", "0.2", "--max-batch-size", "1", "--traffic-policy", str(policy)))) as mesh:
         yield mesh, policy
 
 
@@ -95,9 +95,9 @@ async def test_batches_split_by_weight_and_follow_an_edited_file(blue_green):
 async def test_vip_batches_run_on_the_vip_pool_and_standard_ones_never_do(model_repository, tmp_path):
     policy = tmp_path / "traffic.yaml"
     set_weights(policy, 100, 0)
-    with Mesh(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2,
+    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2,
               model_server_labels=("version=blue", "pool=vip"),
-              batcher_args=("--replica-poll-s", "0.2", "--traffic-policy", str(policy))) as mesh:
+              batcher_args=("--replica-poll-s", "0.2", "--traffic-policy", str(policy)))) as mesh:
         async with grpc.aio.insecure_channel(mesh.router) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             for tier, count in (("vip", 40), ("standard", 60)):

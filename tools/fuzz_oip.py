@@ -471,10 +471,10 @@ def running_router():
     import pathlib
     import tempfile
 
-    from services.launcher.mesh import ROOT, Mesh
+    from services.launcher.mesh import ROOT, Mesh, MeshConfig
 
     with tempfile.TemporaryDirectory() as logs, \
-            Mesh(models=ROOT / "build" / "models", log_dir=pathlib.Path(logs), cache=False) as mesh:
+            Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=pathlib.Path(logs), cache=False)) as mesh:
         yield mesh.router, mesh.processes["router"].popen.pid
 
 

@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 
-from services.launcher.mesh import Mesh, MeshError
+from services.launcher.mesh import Mesh, MeshConfig, MeshError
 from services.meshctl import tenants
 
 
@@ -64,14 +64,7 @@ def main() -> int:
     if not args.tenants_file.exists():
         tenants.parse_and_run(["--registry", str(args.tenants_file), "init"])
     try:
-        mesh = Mesh(models=args.models, tenants_file=args.tenants_file, host=args.host,
-                    internal_host=args.internal_host, tls_dir=args.tls_dir or None,
-                    router_port=args.port, metrics_port=args.metrics_port,
-                    redis_url=args.redis_url, l2_path=args.l2_path, log_dir=args.log_dir,
-                    model_server_labels=(args.model_server_labels,) if args.model_server_labels else (),
-                    batcher_args=("--traffic-policy", args.traffic_policy) if args.traffic_policy else (),
-                    routers=args.routers, supervise=True,
-                    on_event=lambda message: print(f"infermesh: {message}", file=sys.stderr, flush=True))
+        mesh = Mesh(MeshConfig(models=args.models, tenants_file=args.tenants_file, host=args.host, internal_host=args.internal_host, tls_dir=args.tls_dir or None, router_port=args.port, metrics_port=args.metrics_port, redis_url=args.redis_url, l2_path=args.l2_path, log_dir=args.log_dir, model_server_labels=(args.model_server_labels,) if args.model_server_labels else (), batcher_args=("--traffic-policy", args.traffic_policy) if args.traffic_policy else (), routers=args.routers, supervise=True), on_event=lambda message: print(f"infermesh: {message}", file=sys.stderr, flush=True))
     except MeshError as exc:
         print(f"infermesh cannot start: {exc}", file=sys.stderr)
         return 1

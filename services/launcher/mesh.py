@@ -25,17 +25,12 @@ import redis
 
 from services.common import identity, tls
 from services.common.serving import DIE_WITH_PARENT
-from services.launcher.supervisor import RestartPolicy, Supervisor
+from services.launcher.config import MODEL_SERVER_NICE, MeshConfig
+from services.launcher.supervisor import Supervisor
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-
-
-# Local model servers run below the router and the batcher: the model is the heavy, batched
-# part and takes whatever CPU is left, while the hops in front of it are light and decide
-# latency, a refusal's most of all (bench/batching.py runs its layouts at this niceness).
-MODEL_SERVER_NICE = 5
 
 
 def _lower_priority(pid: int, nice: int) -> None:
@@ -152,83 +147,28 @@ class Mesh:
 
     def __init__(
         self,
-        models: str | os.PathLike = "build/models",
-        host: str = "127.0.0.1",
-        router_port: int = 0,
-        metrics_port: int = 0,
-        redis_url: str | None = None,
-        cache: bool = True,
-        l2_path: str | os.PathLike | None = None,
-        log_dir: str | os.PathLike | None = None,
-        batcher_args: tuple[str, ...] = (),
-        router_args: tuple[str, ...] = (),
-        model_server_args: tuple[str, ...] = (),
-        cache_args: tuple[str, ...] = (),
-        model_servers: int = 1,
-        model_server_labels: tuple[str, ...] = (),
-        model_server_nice: int | tuple[int, ...] = MODEL_SERVER_NICE,
-        ready_timeout_s: float = 120.0,
-        routers: int = 1,
-        batchers: int = 1,
-        tenants_file: str | os.PathLike | None = None,
-        internal_host: str = "127.0.0.1",
-        tls_dir: str | os.PathLike | None = None,
-        supervise: bool = False,
+        config: MeshConfig | None = None,
+        *,
         model_server_via: Callable[[str], str] | None = None,
-        restart_policy: RestartPolicy = RestartPolicy(),
         on_event: Callable[[str], None] | None = None,
     ):
-        self.models = str(models)
-        self.host = host  # the router's, public
-        self.internal_host = internal_host  # every other service's
-        # A folder of tools.certs' files: each service serves its own certificate,
-        # asks every caller for one of the folder's CA, and calls the others with its own.
-        self.tls_dir = pathlib.Path(tls_dir) if tls_dir else None
+        """`model_server_via`: given a model server's address, the one the batchers call
+        it at instead (bench/chaos.py's fault-injecting proxy); `on_event`: told of each
+        exit and restart when supervised (make run prints them)."""
+        self.config = config = config if config is not None else MeshConfig()
+        self.models = str(config.models)
+        self.tls_dir = pathlib.Path(config.tls_dir) if config.tls_dir else None
         if self.tls_dir is not None and not (self.tls_dir / "ca.pem").is_file():
             raise MeshError(f"{self.tls_dir} has no ca.pem: run 'make certs' (python -m tools.certs --out {self.tls_dir})")
-        self.router_port = router_port
-        self.metrics_port = metrics_port
-        self.redis_url = redis_url
-        self.use_cache = cache
-        self.l2_path = str(l2_path) if l2_path else None
-        self.log_dir = pathlib.Path(log_dir) if log_dir else None
+        self.redis_url = config.redis_url  # our own redis-server's, once started
+        self.log_dir = pathlib.Path(config.log_dir) if config.log_dir else None
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.batcher_args = batcher_args
-        self.router_args = router_args
-        self.model_server_args = model_server_args
-        self.cache_args = cache_args
-        self.model_server_count = model_servers
-        # One --labels value per replica (e.g. "version=blue"), as pods of two colours would carry.
-        self.model_server_labels = model_server_labels
-        # A niceness for the model servers (one for all, or one per replica): on
-        # one machine the model takes every core it can get, and a lower CPU
-        # priority leaves the router and the batcher a core at once when they
-        # need one, and a standard pool's leaves cores to the VIP pool
-        # (bench/batching.py measures both).
-        self.model_server_nice = model_server_nice
-        self.ready_timeout_s = ready_timeout_s
-        if routers < 1:
-            raise ValueError(f"routers must be >= 1, got {routers}")
-        # Router processes sharing the public port (SO_REUSEPORT): "router", then "router-2", ...
-        self.router_count = routers
-        if batchers < 1:
-            raise ValueError(f"batchers must be >= 1, got {batchers}")
-        # Batcher processes: "batcher", then "batcher-2", ...; the routers reach them all
-        # through one channel, each new stream to the next ready one (round robin).
-        self.batcher_count = batchers
-        # The services' tenant registry (the router's tenants, the control RPCs' admins);
-        # without one, a development registry of its own (a VIP, a standard and an admin
-        # tenant) whose keys are in `keys`.
-        self.tenants_file = str(tenants_file) if tenants_file else None
-        self.keys: dict[str, str] = {}
+        self.tenants_file = str(config.tenants_file) if config.tenants_file else None
+        self.keys: dict[str, str] = {}  # the development registry's, when the mesh made one
         self.processes: dict[str, Process] = {}
         self.lock = threading.RLock()  # `processes` and each one's restarts, shared with the supervisor
-        # Supervised, a service that exits or stops answering is restarted (supervisor.py);
-        # `on_event` is told of each exit and restart (make run prints them).
-        self.supervisor = Supervisor(self, restart_policy, on_event) if supervise else None
-        # Given a model server's address, the one the batchers call it at instead (a
-        # fault-injecting proxy of bench/chaos.py in front of it).
+        self.supervisor = Supervisor(self, config.restart_policy, on_event) if config.supervise else None
         self.model_server_via = model_server_via
         self.redis_dir: str | None = None
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -236,28 +176,28 @@ class Mesh:
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> "Mesh":
         try:
-            if self.use_cache and self.redis_url is None:
+            if self.config.cache and self.redis_url is None:
                 self.start_redis()
             servers = [
-                self._spawn(f"model_server-{i}" if self.model_server_count > 1 else "model_server", "services.model_server",
+                self._spawn(f"model_server-{i}" if self.config.model_servers > 1 else "model_server", "services.model_server",
                             ["--model-repository", self.models, "--tenants-file", self._tenants(), *self._core_share(),
-                             *self.model_server_args,
-                             *(["--labels", self.model_server_labels[i]] if i < len(self.model_server_labels) else [])],
+                             *self.config.model_server_args,
+                             *(["--labels", self.config.model_server_labels[i]] if i < len(self.config.model_server_labels) else [])],
                             nice=self._model_server_nice(i))
-                for i in range(self.model_server_count)
+                for i in range(self.config.model_servers)
             ]
-            addresses = ",".join(p.wait_ready(self.ready_timeout_s)["grpc"] for p in servers)
+            addresses = ",".join(p.wait_ready(self.config.ready_timeout_s)["grpc"] for p in servers)
             if self.model_server_via is not None:
                 addresses = ",".join(self.model_server_via(a) for a in addresses.split(","))
-            batchers = [self._spawn(name, "services.batcher", ["--model-servers", addresses, *self.batcher_args])
+            batchers = [self._spawn(name, "services.batcher", ["--model-servers", addresses, *self.config.batcher_args])
                         for name in self.batcher_names()]
             cache = None
-            if self.use_cache:
+            if self.config.cache:
                 cache = self.start_cache()
-            batcher_addresses = ",".join(b.wait_ready(self.ready_timeout_s)["grpc"] for b in batchers)
+            batcher_addresses = ",".join(b.wait_ready(self.config.ready_timeout_s)["grpc"] for b in batchers)
             router_argv = ["--batcher", batcher_addresses, "--tenants-file", self._tenants()]  # one registry for all
             if cache is not None:
-                router_argv += ["--cache", cache.wait_ready(self.ready_timeout_s)["grpc"]]
+                router_argv += ["--cache", cache.wait_ready(self.config.ready_timeout_s)["grpc"]]
             self.start_routers(router_argv)
             if self.supervisor is not None:
                 self.supervisor.start()
@@ -283,37 +223,37 @@ class Mesh:
         others the same port: with more than one, each takes SO_REUSEPORT and
         the kernel spreads callers' connections among them. Each has its own
         metrics port (the given one plus its index, or a free one)."""
-        port = self.router_port
-        for index in range(self.router_count):
+        port = self.config.router_port
+        for index in range(self.config.routers):
             name = self.router_names()[index]
-            metrics_port = self.metrics_port + index if self.metrics_port else 0
+            metrics_port = self.config.metrics_port + index if self.config.metrics_port else 0
             argv = [*common, "--port", str(port), "--metrics-port", str(metrics_port)]
-            if self.router_count > 1:
+            if self.config.routers > 1:
                 argv.append("--reuse-port")
             if self.log_dir is not None:  # requests that failed while a breaker counted, for analysis
                 argv += ["--failure-samples-path", str(self.log_dir / f"failure-samples-{name}.jsonl"
                                                        if index else self.log_dir / "failure-samples.jsonl")]
-            info = self._spawn(name, "services.router", [*argv, *self.router_args]).wait_ready(self.ready_timeout_s)
+            info = self._spawn(name, "services.router", [*argv, *self.config.router_args]).wait_ready(self.config.ready_timeout_s)
             port = int(info["grpc"].rsplit(":", 1)[1])
 
     def router_names(self) -> list[str]:
-        return ["router", *(f"router-{i}" for i in range(2, self.router_count + 1))]
+        return ["router", *(f"router-{i}" for i in range(2, self.config.routers + 1))]
 
     def batcher_names(self) -> list[str]:
-        return ["batcher", *(f"batcher-{i}" for i in range(2, self.batcher_count + 1))]
+        return ["batcher", *(f"batcher-{i}" for i in range(2, self.config.batchers + 1))]
 
     def _core_share(self) -> list[str]:
         """Several model servers on one machine split its cores, as pods do a
         node's by their CPU requests: each taking them all, their ONNX Runtime
         threads would outnumber the cores (a thread of a parallel operator
         then waits for one that lost its core). Unless the caller chose."""
-        if self.model_server_count == 1 or any(a.startswith("--intra-op-threads") for a in self.model_server_args):
+        if self.config.model_servers == 1 or any(a.startswith("--intra-op-threads") for a in self.config.model_server_args):
             return []
         cores = len(os.sched_getaffinity(0))
-        return ["--intra-op-threads", str(max(1, cores // self.model_server_count))]
+        return ["--intra-op-threads", str(max(1, cores // self.config.model_servers))]
 
     def _model_server_nice(self, index: int) -> int:
-        nice = self.model_server_nice
+        nice = self.config.model_server_nice
         if isinstance(nice, tuple):
             return nice[index] if index < len(nice) else MODEL_SERVER_NICE
         return nice
@@ -322,7 +262,7 @@ class Mesh:
         """The command line of one of our services: the router binds the public
         host, the others the internal one; with a TLS folder, its certificates."""
         public = module == "services.router"
-        argv = [sys.executable, "-m", module, "--host", self.host if public else self.internal_host,
+        argv = [sys.executable, "-m", module, "--host", self.config.host if public else self.config.internal_host,
                 *self._tls_args(module), *args]
         if not public:
             argv += ["--metrics-port", "0"]
@@ -373,9 +313,9 @@ class Mesh:
 
     def start_cache(self) -> Process:
         """Spawns the cache service (also to restart it); the caller waits for it."""
-        argv = ["--redis-url", self.redis_url, "--tenants-file", self._tenants(), *self.cache_args]
-        if self.l2_path:
-            argv += ["--l2-path", self.l2_path]
+        argv = ["--redis-url", self.redis_url, "--tenants-file", self._tenants(), *self.config.cache_args]
+        if self.config.l2_path:
+            argv += ["--l2-path", str(self.config.l2_path)]
         return self._spawn("cache", "services.cache", argv)
 
     def stop_service(self, name: str) -> None:
