@@ -63,8 +63,9 @@ def start(root, echo: bool = False, forward: str | None = None) -> tuple[subproc
     options = ["--echo"] if echo else []
     if forward is not None:
         options = ["--forward", forward]
-    process = subprocess.Popen([sys.executable, "-m", "bench.bare", *options], cwd=root,
-                               stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.bare", *options], cwd=root, stdout=subprocess.PIPE, text=True
+    )
     return process, f"127.0.0.1:{int(process.stdout.readline())}"
 
 

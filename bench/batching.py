@@ -48,8 +48,21 @@ import sys
 import tempfile
 import time
 
-from bench.report import (bucket_quantile, chosen_seed, cpu_times, machine, phase_order, progress, pyplot, save_figure,
-                          seed_argument, span, spread, steal_share, write)
+from bench.report import (
+    bucket_quantile,
+    chosen_seed,
+    cpu_times,
+    machine,
+    phase_order,
+    progress,
+    pyplot,
+    save_figure,
+    seed_argument,
+    span,
+    spread,
+    steal_share,
+    write,
+)
 from bench.workload import InProcessMinilm, ghz_texts, ghz_unique_template, minilm_instances_repository, run_ghz
 from services.common.metrics import scrape
 from services.launcher.mesh import Mesh, MeshConfig
@@ -76,9 +89,16 @@ LAYOUTS = {  # overload layouts: report key -> column title
 }
 
 
-
-def ghz(router: str, tag: str, total: int, concurrency: int, rps: float = 0, key: str | None = None,
-        timeout_s: float = 20, seconds: float | None = None) -> dict:
+def ghz(
+    router: str,
+    tag: str,
+    total: int,
+    concurrency: int,
+    rps: float = 0,
+    key: str | None = None,
+    timeout_s: float = 20,
+    seconds: float | None = None,
+) -> dict:
     """`total` calls (or, closed loop, `seconds` of them) with a text distinct on
     every call, as the tenant whose bearer `key` is given (VIP traffic: the mesh's
     development VIP tenant)."""
@@ -89,15 +109,25 @@ def ghz(router: str, tag: str, total: int, concurrency: int, rps: float = 0, key
     def pct(values, p):
         return values[min(len(values) - 1, int(p * len(values)))] if values else float("nan")
 
-    return {"rps": report["rps"], "ok": len(ok), "ok_rps": len(ok) / (report["total"] / 1e9), "count": report["count"],
-            "statuses": report["statusCodeDistribution"], "p50_ms": pct(ok, 0.5), "p99_ms": pct(ok, 0.99),
-            "rejected": len(rejected), "rejected_p50_ms": pct(rejected, 0.5), "rejected_p99_ms": pct(rejected, 0.99),
-            "rejected_late": sum(1 for ms in rejected if ms > LATE_REFUSAL_MS),
-            "rejected_within_goal": sum(1 for ms in rejected if ms < REFUSAL_GOAL_MS)}
+    return {
+        "rps": report["rps"],
+        "ok": len(ok),
+        "ok_rps": len(ok) / (report["total"] / 1e9),
+        "count": report["count"],
+        "statuses": report["statusCodeDistribution"],
+        "p50_ms": pct(ok, 0.5),
+        "p99_ms": pct(ok, 0.99),
+        "rejected": len(rejected),
+        "rejected_p50_ms": pct(rejected, 0.5),
+        "rejected_p99_ms": pct(rejected, 0.99),
+        "rejected_late": sum(1 for ms in rejected if ms > LATE_REFUSAL_MS),
+        "rejected_within_goal": sum(1 for ms in rejected if ms < REFUSAL_GOAL_MS),
+    }
 
 
-def in_process(seconds: float, seed: int, sizes: tuple[int, ...] = (1, 8, 16, 32, 64),
-               threads: int | None = None) -> dict[int, float]:
+def in_process(
+    seconds: float, seed: int, sizes: tuple[int, ...] = (1, 8, 16, 32, 64), threads: int | None = None
+) -> dict[int, float]:
     """Sentences per second of minilm on ONNX Runtime itself, by batch size
     (threads: its intra-op threads, one per core unless given)."""
     model = InProcessMinilm(MODEL, threads)
@@ -107,7 +137,7 @@ def in_process(seconds: float, seed: int, sizes: tuple[int, ...] = (1, 8, 16, 32
         done, started = 0, time.perf_counter()
         while time.perf_counter() - started < seconds:
             start = done % (len(pool) - batch)
-            model.embed(pool[start:start + batch])
+            model.embed(pool[start : start + batch])
             done += batch
         rates[batch] = done / (time.perf_counter() - started)
     return rates
@@ -125,15 +155,37 @@ def main() -> int:
     policy = work / "traffic.yaml"
     shutil.copy(ROOT / "mesh" / "istio" / "model-server-traffic.yaml", policy)
     one_instance = minilm_instances_repository(work, 1)  # minilm with one session, every core
-    with Mesh(MeshConfig(models=ROOT / "build" / "models", cache=False, log_dir=work / "on")) as on, \
-            Mesh(MeshConfig(models=ROOT / "build" / "models", cache=False, log_dir=work / "off",
-                 batcher_args=("--max-batch-size", "1"))) as off, \
-            Mesh(MeshConfig(models=one_instance, cache=False, log_dir=work / "one")) as one, \
-            Mesh(MeshConfig(models=one_instance, cache=False, log_dir=work / "sliced",
-                 model_server_args=("--slice-ms", str(SLICE_MS)))) as sliced, \
-            Mesh(MeshConfig(models=one_instance, cache=False, log_dir=work / "pools", model_servers=2,
-                 model_server_labels=("version=blue", "pool=vip"), model_server_nice=(10, 0),
-                 batcher_args=("--traffic-policy", str(policy)))) as pools:
+    with (
+        Mesh(MeshConfig(models=ROOT / "build" / "models", cache=False, log_dir=work / "on")) as on,
+        Mesh(
+            MeshConfig(
+                models=ROOT / "build" / "models",
+                cache=False,
+                log_dir=work / "off",
+                batcher_args=("--max-batch-size", "1"),
+            )
+        ) as off,
+        Mesh(MeshConfig(models=one_instance, cache=False, log_dir=work / "one")) as one,
+        Mesh(
+            MeshConfig(
+                models=one_instance,
+                cache=False,
+                log_dir=work / "sliced",
+                model_server_args=("--slice-ms", str(SLICE_MS)),
+            )
+        ) as sliced,
+        Mesh(
+            MeshConfig(
+                models=one_instance,
+                cache=False,
+                log_dir=work / "pools",
+                model_servers=2,
+                model_server_labels=("version=blue", "pool=vip"),
+                model_server_nice=(10, 0),
+                batcher_args=("--traffic-policy", str(policy)),
+            )
+        ) as pools,
+    ):
         progress("meshes up (defaults, batching off, one instance, sliced, VIP pool); warming up")
         for mesh in (on, off, one, sliced, pools):
             ghz(mesh.router, "warm", 200, 16)
@@ -158,10 +210,13 @@ def main() -> int:
                 "ort": lambda: r.__setitem__("ort", in_process(seconds / 3, seed=run)),
                 "on": lambda: (lull(), r.__setitem__("on", standard_only(on, f"on{run}", seconds))),
                 "off": lambda: r.__setitem__("off", ghz(off.router, f"off{run}", 0, 64, seconds=seconds)),
-                "one_instance": lambda: r.__setitem__("one_instance", ghz(one.router, f"one{run}", 0, 64,
-                                                                          seconds=seconds)),
+                "one_instance": lambda: r.__setitem__(
+                    "one_instance", ghz(one.router, f"one{run}", 0, 64, seconds=seconds)
+                ),
                 "trickle_defaults": trickle_defaults,
-                "trickle_one_instance": lambda: r.__setitem__("trickle_one_instance", trickle(one, f"one{run}", seconds)),
+                "trickle_one_instance": lambda: r.__setitem__(
+                    "trickle_one_instance", trickle(one, f"one{run}", seconds)
+                ),
             }
             order = phase_order(list(independent), run, seed)
             for name in order:
@@ -180,20 +235,24 @@ def main() -> int:
             runs.append(r)
             ort_gain = max(r["ort"].values()) / r["ort"][1]
             mesh_gain = r["on"]["rps"] / r["off"]["rps"]
-            progress(f"run {run + 1}/{args.runs} ({', '.join(orders[-1])}): ORT x{ort_gain:.2f}, mesh x{mesh_gain:.2f}, "
-                     f"mesh batched {r['on']['rps'] / max(r['ort'].values()):.2f} of ORT's best; "
-                     f"defaults {r['on']['rps']:.0f} req/s "
-                     f"({r['on']['lent_batches']:.0f} batches on loan), one instance {r['one_instance']['rps']:.0f}; "
-                     f"VIP trickling in: defaults {r['trickle_defaults']['standard']['rps']:.0f} req/s, VIP p99 "
-                     f"{r['trickle_defaults']['vip']['p99_ms']:.0f} ms; one instance "
-                     f"{r['trickle_one_instance']['standard']['rps']:.0f} req/s, VIP p99 "
-                     f"{r['trickle_one_instance']['vip']['p99_ms']:.0f} ms")
+            progress(
+                f"run {run + 1}/{args.runs} ({', '.join(orders[-1])}): ORT x{ort_gain:.2f}, mesh x{mesh_gain:.2f}, "
+                f"mesh batched {r['on']['rps'] / max(r['ort'].values()):.2f} of ORT's best; "
+                f"defaults {r['on']['rps']:.0f} req/s "
+                f"({r['on']['lent_batches']:.0f} batches on loan), one instance {r['one_instance']['rps']:.0f}; "
+                f"VIP trickling in: defaults {r['trickle_defaults']['standard']['rps']:.0f} req/s, VIP p99 "
+                f"{r['trickle_defaults']['vip']['p99_ms']:.0f} ms; one instance "
+                f"{r['trickle_one_instance']['standard']['rps']:.0f} req/s, VIP p99 "
+                f"{r['trickle_one_instance']['vip']['p99_ms']:.0f} ms"
+            )
             for layout in LAYOUTS:
                 o = r[layout]
-                progress(f"  {layout}: VIP p99 {o['vip_alone']['p99_ms']:.0f} -> {o['vip_loaded']['p99_ms']:.0f} ms, "
-                         f"VIP rejected {o['vip_loaded']['count'] - o['vip_loaded']['ok']}; standard "
-                         f"{o['standard']['statuses']}, rejections p99 {o['standard']['rejected_p99_ms']:.1f} ms "
-                         f"(light caller {o['light']['rejected_p99_ms']:.1f} ms)")
+                progress(
+                    f"  {layout}: VIP p99 {o['vip_alone']['p99_ms']:.0f} -> {o['vip_loaded']['p99_ms']:.0f} ms, "
+                    f"VIP rejected {o['vip_loaded']['count'] - o['vip_loaded']['ok']}; standard "
+                    f"{o['standard']['statuses']}, rejections p99 {o['standard']['rejected_p99_ms']:.1f} ms "
+                    f"(light caller {o['light']['rejected_p99_ms']:.1f} ms)"
+                )
     report = summarise(runs)
     report.update(seed=seed, orders=orders)
     write(args.out, "batching", report, markdown(report), plot)
@@ -228,10 +287,18 @@ def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
     before, machine_before, counters_before = scrape(mesh.router_metrics), cpu_times(), service_counters(mesh)
     heavy_rps = max(2 * saturation - LIGHT_CALLER_RPS, 1.0)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        standard = pool.submit(ghz, mesh.router, f"st{tag}", int(heavy_rps * seconds), workers,
-                               rps=heavy_rps, timeout_s=STANDARD_TIMEOUT_S)
-        light = pool.submit(ghz, mesh.router, f"sl{tag}", int(LIGHT_CALLER_RPS * seconds), 4,
-                            rps=LIGHT_CALLER_RPS, timeout_s=STANDARD_TIMEOUT_S)
+        standard = pool.submit(
+            ghz, mesh.router, f"st{tag}", int(heavy_rps * seconds), workers, rps=heavy_rps, timeout_s=STANDARD_TIMEOUT_S
+        )
+        light = pool.submit(
+            ghz,
+            mesh.router,
+            f"sl{tag}",
+            int(LIGHT_CALLER_RPS * seconds),
+            4,
+            rps=LIGHT_CALLER_RPS,
+            timeout_s=STANDARD_TIMEOUT_S,
+        )
         vip = pool.submit(ghz, mesh.router, f"vl{tag}", int(vip_rps * seconds), 8, rps=vip_rps, key=vip_key)
         result["standard"], result["light"], result["vip_loaded"] = standard.result(), light.result(), vip.result()
     # The same latencies as the router measured them, from receipt to answer: on two shared
@@ -240,13 +307,16 @@ def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
     result["steal"] = steal_share(machine_before, cpu_times())
     counters = service_counters(mesh)
     result["batch_timeouts"] = counters["batch_timeouts"] - counters_before["batch_timeouts"]
-    result["full_gc"] = {role: [now - then for now, then in zip(counts, counters_before["full_gc"][role])]
-                         for role, counts in counters["full_gc"].items()}
+    result["full_gc"] = {
+        role: [now - then for now, then in zip(counts, counters_before["full_gc"][role])]
+        for role, counts in counters["full_gc"].items()
+    }
     seconds_name = "infermesh_router_request_duration_seconds"
     result["router"] = {
-        "refused_p99_ms": 1000 * bucket_quantile(before, after, seconds_name, 0.99, tier="standard",
-                                                 code="RESOURCE_EXHAUSTED"),
-        "vip_p99_ms": 1000 * bucket_quantile(before, after, seconds_name, 0.99, tier="vip", code="OK")}
+        "refused_p99_ms": 1000
+        * bucket_quantile(before, after, seconds_name, 0.99, tier="standard", code="RESOURCE_EXHAUSTED"),
+        "vip_p99_ms": 1000 * bucket_quantile(before, after, seconds_name, 0.99, tier="vip", code="OK"),
+    }
     time.sleep(10)  # measured: the mesh needs a few seconds after such a load before it is quiet again
     return result
 
@@ -263,10 +333,13 @@ def service_counters(mesh: Mesh) -> dict:
             continue
         samples = scrape(mesh.router_metrics if name == "router" else mesh.metrics_url(name))
         count, spent = full_gc.get(role, (0.0, 0.0))
-        full_gc[role] = (count + samples.get(("infermesh_gc_pause_seconds_count", (("generation", "2"),)), 0.0),
-                         spent + samples.get(("infermesh_gc_pause_seconds_sum", (("generation", "2"),)), 0.0))
-        timed_out += sum(value for (sample, _), value in samples.items()
-                         if sample == "infermesh_batcher_batch_timeouts_total")
+        full_gc[role] = (
+            count + samples.get(("infermesh_gc_pause_seconds_count", (("generation", "2"),)), 0.0),
+            spent + samples.get(("infermesh_gc_pause_seconds_sum", (("generation", "2"),)), 0.0),
+        )
+        timed_out += sum(
+            value for (sample, _), value in samples.items() if sample == "infermesh_batcher_batch_timeouts_total"
+        )
     return {"full_gc": full_gc, "batch_timeouts": timed_out}
 
 
@@ -287,21 +360,24 @@ def summarise_overload(runs: list[dict], layout: str) -> dict:
         "light_rejected_share": med(r["light"]["rejected"] / r["light"]["count"] for r in rs),
         "standard_rejected_late": sum(r[caller]["rejected_late"] for r in rs for caller in ("standard", "light")),
         "standard_rejected_total": sum(r[caller]["rejected"] for r in rs for caller in ("standard", "light")),
-        "standard_rejected_within_goal": sum(r[caller]["rejected_within_goal"] for r in rs
-                                             for caller in ("standard", "light")),
-        "standard_timeouts": sum(r[caller]["statuses"].get("DeadlineExceeded", 0) for r in rs
-                                 for caller in ("standard", "light")),
+        "standard_rejected_within_goal": sum(
+            r[caller]["rejected_within_goal"] for r in rs for caller in ("standard", "light")
+        ),
+        "standard_timeouts": sum(
+            r[caller]["statuses"].get("DeadlineExceeded", 0) for r in rs for caller in ("standard", "light")
+        ),
         "standard_served_p99_ms": med(r["standard"]["p99_ms"] for r in rs),
         "standard_served_rps": med(_served_rps(r) for r in rs),
         "router_refused_p99_ms": med(r["router"]["refused_p99_ms"] for r in rs),
         "router_vip_p99_ms": med(r["router"]["vip_p99_ms"] for r in rs),
-        "standard_served_share_of_saturation": med(_served_rps(r[layout]) / r["saturation"]["rps"]
-                                                   for r in runs),
+        "standard_served_share_of_saturation": med(_served_rps(r[layout]) / r["saturation"]["rps"] for r in runs),
         "vip_p99_ratio_per_run": ratios,
         "steal_per_run": [r.get("steal") for r in rs],
         "batch_timeouts": sum(r.get("batch_timeouts", 0) for r in rs),
-        "full_gc": {role: [sum(r["full_gc"][role][i] for r in rs) for i in (0, 1)]
-                    for role in ("router", "batcher", "model_server")},
+        "full_gc": {
+            role: [sum(r["full_gc"][role][i] for r in rs) for i in (0, 1)]
+            for role in ("router", "batcher", "model_server")
+        },
     }
 
 
@@ -314,7 +390,8 @@ def summarise(runs: list[dict]) -> dict:
     med = statistics.median
     return {
         "machine": machine(),
-        "command": "python -m bench.batching " + " ".join(sys.argv[1:]), "runs": len(runs),
+        "command": "python -m bench.batching " + " ".join(sys.argv[1:]),
+        "runs": len(runs),
         "date": time.strftime("%Y-%m-%d"),
         "summary": {
             "ort_batch1": med(r["ort"][1] for r in runs),
@@ -327,11 +404,16 @@ def summarise(runs: list[dict]) -> dict:
             "one_instance": med(r["one_instance"]["rps"] for r in runs),
             "defaults_over_one_instance": med(r["on"]["rps"] / r["one_instance"]["rps"] for r in runs),
             "lent_batches": med(r["on"]["lent_batches"] for r in runs),
-            **{f"trickle_{layout}_{key}": med(r[f"trickle_{layout}"][caller][field] for r in runs)
-               for layout in ("defaults", "one_instance")
-               for key, caller, field in (("standard_rps", "standard", "rps"), ("vip_p99_ms", "vip", "p99_ms"))},
-            "trickle_vip_failed": sum(r[f"trickle_{layout}"]["vip"]["count"] - r[f"trickle_{layout}"]["vip"]["ok"]
-                                      for r in runs for layout in ("defaults", "one_instance")),
+            **{
+                f"trickle_{layout}_{key}": med(r[f"trickle_{layout}"][caller][field] for r in runs)
+                for layout in ("defaults", "one_instance")
+                for key, caller, field in (("standard_rps", "standard", "rps"), ("vip_p99_ms", "vip", "p99_ms"))
+            },
+            "trickle_vip_failed": sum(
+                r[f"trickle_{layout}"]["vip"]["count"] - r[f"trickle_{layout}"]["vip"]["ok"]
+                for r in runs
+                for layout in ("defaults", "one_instance")
+            ),
             "ort_gain_spread": spread([max(r["ort"].values()) / r["ort"][1] for r in runs]),
             "mesh_gain_spread": spread([r["on"]["rps"] / r["off"]["rps"] for r in runs]),
             "mesh_over_ort_best": spread([r["on"]["rps"] / max(r["ort"].values()) for r in runs]),
@@ -345,82 +427,112 @@ def summarise(runs: list[dict]) -> dict:
 def markdown(report: dict) -> str:
     s = report["summary"]
     overloads = [s[layout] for layout in LAYOUTS]
-    return "\n".join([
-        f"Machine: {report['machine']}. Command: `{report['command']}`. Medians of {report['runs']} runs on "
-        f"{report['date']}; ratios taken within each run; load from ghz.",
-        "",
-        "| batching | in-process ORT (sentences/s) | mesh at 64 callers (requests/s) |",
-        "|---|---|---|",
-        f"| off (batch 1) | {s['ort_batch1']:.0f} | {s['mesh_off']:.0f} |",
-        f"| on (ORT: best batch; mesh: defaults) | {s['ort_best']:.0f} | {s['mesh_on']:.0f} |",
-        f"| gain | × {s['ort_gain']:.2f} | × {s['mesh_gain']:.2f} |",
-        "",
-        f"Gains over runs (min–max): ORT × {span(s['ort_gain_spread'])}, mesh × {span(s['mesh_gain_spread'])}. "
-        "They are not comparable as a share: unbatched, the mesh pays every hop per request, which batching also "
-        f"amortises. Batched, the mesh serves {span(s['mesh_over_ort_best'])} of in-process ORT at its best batch "
-        "(one session, a thread per core), in the same run.",
-        "",
-        f"Without VIP traffic, the defaults (two instances of minilm, the VIP one lent out after "
-        f"{LEND_RESERVED_AFTER_S:g} s without VIP batches) served {s['mesh_on']:.0f} requests/s at 64 callers, "
-        f"one instance {s['one_instance']:.0f}: × {s['defaults_over_one_instance']:.2f} in the same run "
-        f"({s['lent_batches']:.0f} batches on loan per measurement).",
-        "",
-        f"While VIP traffic trickles in (one request a second beside the same 64 standard callers) the "
-        f"reservation holds: the defaults served {s['trickle_defaults_standard_rps']:.0f} standard requests/s "
-        f"against {s['trickle_one_instance_standard_rps']:.0f} with one instance, for a VIP p99 of "
-        f"{s['trickle_defaults_vip_p99_ms']:.0f} against {s['trickle_one_instance_vip_p99_ms']:.0f} ms "
-        f"({TRICKLE_VIP_REQUESTS} VIP requests a run, so the p99 is about their slowest; "
-        f"{s['trickle_vip_failed']} failed).",
-        "",
-        f"Saturation of the defaults (the VIP instance lent out), measured in each run at the overload's 256 "
-        f"callers (closed loop): {s['saturation']:.0f} requests/s; the overload's standard traffic runs open loop "
-        "at twice that on every layout.",
-        "",
-        "| overload (standard at 2× saturation, VIP at 10% of it) | " + " | ".join(LAYOUTS.values()) + " | goal |",
-        "|---|" + "---|" * len(LAYOUTS) + "---|",
-        "| VIP p99 alone → under load | " + " | ".join(
-            f"{o['vip_alone_p99_ms']:.0f} → {o['vip_loaded_p99_ms']:.0f} ms (× {o['vip_p99_ratio']:.2f})"
-            for o in overloads) + " | ≤ × 1.5 |",
-        "| VIP requests rejected | " + " | ".join(str(o["vip_rejected"]) for o in overloads) + " | 0 |",
-        "| standard requests rejected | " + " | ".join(
-            f"{o['standard_rejected_share']:.0%}, p50 {o['standard_rejected_p50_ms']:.2f} ms, p99 "
-            f"{o['standard_rejected_p99_ms']:.2f} ms" for o in overloads) + " | < 5 ms |",
-        f"| the same refusals as a light standard caller saw them ({LIGHT_CALLER_RPS} of the requests/s, "
-        "4 workers) | " + " | ".join(
-            f"{o['light_rejected_share']:.0%}, p50 {o['light_rejected_p50_ms']:.2f} ms, p99 "
-            f"{o['light_rejected_p99_ms']:.2f} ms" for o in overloads) + " | < 5 ms |",
-        "| the same two p99s as the router measured them (upper bound of the histogram bucket): VIP served; "
-        "standard refused | " + " | ".join(
-            f"≤ {o['router_vip_p99_ms']:.1f} ms; ≤ {o['router_refused_p99_ms']:.1f} ms"
-            for o in overloads) + " | |",
-        f"| standard refusals answered in under {REFUSAL_GOAL_MS} ms as ghz saw them (all runs, both callers) | "
-        + " | ".join(f"{o['standard_rejected_within_goal'] / max(o['standard_rejected_total'], 1):.1%}"
-                     for o in overloads) + " | 100% |",
-        f"| standard refusals that came late, after waiting (slower than {LATE_REFUSAL_MS} ms; all runs, both callers) | "
-        + " | ".join(f"{o['standard_rejected_late']} of {o['standard_rejected_total']}"
-                     for o in overloads) + " | |",
-        "| standard requests that timed out instead (all runs; in brackets, batches that ran out of time at the "
-        "model server after they were sent) | " + " | ".join(
-            f"{o['standard_timeouts']} ({o['batch_timeouts']:.0f})" for o in overloads) + " | 0 |",
-        "| standard requests served: p99 (deadline 2 s) | " + " | ".join(
-            f"{o['standard_served_p99_ms']:.0f} ms" for o in overloads) + " | |",
-        "| standard requests served per second (share of saturation) | " + " | ".join(
-            f"{o['standard_served_rps']:.0f} ({o['standard_served_share_of_saturation']:.0%})"
-            for o in overloads) + " | |",
-        "| full garbage collections during the overloads (all runs), and the mean pause: router; batcher; "
-        "model server(s) | " + " | ".join(
-            "; ".join(f"{count:.0f} ({1000 * spent / count:.1f} ms)" if count else "0"
-                      for count, spent in (o["full_gc"][role] for role in ("router", "batcher", "model_server")))
-            for o in overloads) + " | |",
-        "| VIP p99 ratio in each run (CPU taken by the hypervisor during that overload) | " + " | ".join(
-            ", ".join(f"× {ratio:.2f} ({_share(steal)})" for ratio, steal in zip(o["vip_p99_ratio_per_run"],
-                                                                                  o["steal_per_run"]))
-            for o in overloads) + " | |",
-        "",
-        "CPU time the hypervisor gave to other guests (steal) over each whole run: "
-        + ", ".join(_share(steal) for steal in s["steal_per_run"]) + ".",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"Machine: {report['machine']}. Command: `{report['command']}`. Medians of {report['runs']} runs on "
+            f"{report['date']}; ratios taken within each run; load from ghz.",
+            "",
+            "| batching | in-process ORT (sentences/s) | mesh at 64 callers (requests/s) |",
+            "|---|---|---|",
+            f"| off (batch 1) | {s['ort_batch1']:.0f} | {s['mesh_off']:.0f} |",
+            f"| on (ORT: best batch; mesh: defaults) | {s['ort_best']:.0f} | {s['mesh_on']:.0f} |",
+            f"| gain | × {s['ort_gain']:.2f} | × {s['mesh_gain']:.2f} |",
+            "",
+            f"Gains over runs (min–max): ORT × {span(s['ort_gain_spread'])}, mesh × {span(s['mesh_gain_spread'])}. "
+            "They are not comparable as a share: unbatched, the mesh pays every hop per request, which batching also "
+            f"amortises. Batched, the mesh serves {span(s['mesh_over_ort_best'])} of in-process ORT at its best batch "
+            "(one session, a thread per core), in the same run.",
+            "",
+            f"Without VIP traffic, the defaults (two instances of minilm, the VIP one lent out after "
+            f"{LEND_RESERVED_AFTER_S:g} s without VIP batches) served {s['mesh_on']:.0f} requests/s at 64 callers, "
+            f"one instance {s['one_instance']:.0f}: × {s['defaults_over_one_instance']:.2f} in the same run "
+            f"({s['lent_batches']:.0f} batches on loan per measurement).",
+            "",
+            f"While VIP traffic trickles in (one request a second beside the same 64 standard callers) the "
+            f"reservation holds: the defaults served {s['trickle_defaults_standard_rps']:.0f} standard requests/s "
+            f"against {s['trickle_one_instance_standard_rps']:.0f} with one instance, for a VIP p99 of "
+            f"{s['trickle_defaults_vip_p99_ms']:.0f} against {s['trickle_one_instance_vip_p99_ms']:.0f} ms "
+            f"({TRICKLE_VIP_REQUESTS} VIP requests a run, so the p99 is about their slowest; "
+            f"{s['trickle_vip_failed']} failed).",
+            "",
+            f"Saturation of the defaults (the VIP instance lent out), measured in each run at the overload's 256 "
+            f"callers (closed loop): {s['saturation']:.0f} requests/s; the overload's standard traffic runs open loop "
+            "at twice that on every layout.",
+            "",
+            "| overload (standard at 2× saturation, VIP at 10% of it) | " + " | ".join(LAYOUTS.values()) + " | goal |",
+            "|---|" + "---|" * len(LAYOUTS) + "---|",
+            "| VIP p99 alone → under load | "
+            + " | ".join(
+                f"{o['vip_alone_p99_ms']:.0f} → {o['vip_loaded_p99_ms']:.0f} ms (× {o['vip_p99_ratio']:.2f})"
+                for o in overloads
+            )
+            + " | ≤ × 1.5 |",
+            "| VIP requests rejected | " + " | ".join(str(o["vip_rejected"]) for o in overloads) + " | 0 |",
+            "| standard requests rejected | "
+            + " | ".join(
+                f"{o['standard_rejected_share']:.0%}, p50 {o['standard_rejected_p50_ms']:.2f} ms, p99 "
+                f"{o['standard_rejected_p99_ms']:.2f} ms"
+                for o in overloads
+            )
+            + " | < 5 ms |",
+            f"| the same refusals as a light standard caller saw them ({LIGHT_CALLER_RPS} of the requests/s, "
+            "4 workers) | "
+            + " | ".join(
+                f"{o['light_rejected_share']:.0%}, p50 {o['light_rejected_p50_ms']:.2f} ms, p99 "
+                f"{o['light_rejected_p99_ms']:.2f} ms"
+                for o in overloads
+            )
+            + " | < 5 ms |",
+            "| the same two p99s as the router measured them (upper bound of the histogram bucket): VIP served; "
+            "standard refused | "
+            + " | ".join(f"≤ {o['router_vip_p99_ms']:.1f} ms; ≤ {o['router_refused_p99_ms']:.1f} ms" for o in overloads)
+            + " | |",
+            f"| standard refusals answered in under {REFUSAL_GOAL_MS} ms as ghz saw them (all runs, both callers) | "
+            + " | ".join(
+                f"{o['standard_rejected_within_goal'] / max(o['standard_rejected_total'], 1):.1%}" for o in overloads
+            )
+            + " | 100% |",
+            f"| standard refusals that came late, after waiting (slower than {LATE_REFUSAL_MS} ms; all runs, both callers) | "
+            + " | ".join(f"{o['standard_rejected_late']} of {o['standard_rejected_total']}" for o in overloads)
+            + " | |",
+            "| standard requests that timed out instead (all runs; in brackets, batches that ran out of time at the "
+            "model server after they were sent) | "
+            + " | ".join(f"{o['standard_timeouts']} ({o['batch_timeouts']:.0f})" for o in overloads)
+            + " | 0 |",
+            "| standard requests served: p99 (deadline 2 s) | "
+            + " | ".join(f"{o['standard_served_p99_ms']:.0f} ms" for o in overloads)
+            + " | |",
+            "| standard requests served per second (share of saturation) | "
+            + " | ".join(
+                f"{o['standard_served_rps']:.0f} ({o['standard_served_share_of_saturation']:.0%})" for o in overloads
+            )
+            + " | |",
+            "| full garbage collections during the overloads (all runs), and the mean pause: router; batcher; "
+            "model server(s) | "
+            + " | ".join(
+                "; ".join(
+                    f"{count:.0f} ({1000 * spent / count:.1f} ms)" if count else "0"
+                    for count, spent in (o["full_gc"][role] for role in ("router", "batcher", "model_server"))
+                )
+                for o in overloads
+            )
+            + " | |",
+            "| VIP p99 ratio in each run (CPU taken by the hypervisor during that overload) | "
+            + " | ".join(
+                ", ".join(
+                    f"× {ratio:.2f} ({_share(steal)})"
+                    for ratio, steal in zip(o["vip_p99_ratio_per_run"], o["steal_per_run"])
+                )
+                for o in overloads
+            )
+            + " | |",
+            "",
+            "CPU time the hypervisor gave to other guests (steal) over each whole run: "
+            + ", ".join(_share(steal) for steal in s["steal_per_run"])
+            + ".",
+            "",
+        ]
+    )
 
 
 def _share(steal: float | None) -> str:
@@ -432,9 +544,11 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
     s = report["summary"]
     fig, (left, right, served) = plt.subplots(1, 3, figsize=(14, 4), gridspec_kw={"width_ratios": [4, 4, 2.2]})
-    left.bar(["ORT\nbatch 1", "ORT\nbest batch", "mesh\nbatch 1", "mesh\nbatching"],
-             [s["ort_batch1"], s["ort_best"], s["mesh_off"], s["mesh_on"]],
-             color=["#8c8c8c", "#c44e52", "#8c8c8c", "#4c72b0"])
+    left.bar(
+        ["ORT\nbatch 1", "ORT\nbest batch", "mesh\nbatch 1", "mesh\nbatching"],
+        [s["ort_batch1"], s["ort_best"], s["mesh_off"], s["mesh_on"]],
+        color=["#8c8c8c", "#c44e52", "#8c8c8c", "#4c72b0"],
+    )
     left.set_ylabel("per second")
     left.set_title(f"batching gain: ORT x{s['ort_gain']:.2f}, mesh x{s['mesh_gain']:.2f}")
     labels = ["VIP alone", "VIP under\noverload", "standard\nrejections"]
@@ -443,8 +557,13 @@ def plot(report: dict, path: pathlib.Path) -> None:
     width = 0.8 / len(LAYOUTS)
     colors = dict(zip(LAYOUTS, ("#8c8c8c", "#dd8452", "#55a868", "#4c72b0")))
     for i, (layout, color) in enumerate(colors.items()):
-        right.bar([x + (i - (len(LAYOUTS) - 1) / 2) * width for x in xs], [s[layout][k] for k in keys], width=width,
-                  color=color, label=LAYOUTS[layout])
+        right.bar(
+            [x + (i - (len(LAYOUTS) - 1) / 2) * width for x in xs],
+            [s[layout][k] for k in keys],
+            width=width,
+            color=color,
+            label=LAYOUTS[layout],
+        )
     right.set_xticks(list(xs), labels)
     right.set_yscale("log")
     right.set_ylim(top=6 * max(s[layout][k] for layout in LAYOUTS for k in keys))  # room for the legend
@@ -454,8 +573,9 @@ def plot(report: dict, path: pathlib.Path) -> None:
     right.legend(fontsize=7, loc="upper left")
     right.set_ylabel("p99 latency, ms (log scale)")
     right.set_title("overload isolation")
-    served.bar(range(len(LAYOUTS)), [s[layout]["standard_served_rps"] for layout in LAYOUTS],
-               color=list(colors.values()))
+    served.bar(
+        range(len(LAYOUTS)), [s[layout]["standard_served_rps"] for layout in LAYOUTS], color=list(colors.values())
+    )
     served.axhline(s["saturation"], color="grey", linewidth=0.8, linestyle=":")
     served.set_xticks(range(len(LAYOUTS)), ["one", "sliced", "defaults", "pools"])
     served.set_ylabel("standard served per second")

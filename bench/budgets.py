@@ -43,8 +43,18 @@ import grpc
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from bench.report import (chosen_seed, goal_verdict, machine, phase_order, process_rss_bytes, progress, seed_argument,
-                          span, spread, write)
+from bench.report import (
+    chosen_seed,
+    goal_verdict,
+    machine,
+    phase_order,
+    process_rss_bytes,
+    progress,
+    seed_argument,
+    span,
+    spread,
+    write,
+)
 from services.batcher.config import BatcherConfig
 from services.cache.config import CacheConfig
 from services.common import errors
@@ -57,13 +67,20 @@ from services.router.config import RouterConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVICES = ("router", "batcher", "cache", "model_server")
-BASELINES = {"router": RouterConfig.baseline_bytes, "batcher": BatcherConfig.baseline_bytes,
-             "cache": CacheConfig.baseline_bytes, "model_server": ModelServerConfig.baseline_bytes}
+BASELINES = {
+    "router": RouterConfig.baseline_bytes,
+    "batcher": BatcherConfig.baseline_bytes,
+    "cache": CacheConfig.baseline_bytes,
+    "model_server": ModelServerConfig.baseline_bytes,
+}
 PHASES = ("unary", "stream", "idle_streams", "combined")
 MODEL = "minilm"
 TEXTS_PER_REQUEST = 16  # minilm takes up to 64 rows; 16 long texts make one maximum-size request
-OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", 2**31 - 1),
-                  ("grpc.max_receive_message_length", 2**31 - 1)]
+OWN_CONNECTION = [
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+]
 SAMPLE_S = 0.2
 EXPECTED_CODES = {"OK", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
 
@@ -122,7 +139,7 @@ class Load:
         serial = next(self._serial)
         texts = [b"%d-%d " % (serial, i) + b"a" * self._text_bytes for i in range(TEXTS_PER_REQUEST)]
         for i, text in enumerate(texts):
-            texts[i] = text[:self._text_bytes]
+            texts[i] = text[: self._text_bytes]
         return text_request(texts, f"big-{serial}")
 
     def count(self, code: str, message: str = "") -> None:
@@ -215,8 +232,9 @@ async def run_phase(mesh: Mesh, phase: str, settings: Settings, cached: pb.Model
             for name, pid in pids.items():
                 peaks[name]["rss_bytes"] = max(peaks[name]["rss_bytes"], process_rss_bytes(pid))
                 if samples % 3 == 0 and name != "model_server":  # a stopped process serves no metrics
-                    peaks[name]["held_bytes"] = max(peaks[name]["held_bytes"],
-                                                    await asyncio.to_thread(held_bytes, mesh, name))
+                    peaks[name]["held_bytes"] = max(
+                        peaks[name]["held_bytes"], await asyncio.to_thread(held_bytes, mesh, name)
+                    )
             dead = mesh.dead()
             if dead:
                 raise RuntimeError(f"{', '.join(dead)} died during phase {phase}")
@@ -232,8 +250,16 @@ async def run_phase(mesh: Mesh, phase: str, settings: Settings, cached: pb.Model
         if loop.time() - drained_at > 120:
             raise RuntimeError(f"bytes still held two minutes after phase {phase}")
         await asyncio.sleep(0.5)
-    return {"phase": phase, "peaks": peaks, "codes": load.codes, "probes": load.probes,
-            "probe_failures": load.probe_failures, "refusals": load.refusals, "drain_s": loop.time() - drained_at, "dead": mesh.dead()}
+    return {
+        "phase": phase,
+        "peaks": peaks,
+        "codes": load.codes,
+        "probes": load.probes,
+        "probe_failures": load.probe_failures,
+        "refusals": load.refusals,
+        "drain_s": loop.time() - drained_at,
+        "dead": mesh.dead(),
+    }
 
 
 def mesh_arguments(settings: Settings) -> dict:
@@ -242,8 +268,15 @@ def mesh_arguments(settings: Settings) -> dict:
     return {
         # Texts as long as the load's (the default limit is 64 KiB a text): the requests must be
         # accepted and held, not refused at the edge, for the budgets to be what bounds them.
-        "router_args": (*memory["router"], "--max-request-bytes", size, "--max-stream-message-bytes", size,
-                        "--max-text-bytes", size),
+        "router_args": (
+            *memory["router"],
+            "--max-request-bytes",
+            size,
+            "--max-stream-message-bytes",
+            size,
+            "--max-text-bytes",
+            size,
+        ),
         # Polls far apart: a stopped model server stays a ready replica, so its batches hang rather than
         # being refused UNAVAILABLE once its polls fail.
         "batcher_args": (*memory["batcher"], "--replica-poll-s", "60"),
@@ -253,8 +286,10 @@ def mesh_arguments(settings: Settings) -> dict:
 
 
 async def one_run(settings: Settings, run: int, seed: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix="budgets-") as logs, \
-            Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=logs, **mesh_arguments(settings))) as mesh:
+    with (
+        tempfile.TemporaryDirectory(prefix="budgets-") as logs,
+        Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=logs, **mesh_arguments(settings))) as mesh,
+    ):
         pids = {name: mesh.processes[name].popen.pid for name in SERVICES}
         async with grpc.aio.insecure_channel(mesh.router, options=OWN_CONNECTION) as channel:
             cached = text_request([b"a small request, answered from the cache"], "small")
@@ -289,41 +324,57 @@ def measure(settings: Settings, runs: int, seed: int | None) -> dict:
         for service in SERVICES:
             peaks = [p["peaks"][service]["rss_bytes"] for p in per_run]
             bounds = [r["budget_bytes"][service] + BASELINES[service] for r in results]
-            table.append({
-                "phase": phase, "service": service,
-                "peak_rss_mib": spread([v / MIB for v in peaks]),
-                "peak_held_mib": spread([p["peaks"][service]["held_bytes"] / MIB for p in per_run]),
-                "budget_mib": results[0]["budget_bytes"][service] / MIB,
-                "baseline_mib": BASELINES[service] / MIB,
-                "idle_rss_mib": spread([r["idle_rss_bytes"][service] / MIB for r in results]),
-                "under_budget_and_baseline": goal_verdict([b - v for v, b in zip(peaks, bounds)], lambda m: m >= 0),
-                "codes": codes,
-                "probes_failed": sum(p["probes"]["failed"] for p in per_run),
-                "probes_ok": sum(p["probes"]["ok"] for p in per_run),
-                # The excess is refused, and what was taken waits out its deadline: nothing else.
-                "unexpected_codes": sorted(set(codes) - EXPECTED_CODES),
-            })
-    return {"machine": machine(), "runs": runs, "seed": seed, "settings": dataclasses.asdict(settings),
-            "command": "python -m bench.budgets " + " ".join(sys.argv[1:]), "results": results, "rows": table}
+            table.append(
+                {
+                    "phase": phase,
+                    "service": service,
+                    "peak_rss_mib": spread([v / MIB for v in peaks]),
+                    "peak_held_mib": spread([p["peaks"][service]["held_bytes"] / MIB for p in per_run]),
+                    "budget_mib": results[0]["budget_bytes"][service] / MIB,
+                    "baseline_mib": BASELINES[service] / MIB,
+                    "idle_rss_mib": spread([r["idle_rss_bytes"][service] / MIB for r in results]),
+                    "under_budget_and_baseline": goal_verdict([b - v for v, b in zip(peaks, bounds)], lambda m: m >= 0),
+                    "codes": codes,
+                    "probes_failed": sum(p["probes"]["failed"] for p in per_run),
+                    "probes_ok": sum(p["probes"]["ok"] for p in per_run),
+                    # The excess is refused, and what was taken waits out its deadline: nothing else.
+                    "unexpected_codes": sorted(set(codes) - EXPECTED_CODES),
+                }
+            )
+    return {
+        "machine": machine(),
+        "runs": runs,
+        "seed": seed,
+        "settings": dataclasses.asdict(settings),
+        "command": "python -m bench.budgets " + " ".join(sys.argv[1:]),
+        "results": results,
+        "rows": table,
+    }
 
 
 def markdown(report: dict) -> str:
     lines = [
-        "# Byte budgets under a blocked model server", "",
+        "# Byte budgets under a blocked model server",
+        "",
         f"Machine: {report['machine']}; {report['runs']} run(s), phase order seed {report['seed']}; "
-        f"command: `{report['command']}`.", "",
-        f"Settings: {report['settings']}.", "",
+        f"command: `{report['command']}`.",
+        "",
+        f"Settings: {report['settings']}.",
+        "",
         "Peak RSS per service and phase, median (min–max) over runs, against the byte budget plus the "
-        "stated baseline (the service's config).", "",
+        "stated baseline (the service's config).",
+        "",
         "| phase | service | peak RSS MiB | idle RSS MiB | peak held MiB | budget MiB | baseline MiB | "
         "under budget + baseline | probes ok / failed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
-        lines.append(f"| {row['phase']} | {row['service']} | {span(row['peak_rss_mib'], '{:.0f}')} | "
-                     f"{span(row['idle_rss_mib'], '{:.0f}')} | {span(row['peak_held_mib'], '{:.1f}')} | "
-                     f"{row['budget_mib']:.0f} | {row['baseline_mib']:.0f} | {row['under_budget_and_baseline']} | "
-                     f"{row['probes_ok']} / {row['probes_failed']} |")
+        lines.append(
+            f"| {row['phase']} | {row['service']} | {span(row['peak_rss_mib'], '{:.0f}')} | "
+            f"{span(row['idle_rss_mib'], '{:.0f}')} | {span(row['peak_held_mib'], '{:.1f}')} | "
+            f"{row['budget_mib']:.0f} | {row['baseline_mib']:.0f} | {row['under_budget_and_baseline']} | "
+            f"{row['probes_ok']} / {row['probes_failed']} |"
+        )
     lines += ["", "Answers to the load, by code (all runs; requests cut at a phase's end are not counted):", ""]
     for phase in PHASES:
         row = next(r for r in report["rows"] if r["phase"] == phase)

@@ -37,7 +37,7 @@ RUNS = 3
 def embeddings(count: int) -> np.ndarray:
     model = InProcessMinilm(MODEL)
     pool = texts(count, seed=42)
-    return np.concatenate([model.embed(pool[start:start + 64]) for start in range(0, count, 64)])
+    return np.concatenate([model.embed(pool[start : start + 64]) for start in range(0, count, 64)])
 
 
 class LmdbStore:
@@ -104,13 +104,13 @@ def measure_store(cls, values: list[bytes]) -> dict:
     store = cls(path)
     started = time.perf_counter()
     for i in range(0, len(keys), BATCH):
-        store.put_many(list(zip(keys[i:i + BATCH], values[i:i + BATCH])))
+        store.put_many(list(zip(keys[i : i + BATCH], values[i : i + BATCH])))
     put_s = time.perf_counter() - started
     order = keys[:]
     random.Random(1).shuffle(order)
     started = time.perf_counter()
     for i in range(0, len(order), BATCH):
-        assert all(v is not None for v in store.get_many(order[i:i + BATCH]))
+        assert all(v is not None for v in store.get_many(order[i : i + BATCH]))
     get_s = time.perf_counter() - started
     store.close()
     size = folder_bytes(path)
@@ -148,17 +148,30 @@ def main() -> int:
     report = {
         "machine": machine(),
         "command": "python -m bench.cache_store",
-        "values": COUNT, "batch": BATCH, "runs": RUNS, "date": time.strftime("%Y-%m-%d"),
+        "values": COUNT,
+        "batch": BATCH,
+        "runs": RUNS,
+        "date": time.strftime("%Y-%m-%d"),
         "fp16_cosine": {"min": float(cosine.min()), "mean": float(cosine.mean())},
-        "compression": compression, "stores": stores,
+        "compression": compression,
+        "stores": stores,
     }
-    lines = [f"Machine: {report['machine']}. Command: `{report['command']}`. {COUNT} real minilm embeddings "
-             f"(384 × FP32), batches of {BATCH}; store figures are medians of {RUNS} runs.", "",
-             "| encoding | bytes per embedding | size vs raw FP32 | encode µs |", "|---|---|---|---|"]
+    lines = [
+        f"Machine: {report['machine']}. Command: `{report['command']}`. {COUNT} real minilm embeddings "
+        f"(384 × FP32), batches of {BATCH}; store figures are medians of {RUNS} runs.",
+        "",
+        "| encoding | bytes per embedding | size vs raw FP32 | encode µs |",
+        "|---|---|---|---|",
+    ]
     for name, c in compression.items():
         lines.append(f"| {name} | {c['bytes_per_value']:.0f} | {c['ratio_vs_fp32_raw']:.2f} | {c['compress_us']:.1f} |")
-    lines += ["", f"FP16 storage: cosine to the FP32 embedding min {cosine.min():.7f}, mean {cosine.mean():.7f}.", "",
-              "| store (zstd-3 FP32 values) | puts/s | gets/s | disk bytes |", "|---|---|---|---|"]
+    lines += [
+        "",
+        f"FP16 storage: cosine to the FP32 embedding min {cosine.min():.7f}, mean {cosine.mean():.7f}.",
+        "",
+        "| store (zstd-3 FP32 values) | puts/s | gets/s | disk bytes |",
+        "|---|---|---|---|",
+    ]
     for name, s in stores.items():
         lines.append(f"| {name} | {s['put_per_s']:.0f} | {s['get_per_s']:.0f} | {s['disk_bytes']:,} |")
     write(ROOT / "bench" / "results", "cache_store", report, "\n".join(lines) + "\n")

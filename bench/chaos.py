@@ -44,16 +44,37 @@ import tempfile
 import time
 
 from bench.chaos_load import ChaosLoad, LoadConfig, Reference, recovery
-from bench.report import (chosen_seed, machine, phase_order, progress, pyplot, save_figure, seed_argument, span,
-                          spread, write)
+from bench.report import (
+    chosen_seed,
+    machine,
+    phase_order,
+    progress,
+    pyplot,
+    save_figure,
+    seed_argument,
+    span,
+    spread,
+    write,
+)
 from services.common.metrics import scrape
 from services.launcher.mesh import Mesh, MeshConfig
 from services.launcher.supervisor import RestartPolicy
 from tools.delay_proxy import DelayProxy
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FAULTS = ("batcher-kill", "model-server-kill", "router-drain", "batcher-drain", "cache-drain", "model-server-drain",
-          "redis-kill", "cache-kill", "model-server-stop", "hop-delay", "hop-stall")
+FAULTS = (
+    "batcher-kill",
+    "model-server-kill",
+    "router-drain",
+    "batcher-drain",
+    "cache-drain",
+    "model-server-drain",
+    "redis-kill",
+    "cache-kill",
+    "model-server-stop",
+    "hop-delay",
+    "hop-stall",
+)
 STOP_S = 5.0
 DELAY_MS, JITTER_MS, DELAY_S = 50.0, 10.0, 10.0
 STALL_S = 3.0
@@ -73,8 +94,14 @@ class Fault:
 class Chaos:
     """The mesh under test, its proxies, and the faults it can be dealt."""
 
-    def __init__(self, work: pathlib.Path, restart_policy: RestartPolicy = RestartPolicy(), stop_s: float = STOP_S,
-                 delay_s: float = DELAY_S, stall_s: float = STALL_S):
+    def __init__(
+        self,
+        work: pathlib.Path,
+        restart_policy: RestartPolicy = RestartPolicy(),
+        stop_s: float = STOP_S,
+        delay_s: float = DELAY_S,
+        stall_s: float = STALL_S,
+    ):
         self.stop_s, self.delay_s, self.stall_s = stop_s, delay_s, stall_s  # how long those faults last
         self.proxies: list[DelayProxy] = []
         self.events: list[tuple[float, str]] = []
@@ -86,7 +113,21 @@ class Chaos:
 
         # The cache is asked for every request (no automatic bypass, no near cache in the
         # router): its faults are then on every request's path.
-        self.mesh = Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=work / "logs", l2_path=work / "l2", model_servers=2, batchers=2, routers=2, supervise=True, restart_policy=restart_policy, router_args=("--cache-min-hit-rate", "0", "--near-cache-ttl-s", "0")), model_server_via=via, on_event=lambda m: self.events.append((time.monotonic(), m)))
+        self.mesh = Mesh(
+            MeshConfig(
+                models=ROOT / "build" / "models",
+                log_dir=work / "logs",
+                l2_path=work / "l2",
+                model_servers=2,
+                batchers=2,
+                routers=2,
+                supervise=True,
+                restart_policy=restart_policy,
+                router_args=("--cache-min-hit-rate", "0", "--near-cache-ttl-s", "0"),
+            ),
+            model_server_via=via,
+            on_event=lambda m: self.events.append((time.monotonic(), m)),
+        )
 
     def start(self) -> "Chaos":
         try:
@@ -134,8 +175,12 @@ class Chaos:
         elif name == "model-server-kill":
             note = self.signal(self.on_a_batch(), signal.SIGKILL) + ", a batch on it"
         elif name.endswith("-drain"):
-            service = {"router-drain": "router", "batcher-drain": "batcher", "cache-drain": "cache",
-                       "model-server-drain": "model_server-1"}[name]
+            service = {
+                "router-drain": "router",
+                "batcher-drain": "batcher",
+                "cache-drain": "cache",
+                "model-server-drain": "model_server-1",
+            }[name]
             note = self.signal(service, signal.SIGTERM)
         elif name == "redis-kill":
             note = self.signal("redis", signal.SIGKILL)
@@ -166,13 +211,24 @@ class Chaos:
         return all(s["state"] == "running" and s["ready"] for s in self.mesh.status().values())
 
 
-async def run_schedule(chaos: Chaos, faults: list[str], gap_s: float, warm_s: float, config: LoadConfig,
-                       reference: Reference | None = None, say=progress) -> dict:
+async def run_schedule(
+    chaos: Chaos,
+    faults: list[str],
+    gap_s: float,
+    warm_s: float,
+    config: LoadConfig,
+    reference: Reference | None = None,
+    say=progress,
+) -> dict:
     """Mixed load from `warm_s` before the first fault until `gap_s` after the
     last; returns the accounting per fault and in all, and the timeline."""
     mesh = chaos.mesh
-    load = ChaosLoad(mesh.router, config, {"vip": mesh.credentials("dev-vip"),
-                                            "standard": mesh.credentials("dev-standard")}, reference=reference)
+    load = ChaosLoad(
+        mesh.router,
+        config,
+        {"vip": mesh.credentials("dev-vip"), "standard": mesh.credentials("dev-standard")},
+        reference=reference,
+    )
     running = asyncio.create_task(load.run(warm_s + gap_s * len(faults)))
     await load.started.wait()
     await asyncio.sleep(warm_s)
@@ -191,14 +247,25 @@ async def run_schedule(chaos: Chaos, faults: list[str], gap_s: float, warm_s: fl
         totals = accounting.totals(fault.started, until, late_after_s=config.timeout_s + config.answer_grace_s)
         baseline_s = min(BASELINE_S, gap_s / 2)  # the seconds just before the fault, after the last one's recovery
         first = recovery(accounting, fault.started, factor=P99_FACTOR, baseline_s=baseline_s)
-        back = recovery(accounting, fault.ended, factor=P99_FACTOR, baseline_s=baseline_s,
-                        baseline_until=fault.started)
-        rows.append({"fault": fault.name, "note": fault.note, "at_s": fault.started - accounting.started,
-                     "lasted_s": fault.ended - fault.started, **totals, "first_ok_s": first["first_ok_s"],
-                     "p99_before_ms": first["p99_before_ms"], "p99_back_s": back["p99_back_s"]})
-    return {"faults": rows, "totals": result.totals, "timeline": result.buckets,
-            "events": [(at - accounting.started, message) for at, message in chaos.events
-                       if at >= accounting.started]}
+        back = recovery(accounting, fault.ended, factor=P99_FACTOR, baseline_s=baseline_s, baseline_until=fault.started)
+        rows.append(
+            {
+                "fault": fault.name,
+                "note": fault.note,
+                "at_s": fault.started - accounting.started,
+                "lasted_s": fault.ended - fault.started,
+                **totals,
+                "first_ok_s": first["first_ok_s"],
+                "p99_before_ms": first["p99_before_ms"],
+                "p99_back_s": back["p99_back_s"],
+            }
+        )
+    return {
+        "faults": rows,
+        "totals": result.totals,
+        "timeline": result.buckets,
+        "events": [(at - accounting.started, message) for at, message in chaos.events if at >= accounting.started],
+    }
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -208,20 +275,28 @@ def summarise(runs: list[dict]) -> dict:
         if not rows:
             continue
         by_fault[name] = {
-            "note": rows[0]["note"], "runs": len(rows),
-            "sent": sum(r["sent"] for r in rows), "ok": sum(r["ok"] for r in rows),
+            "note": rows[0]["note"],
+            "runs": len(rows),
+            "sent": sum(r["sent"] for r in rows),
+            "ok": sum(r["ok"] for r in rows),
             "statuses": _merge([r["by_status"] for r in rows] + [r["stream_failed"] for r in rows], skip="OK"),
-            "unanswered": sum(r["unanswered"] for r in rows), "twice": sum(r["twice"] for r in rows),
-            "wrong": sum(r["wrong"] for r in rows), "checked": sum(r["checked"] for r in rows),
-            "status_lost": sum(r["status_lost"] for r in rows), "unsent": sum(r["unsent"] for r in rows),
-            "stray": sum(r["stray"] for r in rows), "late": sum(r["late"] for r in rows),
+            "unanswered": sum(r["unanswered"] for r in rows),
+            "twice": sum(r["twice"] for r in rows),
+            "wrong": sum(r["wrong"] for r in rows),
+            "checked": sum(r["checked"] for r in rows),
+            "status_lost": sum(r["status_lost"] for r in rows),
+            "unsent": sum(r["unsent"] for r in rows),
+            "stray": sum(r["stray"] for r in rows),
+            "late": sum(r["late"] for r in rows),
             "first_ok_s": spread(r["first_ok_s"] for r in rows),
             "p99_before_ms": spread(r["p99_before_ms"] for r in rows),
             "p99_back_s": spread(r["p99_back_s"] for r in rows),
             "p99_never_back": sum(r["p99_back_s"] is None for r in rows),
         }
-    totals = {key: sum(run["totals"][key] for run in runs)
-              for key in ("sent", "ok", "checked", "unsent", "status_lost", *MUST_BE_ZERO)}
+    totals = {
+        key: sum(run["totals"][key] for run in runs)
+        for key in ("sent", "ok", "checked", "unsent", "status_lost", *MUST_BE_ZERO)
+    }
     return {"by_fault": by_fault, "totals": totals}
 
 
@@ -238,21 +313,25 @@ def markdown(report: dict) -> str:
     s = report["summary"]
     t = s["totals"]
     lines = [
-        "# Chaos: faults under mixed load", "",
+        "# Chaos: faults under mixed load",
+        "",
         f"Machine: {report['machine']}. Command: `{report['command']}`. Runs: {report['runs']} (seed "
         f"{report['seed']}, fault order shuffled per run), {report['gap_s']:g} s between faults, load: "
         f"{report['load']['callers']} callers ({report['load']['stream_share']:.0%} streams of "
         f"{report['load']['stream_window']} outstanding, {report['load']['vip_share']:.0%} VIP, "
         f"{report['load']['mlp_share']:.0%} mlp, {report['load']['repeat_share']:.0%} repeats), "
-        f"deadline {report['load']['timeout_s']:g} s.", "",
+        f"deadline {report['load']['timeout_s']:g} s.",
+        "",
         f"In all: {t['sent']} requests sent, {t['ok']} answered OK, **{t['unanswered']} unanswered, "
         f"{t['twice']} answered twice, {t['wrong']} wrong** of {t['checked']} checked against ONNX Runtime; "
         f"{t['status_lost']} on a stream whose status the client library lost (grpc/grpc#36066), "
         f"{t['stray']} answers to no request sent, {t['late']} answered past their deadline and grace; "
-        f"{t['unsent']} whose write failed as their stream ended (never sent).", "",
+        f"{t['unsent']} whose write failed as their stream ended (never sent).",
+        "",
         "Per fault, over the requests sent from it until the next fault (sums over the runs; times: median, "
         "least and greatest across runs; the first good answer counts from the fault, the p99's return from "
-        "the fault's end, against the p99 of the seconds before it began, over a sliding second):", "",
+        "the fault's end, against the p99 of the seconds before it began, over a sliding second):",
+        "",
         "| fault | sent | OK | other answers | unanswered | twice | wrong (checked) | first good answer | "
         "p99 before | p99 back within 1.5x |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -263,9 +342,14 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {name}: {row['note']} | {row['sent']} | {row['ok']} | {others} | {row['unanswered']} | "
             f"{row['twice']} | {row['wrong']} ({row['checked']}) | {span(row['first_ok_s'], '{:.2f} s')} | "
-            f"{span(row['p99_before_ms'], '{:.0f} ms')} | {span(row['p99_back_s'], '{:.1f} s')}{never} |")
-    lines += ["", "The timeline of the first run is in chaos.png (answers per second, p99, other answers, the "
-              "faults marked); every restart the supervisor made is in chaos.json (`events`).", ""]
+            f"{span(row['p99_before_ms'], '{:.0f} ms')} | {span(row['p99_back_s'], '{:.1f} s')}{never} |"
+        )
+    lines += [
+        "",
+        "The timeline of the first run is in chaos.png (answers per second, p99, other answers, the "
+        "faults marked); every restart the supervisor made is in chaos.json (`events`).",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -287,13 +371,13 @@ def plot(report: dict, path: pathlib.Path) -> None:
     for fault in run["faults"]:
         for axis in (rate, latency, errors):
             axis.axvspan(fault["at_s"], fault["at_s"] + max(fault["lasted_s"], 0.3), color="grey", alpha=0.25)
-        rate.annotate(fault["fault"], (fault["at_s"], rate.get_ylim()[1]), fontsize=7, rotation=60,
-                      va="top", ha="left")
+        rate.annotate(fault["fault"], (fault["at_s"], rate.get_ylim()[1]), fontsize=7, rotation=60, va="top", ha="left")
     save_figure(fig, path, {**report, "runs": 1}, f"chaos, the first of {report['runs']} runs")
 
 
-async def measure(runs: int, gap_s: float, warm_s: float, seed: int, config: LoadConfig,
-                  faults: tuple[str, ...] = FAULTS) -> dict:
+async def measure(
+    runs: int, gap_s: float, warm_s: float, seed: int, config: LoadConfig, faults: tuple[str, ...] = FAULTS
+) -> dict:
     reference = Reference()
     raw = []
     for run in range(runs):
@@ -307,12 +391,22 @@ async def measure(runs: int, gap_s: float, warm_s: float, seed: int, config: Loa
         finally:
             chaos.stop()
         t = result["totals"]
-        progress(f"run {run + 1}/{runs}: {t['sent']} sent, {t['ok']} OK, {t['unanswered']} unanswered, "
-                 f"{t['twice']} twice, {t['wrong']} wrong of {t['checked']} checked")
+        progress(
+            f"run {run + 1}/{runs}: {t['sent']} sent, {t['ok']} OK, {t['unanswered']} unanswered, "
+            f"{t['twice']} twice, {t['wrong']} wrong of {t['checked']} checked"
+        )
         raw.append(result)
-    report = {"machine": machine(), "runs": runs, "seed": seed, "gap_s": gap_s, "warm_s": warm_s,
-              "load": dataclasses.asdict(config), "raw": raw, "summary": summarise(raw),
-              "command": "python -m bench.chaos " + " ".join(sys.argv[1:])}
+    report = {
+        "machine": machine(),
+        "runs": runs,
+        "seed": seed,
+        "gap_s": gap_s,
+        "warm_s": warm_s,
+        "load": dataclasses.asdict(config),
+        "raw": raw,
+        "summary": summarise(raw),
+        "command": "python -m bench.chaos " + " ".join(sys.argv[1:]),
+    }
     return report
 
 
@@ -330,8 +424,9 @@ def main() -> int:
     unknown = set(faults) - set(FAULTS)
     if unknown:
         parser.error(f"no fault {sorted(unknown)}; the faults are {', '.join(FAULTS)}")
-    report = asyncio.run(measure(args.runs, args.gap_s, args.warm_s, chosen_seed(args.seed),
-                                 LoadConfig(callers=args.callers), faults))
+    report = asyncio.run(
+        measure(args.runs, args.gap_s, args.warm_s, chosen_seed(args.seed), LoadConfig(callers=args.callers), faults)
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "chaos.json").write_text(json.dumps(report, indent=1))  # kept even if rendering fails
     write(args.out, "chaos", report, markdown(report), plot)

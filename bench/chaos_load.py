@@ -129,12 +129,14 @@ class Accounting:
         self.stray: list[tuple[float, str, str]] = []  # answers to no request sent: (time, id, status)
         self.started = time.monotonic()
 
-    def sent(self, request_id: str, model: str, tier: str, kind: str, repeat: bool = False,
-             at: float | None = None) -> Record:
+    def sent(
+        self, request_id: str, model: str, tier: str, kind: str, repeat: bool = False, at: float | None = None
+    ) -> Record:
         if request_id in self.records:
             raise ValueError(f"request id {request_id!r} was sent twice: ids must be unique")
-        record = self.records[request_id] = Record(request_id, model, tier, kind, repeat,
-                                                   time.monotonic() if at is None else at)
+        record = self.records[request_id] = Record(
+            request_id, model, tier, kind, repeat, time.monotonic() if at is None else at
+        )
         return record
 
     def answered(self, request_id: str, status: str, at: float | None = None) -> Record | None:
@@ -179,7 +181,9 @@ class Accounting:
                 for request_id in ids:
                     record = self.records[request_id]
                     record.checked = True
-                    record.wrong = record.wrong or f"answered as {model!r} version {version!r}, which the repository lacks"
+                    record.wrong = (
+                        record.wrong or f"answered as {model!r} version {version!r}, which the repository lacks"
+                    )
                 wrong += len(ids)
                 continue
             expected = reference.outputs(model, version, [self.samples[i].input for i in ids])
@@ -196,11 +200,15 @@ class Accounting:
 
     # -- what a run shows --------------------------------------------------------------
     def selected(self, sent_from: float | None = None, sent_until: float | None = None) -> list[Record]:
-        return [r for r in self.records.values()
-                if (sent_from is None or r.sent_at >= sent_from) and (sent_until is None or r.sent_at < sent_until)]
+        return [
+            r
+            for r in self.records.values()
+            if (sent_from is None or r.sent_at >= sent_from) and (sent_until is None or r.sent_at < sent_until)
+        ]
 
-    def totals(self, sent_from: float | None = None, sent_until: float | None = None,
-               late_after_s: float | None = None) -> dict:
+    def totals(
+        self, sent_from: float | None = None, sent_until: float | None = None, late_after_s: float | None = None
+    ) -> dict:
         """Counts over the requests sent in [sent_from, sent_until): each request's
         first answer by status (OK included), those failed by a stream error by
         its status, unanswered (neither), twice (two answers or more), wrong,
@@ -230,12 +238,26 @@ class Accounting:
             wrong += bool(r.wrong)
             checked += r.checked
             degraded += bool(r.degraded)
-        stray = [s for s in self.stray if (sent_from is None or s[0] >= sent_from)
-                 and (sent_until is None or s[0] < sent_until)]
-        return {"sent": len(records), "ok": by_status.get("OK", 0), "by_status": dict(sorted(by_status.items())),
-                "stream_failed": dict(sorted(stream_failed.items())), "status_lost": status_lost, "unsent": unsent,
-                "unanswered": unanswered, "twice": twice,
-                "wrong": wrong, "checked": checked, "late": late, "degraded": degraded, "stray": len(stray)}
+        stray = [
+            s
+            for s in self.stray
+            if (sent_from is None or s[0] >= sent_from) and (sent_until is None or s[0] < sent_until)
+        ]
+        return {
+            "sent": len(records),
+            "ok": by_status.get("OK", 0),
+            "by_status": dict(sorted(by_status.items())),
+            "stream_failed": dict(sorted(stream_failed.items())),
+            "status_lost": status_lost,
+            "unsent": unsent,
+            "unanswered": unanswered,
+            "twice": twice,
+            "wrong": wrong,
+            "checked": checked,
+            "late": late,
+            "degraded": degraded,
+            "stray": len(stray),
+        }
 
     def unanswered_ids(self, limit: int = 20) -> list[str]:
         return list(itertools.islice((r.id for r in self.records.values() if r.is_unanswered), limit))
@@ -243,10 +265,14 @@ class Accounting:
     def events(self) -> list[tuple[float, str, float]]:
         """Every request's outcome in time order: (time, status, latency_s); a stream
         error counts at the time the stream ended."""
-        out = [(r.answers[0][0], r.answers[0][1], r.answers[0][0] - r.sent_at) for r in self.records.values()
-               if r.answers]
-        out += [(r.stream_error_at, r.stream_error, r.stream_error_at - r.sent_at) for r in self.records.values()
-                if not r.answers and r.stream_error]
+        out = [
+            (r.answers[0][0], r.answers[0][1], r.answers[0][0] - r.sent_at) for r in self.records.values() if r.answers
+        ]
+        out += [
+            (r.stream_error_at, r.stream_error, r.stream_error_at - r.sent_at)
+            for r in self.records.values()
+            if not r.answers and r.stream_error
+        ]
         out.sort()
         return out
 
@@ -254,11 +280,14 @@ class Accounting:
         """Per `width_s` from `started`, by answer time: ok, each other status, p50/p99
         of OK latency (ms); by send time: sent and (later) unanswered."""
         events = self.events()
-        last = max([until or 0.0, *(e[0] for e in events), *(r.sent_at for r in self.records.values())],
-                   default=self.started)
+        last = max(
+            [until or 0.0, *(e[0] for e in events), *(r.sent_at for r in self.records.values())], default=self.started
+        )
         count = int((last - self.started) // width_s) + 1
-        rows = [{"t_s": i * width_s, "sent": 0, "ok": 0, "status": {}, "unanswered": 0, "latencies": []}
-                for i in range(count)]
+        rows = [
+            {"t_s": i * width_s, "sent": 0, "ok": 0, "status": {}, "unanswered": 0, "latencies": []}
+            for i in range(count)
+        ]
         for r in self.records.values():
             row = rows[min(count - 1, max(0, int((r.sent_at - self.started) // width_s)))]
             row["sent"] += 1
@@ -278,9 +307,16 @@ class Accounting:
         return rows
 
 
-def recovery(accounting: Accounting, fault_at: float, window_s: float = 1.0, factor: float = 1.5,
-             baseline_s: float = 10.0, baseline_until: float | None = None, step_s: float = 0.1,
-             min_ok: int = 5) -> dict:
+def recovery(
+    accounting: Accounting,
+    fault_at: float,
+    window_s: float = 1.0,
+    factor: float = 1.5,
+    baseline_s: float = 10.0,
+    baseline_until: float | None = None,
+    step_s: float = 0.1,
+    min_ok: int = 5,
+) -> dict:
     """After a fault at `fault_at` (time.monotonic()): first_ok_s, from the fault to
     the first OK answer to a request sent at or after it; p99_back_s, from the fault
     to the end of the first window of `window_s` (sliding by step_s, by answer time)
@@ -290,11 +326,16 @@ def recovery(accounting: Accounting, fault_at: float, window_s: float = 1.0, fac
     None where it never happened in the run; p99_back_s is window_s at the least."""
     events = accounting.events()
     until = fault_at if baseline_until is None else baseline_until
-    before = sorted(latency for at, status, latency in events
-                    if status == "OK" and until - baseline_s <= at < until)
+    before = sorted(latency for at, status, latency in events if status == "OK" and until - baseline_s <= at < until)
     p99_before = _percentile(before, 0.99)
-    first_ok = next((at - fault_at for at, status, latency in events
-                     if status == "OK" and at >= fault_at and at - latency >= fault_at), None)
+    first_ok = next(
+        (
+            at - fault_at
+            for at, status, latency in events
+            if status == "OK" and at >= fault_at and at - latency >= fault_at
+        ),
+        None,
+    )
     p99_back = None
     after = [(at, status, latency) for at, status, latency in events if at >= fault_at]
     if p99_before is not None and after:
@@ -310,8 +351,11 @@ def recovery(accounting: Accounting, fault_at: float, window_s: float = 1.0, fac
                 p99_back = start + window_s - fault_at
                 break
             start += step_s
-    return {"first_ok_s": first_ok, "p99_back_s": p99_back,
-            "p99_before_ms": None if p99_before is None else 1000 * p99_before}
+    return {
+        "first_ok_s": first_ok,
+        "p99_back_s": p99_back,
+        "p99_before_ms": None if p99_before is None else 1000 * p99_before,
+    }
 
 
 class Reference:
@@ -340,7 +384,7 @@ class Reference:
             runner = self._runners[key] = self._runner(model, version)
         rows: list[np.ndarray] = []
         for start in range(0, len(inputs), 32):
-            rows.extend(runner(inputs[start:start + 32]))
+            rows.extend(runner(inputs[start : start + 32]))
         return rows
 
     def _runner(self, model: str, version: str):
@@ -384,7 +428,6 @@ class LoadResult:
     accounting: Accounting
 
 
-
 @dataclasses.dataclass(slots=True)
 class Outgoing:
     """A request about to leave, with what its answer is checked against."""
@@ -403,10 +446,14 @@ class Inputs:
         self.config = config
         self.tag = tag
         rng = random.Random(config.seed)
-        self.repeat_texts = [f"Hello, {rng.choice(SUBJECTS)} {rng.choice(PROBLEMS)}, {rng.choice(ASKS)}? (repeat {k})"
-                             for k in range(config.repeat_pool)]
-        self.repeat_rows = [np.random.default_rng(1000 + k).standard_normal(MLP_WIDTH).astype(np.float32)
-                            for k in range(config.repeat_pool)]
+        self.repeat_texts = [
+            f"Hello, {rng.choice(SUBJECTS)} {rng.choice(PROBLEMS)}, {rng.choice(ASKS)}? (repeat {k})"
+            for k in range(config.repeat_pool)
+        ]
+        self.repeat_rows = [
+            np.random.default_rng(1000 + k).standard_normal(MLP_WIDTH).astype(np.float32)
+            for k in range(config.repeat_pool)
+        ]
 
     def caller(self, caller: int):
         """An endless sequence of (model, input, repeat, check) for one caller."""
@@ -419,8 +466,10 @@ class Inputs:
                 k = rng.randrange(config.repeat_pool)
                 yield model, self.repeat_texts[k] if model == "minilm" else self.repeat_rows[k], True, True
             elif model == "minilm":
-                text = (f"Hello, {rng.choice(SUBJECTS)} {rng.choice(PROBLEMS)}, {rng.choice(ASKS)}? "
-                        f"(chaos {self.tag} {caller}-{n})")
+                text = (
+                    f"Hello, {rng.choice(SUBJECTS)} {rng.choice(PROBLEMS)}, {rng.choice(ASKS)}? "
+                    f"(chaos {self.tag} {caller}-{n})"
+                )
                 yield model, text, False, n % config.check_every == 0
             else:
                 yield model, rows.standard_normal(MLP_WIDTH).astype(np.float32), False, n % config.check_every == 0
@@ -436,8 +485,14 @@ class ChaosLoad:
     for (see Accounting). `metadata_by_tier` holds the gRPC metadata of a VIP and
     of a standard tenant ({"vip": ..., "standard": ...})."""
 
-    def __init__(self, address: str, config: LoadConfig, metadata_by_tier: dict[str, Metadata],
-                 channel_credentials: grpc.ChannelCredentials | None = None, reference: Reference | None = None):
+    def __init__(
+        self,
+        address: str,
+        config: LoadConfig,
+        metadata_by_tier: dict[str, Metadata],
+        channel_credentials: grpc.ChannelCredentials | None = None,
+        reference: Reference | None = None,
+    ):
         missing = {"vip", "standard"} - set(metadata_by_tier)
         if missing:
             raise ValueError(f"metadata_by_tier has no {sorted(missing)}: give each tier's tenant credentials")
@@ -465,8 +520,10 @@ class ChaosLoad:
         if self.channel_credentials is None:
             channels = [grpc.aio.insecure_channel(self.address, options=options) for _ in range(config.channels)]
         else:
-            channels = [grpc.aio.secure_channel(self.address, self.channel_credentials, options=options)
-                        for _ in range(config.channels)]
+            channels = [
+                grpc.aio.secure_channel(self.address, self.channel_credentials, options=options)
+                for _ in range(config.channels)
+            ]
         streams = _spread(config.callers, config.stream_share)
         # VIP callers spread over both kinds: a share of the streams, and of the unary callers.
         vip_streams = iter(_spread(sum(streams), config.vip_share))
@@ -474,8 +531,14 @@ class ChaosLoad:
         vips = [next(vip_streams) if stream else next(vip_unary) for stream in streams]
         self.accounting.started = time.monotonic()
         self.started.set()
-        callers = [asyncio.create_task((self._stream_caller if streams[i] else self._unary_caller)(
-            i, channels[i % len(channels)], "vip" if vips[i] else "standard")) for i in range(config.callers)]
+        callers = [
+            asyncio.create_task(
+                (self._stream_caller if streams[i] else self._unary_caller)(
+                    i, channels[i % len(channels)], "vip" if vips[i] else "standard"
+                )
+            )
+            for i in range(config.callers)
+        ]
         timer = asyncio.get_running_loop().call_later(duration_s, self._stopping.set)
         try:
             await asyncio.gather(*callers)
@@ -491,9 +554,13 @@ class ChaosLoad:
         if check:
             reference = self.reference or Reference()
             await asyncio.to_thread(self.accounting.check, reference)
-        return LoadResult(self.accounting.started, ended,
-                          self.accounting.totals(late_after_s=config.timeout_s + config.answer_grace_s),
-                          self.accounting.buckets(until=ended), self.accounting)
+        return LoadResult(
+            self.accounting.started,
+            ended,
+            self.accounting.totals(late_after_s=config.timeout_s + config.answer_grace_s),
+            self.accounting.buckets(until=ended),
+            self.accounting,
+        )
 
     # -- requests and answers -----------------------------------------------------------
     def _outgoing(self, inputs, caller: int, n: int, tier: str, kind: str) -> Outgoing:
@@ -522,7 +589,9 @@ class ChaosLoad:
         output = _output(response, OUTPUT[record.model])
         width = 384 if record.model == "minilm" else MLP_WIDTH
         if output is None or output.shape != (1, width):
-            record.wrong = f"output {OUTPUT[record.model]} missing or of shape {None if output is None else output.shape}"
+            record.wrong = (
+                f"output {OUTPUT[record.model]} missing or of shape {None if output is None else output.shape}"
+            )
             return
         if outgoing.check:
             model, version = record.model, response.model_version
@@ -531,8 +600,11 @@ class ChaosLoad:
             self.accounting.keep_sample(record.id, Sample(model, version, outgoing.input, output[0].copy()))
 
     async def _unary_caller(self, caller: int, channel: grpc.aio.Channel, tier: str) -> None:
-        infer = channel.unary_unary(UNARY, request_serializer=pb.ModelInferRequest.SerializeToString,
-                                    response_deserializer=pb.ModelInferResponse.FromString)
+        infer = channel.unary_unary(
+            UNARY,
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
         metadata = self.metadata_by_tier[tier]
         inputs = self._inputs.caller(caller)
         for n in itertools.count():
@@ -551,8 +623,11 @@ class ChaosLoad:
 
     async def _stream_caller(self, caller: int, channel: grpc.aio.Channel, tier: str) -> None:
         """One stream at a time; a new one after a stream ends, until the load stops."""
-        method = channel.stream_stream(STREAM, request_serializer=pb.ModelInferRequest.SerializeToString,
-                                       response_deserializer=pb.ModelStreamInferResponse.FromString)
+        method = channel.stream_stream(
+            STREAM,
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelStreamInferResponse.FromString,
+        )
         inputs = self._inputs.caller(caller)
         numbers = itertools.count()
         while not self._stopping.is_set():

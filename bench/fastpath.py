@@ -49,8 +49,20 @@ import onnxruntime as ort
 
 from bench.bare import REFUSE
 from bench.bare import start as start_bare
-from bench.report import (chosen_seed, cpu_times, goal_verdict, machine, phase_order, process_cpu_s, progress, pyplot, save_figure,
-                          seed_argument, steal_share, write)
+from bench.report import (
+    chosen_seed,
+    cpu_times,
+    goal_verdict,
+    machine,
+    phase_order,
+    process_cpu_s,
+    progress,
+    pyplot,
+    save_figure,
+    seed_argument,
+    steal_share,
+    write,
+)
 from bench.workload import ghz_unique_template, run_ghz
 from services.common.metrics import scrape
 from services.launcher.mesh import Mesh, MeshConfig
@@ -65,8 +77,13 @@ def mlp_template(tag: str, model: str = "mlp") -> str:
     """A ghz -d body for mlp whose 256 input bytes (64 FP32 values) differ on
     every call: the tag and ghz's request number, zero-padded, as raw bytes."""
     digits = f"{{{{ printf `{tag}-%0{255 - len(tag)}d` .RequestNumber | b64enc }}}}"
-    return json.dumps({"model_name": model, "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 64]}],
-                       "raw_input_contents": [digits]})
+    return json.dumps(
+        {
+            "model_name": model,
+            "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 64]}],
+            "raw_input_contents": [digits],
+        }
+    )
 
 
 def idle_gap_cost(model: pathlib.Path, calls: int = 400, gap_s: float = 0.003) -> dict:
@@ -96,8 +113,9 @@ def ghz_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def load(address: str, data: str, total: int, callers: int, pids: dict[str, list[int]],
-         seconds: float | None = None) -> dict:
+def load(
+    address: str, data: str, total: int, callers: int, pids: dict[str, list[int]], seconds: float | None = None
+) -> dict:
     """One ghz run of `total` calls (or of `seconds`) from `callers` workers
     (closed loop), with the CPU seconds each named group of processes spent per call."""
     before = {name: sum(process_cpu_s(pid) for pid in group) for name, group in pids.items()}
@@ -107,11 +125,15 @@ def load(address: str, data: str, total: int, callers: int, pids: dict[str, list
     after = {name: sum(process_cpu_s(pid) for pid in group) for name, group in pids.items()}
     calls = report["count"]
     latency = {p["percentage"]: p["latency"] / 1e6 for p in report.get("latencyDistribution") or ()}
-    return {"rps": report["rps"], "codes": report["statusCodeDistribution"],
-            "p50_ms": latency.get(50), "p99_ms": latency.get(99),
-            "cpu_us": {name: 1e6 * (after[name] - before[name]) / calls for name in pids},
-            "ghz_cpu_us": 1e6 * (ghz_after - ghz_before) / calls,
-            "steal": steal_share(machine_before, machine_after)}
+    return {
+        "rps": report["rps"],
+        "codes": report["statusCodeDistribution"],
+        "p50_ms": latency.get(50),
+        "p99_ms": latency.get(99),
+        "cpu_us": {name: 1e6 * (after[name] - before[name]) / calls for name in pids},
+        "ghz_cpu_us": 1e6 * (ghz_after - ghz_before) / calls,
+        "steal": steal_share(machine_before, machine_after),
+    }
 
 
 def mesh_pids(mesh: Mesh) -> dict[str, list[int]]:
@@ -125,12 +147,21 @@ def mesh_pids(mesh: Mesh) -> dict[str, list[int]]:
 def cache_traffic(mesh: Mesh) -> tuple[float, float]:
     """(lookups answered, bytes stored) so far, from the cache service itself."""
     scraped = scrape(mesh.metrics_url("cache"))
-    return (sum(v for (n, _), v in scraped.items() if n == "infermesh_cache_lookups_total"),
-            sum(v for (n, _), v in scraped.items() if n == "infermesh_cache_stored_bytes_total"))
+    return (
+        sum(v for (n, _), v in scraped.items() if n == "infermesh_cache_lookups_total"),
+        sum(v for (n, _), v in scraped.items() if n == "infermesh_cache_stored_bytes_total"),
+    )
 
 
-def one_run(run: int, meshes: dict[str, Mesh], bare: tuple[int, str], chain: tuple[list[int], str], flood: Mesh,
-            seconds: float, seed: int) -> tuple[dict, list[str]]:
+def one_run(
+    run: int,
+    meshes: dict[str, Mesh],
+    bare: tuple[int, str],
+    chain: tuple[list[int], str],
+    flood: Mesh,
+    seconds: float,
+    seed: int,
+) -> tuple[dict, list[str]]:
     """Every phase once, in an order shuffled by (seed, run); each 64-caller
     phase lasts `seconds`, each 1-caller one 1500 calls."""
     bare_pid, bare_address = bare
@@ -146,8 +177,11 @@ def one_run(run: int, meshes: dict[str, Mesh], bare: tuple[int, str], chain: tup
             else:
                 cell = result[key] = load(address, data, 1500, callers, pids)
             cpu = ", ".join(f"{name} {us:.0f}" for name, us in cell["cpu_us"].items())
-            progress(f"run {run}: {key}: {cell['rps']:.0f}/s, p50 {cell['p50_ms'] or 0:.2f} ms, CPU µs per call: "
-                     f"{cpu}, ghz {cell['ghz_cpu_us']:.0f}; {cell['codes']}")
+            progress(
+                f"run {run}: {key}: {cell['rps']:.0f}/s, p50 {cell['p50_ms'] or 0:.2f} ms, CPU µs per call: "
+                f"{cpu}, ghz {cell['ghz_cpu_us']:.0f}; {cell['codes']}"
+            )
+
         return key, measure
 
     def through_mesh(name: str, target: Mesh):
@@ -156,14 +190,18 @@ def one_run(run: int, meshes: dict[str, Mesh], bare: tuple[int, str], chain: tup
         def with_cache_traffic():
             lookups_before = cache_traffic(target)
             measure()
-            result[name]["cache_traffic"] = [after - before for after, before in
-                                             zip(cache_traffic(target), lookups_before)]
+            result[name]["cache_traffic"] = [
+                after - before for after, before in zip(cache_traffic(target), lookups_before)
+            ]
+
         return key, with_cache_traffic
 
     def idle_gap():
         result["idle_gap"] = idle_gap_cost(ROOT / "build" / "models" / "mlp" / "1" / "model.onnx")
-        progress(f"run {run}: an mlp run in-process: {result['idle_gap']['back_to_back_us']:.0f} µs back to back, "
-                 f"{result['idle_gap']['after_gap_us']:.0f} µs after a 3 ms pause")
+        progress(
+            f"run {run}: an mlp run in-process: {result['idle_gap']['back_to_back_us']:.0f} µs back to back, "
+            f"{result['idle_gap']['after_gap_us']:.0f} µs after a 3 ms pause"
+        )
 
     phases = [
         phase("bare", bare_address, mlp_template(tag), CALLERS, {"bare": [bare_pid]}),
@@ -191,10 +229,12 @@ def summarise(runs: list[dict]) -> dict:
         cells = [r[key] for r in runs]
         summary[key] = {
             "rps": med(c["rps"] for c in cells),
-            "p50_ms": med(c["p50_ms"] for c in cells if c["p50_ms"] is not None) if any(
-                c["p50_ms"] is not None for c in cells) else None,
-            "p99_ms": med(c["p99_ms"] for c in cells if c["p99_ms"] is not None) if any(
-                c["p99_ms"] is not None for c in cells) else None,
+            "p50_ms": med(c["p50_ms"] for c in cells if c["p50_ms"] is not None)
+            if any(c["p50_ms"] is not None for c in cells)
+            else None,
+            "p99_ms": med(c["p99_ms"] for c in cells if c["p99_ms"] is not None)
+            if any(c["p99_ms"] is not None for c in cells)
+            else None,
             "cpu_us": {name: med(c["cpu_us"][name] for c in cells) for name in cells[0]["cpu_us"]},
             "ghz_cpu_us": med(c["ghz_cpu_us"] for c in cells),
             "codes": _summed([c["codes"] for c in cells]),
@@ -209,8 +249,9 @@ def summarise(runs: list[dict]) -> dict:
         "p50_over_chain_ms": [r["mesh_1"]["p50_ms"] - r["chain_1"]["p50_ms"] for r in runs],
         "chain_p50_over_bare_ms": [r["chain_1"]["p50_ms"] - r["bare_1"]["p50_ms"] for r in runs],
         "mesh_over_chain": [r["mesh"]["rps"] / r["chain"]["rps"] for r in runs],
-        "flood_refused_share": [1 - r["router_flooded"]["codes"].get("OK", 0) / sum(r["router_flooded"]["codes"].values())
-                                for r in runs],
+        "flood_refused_share": [
+            1 - r["router_flooded"]["codes"].get("OK", 0) / sum(r["router_flooded"]["codes"].values()) for r in runs
+        ],
     }
     summary["ratios"] = {key: {"median": med(values), "runs": values} for key, values in per_run.items()}
     steals = [c["steal"] for r in runs for k, c in r.items() if k != "idle_gap" and c.get("steal") is not None]
@@ -227,68 +268,95 @@ def _summed(distributions: list[dict]) -> dict:
     return total
 
 
-LABELS = {"bare": "bare grpc.aio server", "chain": "three bare servers in series", "mesh": "mesh, one router",
-          "mesh_2_routers": "mesh, two routers"}
+LABELS = {
+    "bare": "bare grpc.aio server",
+    "chain": "three bare servers in series",
+    "mesh": "mesh, one router",
+    "mesh_2_routers": "mesh, two routers",
+}
 
 
 def markdown(report: dict) -> str:
     s = report["summary"]
     ratios = s["ratios"]
-    steal = ("" if s["steal_median"] is None else
-             f" The hypervisor took {s['steal_median']:.0%} of the CPU at the median phase (at most {s['steal_max']:.0%}).")
-    lines = [f"Machine: {report['machine']}. Command: `{report['command']}`. Medians of {report['runs']} runs on "
-             f"{report['date']}, each run's phases in an order shuffled with seed {report.get('seed', '?')}; ratios "
-             f"are taken within each run.{steal}", "",
-             f"**mlp, distinct inputs, ghz at {CALLERS} callers (closed loop)**", "",
-             "| path | requests/s | p50 ms | p99 ms | CPU µs per request: " + ", ".join(SERVICES) + " | mesh total | ghz |",
-             "|---|---|---|---|---|---|---|"]
+    steal = (
+        ""
+        if s["steal_median"] is None
+        else f" The hypervisor took {s['steal_median']:.0%} of the CPU at the median phase (at most {s['steal_max']:.0%})."
+    )
+    lines = [
+        f"Machine: {report['machine']}. Command: `{report['command']}`. Medians of {report['runs']} runs on "
+        f"{report['date']}, each run's phases in an order shuffled with seed {report.get('seed', '?')}; ratios "
+        f"are taken within each run.{steal}",
+        "",
+        f"**mlp, distinct inputs, ghz at {CALLERS} callers (closed loop)**",
+        "",
+        "| path | requests/s | p50 ms | p99 ms | CPU µs per request: " + ", ".join(SERVICES) + " | mesh total | ghz |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for key in ("bare", "chain", "mesh", "mesh_2_routers"):
         cell = s[key]
         cpu = cell["cpu_us"]
-        parts = {"bare": lambda: f"{cpu['bare']:.0f} (the server)",
-                 "chain": lambda: f"{cpu['chain']:.0f} (the three servers)"}.get(
-            key, lambda: " / ".join(f"{cpu[name]:.0f}" if name in cpu else "–" for name in SERVICES))()
+        parts = {
+            "bare": lambda: f"{cpu['bare']:.0f} (the server)",
+            "chain": lambda: f"{cpu['chain']:.0f} (the three servers)",
+        }.get(key, lambda: " / ".join(f"{cpu[name]:.0f}" if name in cpu else "–" for name in SERVICES))()
         total = f"{sum(cpu.values()):.0f}" if key not in ("bare", "chain") else "–"
-        lines.append(f"| {LABELS[key]} | {cell['rps']:.0f} | {cell['p50_ms']:.2f} | {cell['p99_ms']:.2f} | {parts} "
-                     f"| {total} | {cell['ghz_cpu_us']:.0f} |")
+        lines.append(
+            f"| {LABELS[key]} | {cell['rps']:.0f} | {cell['p50_ms']:.2f} | {cell['p99_ms']:.2f} | {parts} "
+            f"| {total} | {cell['ghz_cpu_us']:.0f} |"
+        )
     lookups, stored = s["mesh"]["cache_traffic"]
-    lines += ["",
-              f"- Mesh over bare server: **×{ratios['mesh_over_bare']['median']:.2f}** "
-              f"(runs: {', '.join(f'{v:.2f}' for v in ratios['mesh_over_bare']['runs'])}; goal ≥ 0.6: "
-              f"{goal_verdict(ratios['mesh_over_bare']['runs'], lambda v: v >= 0.6)}); "
-              f"over three bare servers in series: ×{ratios['mesh_over_chain']['median']:.2f}.",
-              f"- Whole-mesh CPU per request: **{ratios['mesh_cpu_us']['median']:.0f} µs** "
-              f"(runs: {', '.join(f'{v:.0f}' for v in ratios['mesh_cpu_us']['runs'])}; goal ≤ {GOAL_CPU_US}: "
-              f"{goal_verdict(ratios['mesh_cpu_us']['runs'], lambda v: v <= GOAL_CPU_US)}).",
-              f"- Two router processes over one: ×{ratios['two_routers_over_one']['median']:.2f} "
-              f"(runs: {', '.join(f'{v:.2f}' for v in ratios['two_routers_over_one']['runs'])}).",
-              f"- Cache traffic during the mesh's mlp phases (bypass engaged), all runs: {lookups:.0f} lookups, "
-              f"{stored:.0f} bytes stored.",
-              "", "**One caller**", "",
-              "| path | p50 ms | p99 ms |", "|---|---|---|",
-              f"| bare grpc.aio server | {s['bare_1']['p50_ms']:.3f} | {s['bare_1']['p99_ms']:.3f} |",
-              f"| three bare servers in series | {s['chain_1']['p50_ms']:.3f} | {s['chain_1']['p99_ms']:.3f} |",
-              f"| mesh | {s['mesh_1']['p50_ms']:.3f} | {s['mesh_1']['p99_ms']:.3f} |", "",
-              f"- Mesh p50 above the bare server's: **{ratios['p50_over_bare_ms']['median']:.3f} ms** "
-              f"(runs: {', '.join(f'{v:.3f}' for v in ratios['p50_over_bare_ms']['runs'])}; goal ≤ 0.5: "
-              f"{goal_verdict(ratios['p50_over_bare_ms']['runs'], lambda v: v <= 0.5)}); "
-              f"above three bare servers in series: {ratios['p50_over_chain_ms']['median']:.3f} ms "
-              f"(runs: {', '.join(f'{v:.3f}' for v in ratios['p50_over_chain_ms']['runs'])}). The chain itself is "
-              f"{ratios['chain_p50_over_bare_ms']['median']:.3f} ms above one bare server.",
-              f"- What an idle gap costs this machine: an mlp run in-process takes "
-              f"{s['idle_gap']['back_to_back_us']:.0f} µs back to back and {s['idle_gap']['after_gap_us']:.0f} µs "
-              f"after a 3 ms pause (medians); at one caller each process of the path wakes from such a pause.",
-              "", f"**Refusals, {CALLERS} callers**", "",
-              "| what | calls/s | CPU µs per call | answers |", "|---|---|---|---|"]
-    for key, label, cpu_key in (("bare_refused", "bare grpc.aio server: RESOURCE_EXHAUSTED", "bare"),
-                                ("router_not_found", "router: unknown model (NOT_FOUND)", "router"),
-                                ("router_flooded", "router: minilm flood, one-place standard queue", "router")):
+    lines += [
+        "",
+        f"- Mesh over bare server: **×{ratios['mesh_over_bare']['median']:.2f}** "
+        f"(runs: {', '.join(f'{v:.2f}' for v in ratios['mesh_over_bare']['runs'])}; goal ≥ 0.6: "
+        f"{goal_verdict(ratios['mesh_over_bare']['runs'], lambda v: v >= 0.6)}); "
+        f"over three bare servers in series: ×{ratios['mesh_over_chain']['median']:.2f}.",
+        f"- Whole-mesh CPU per request: **{ratios['mesh_cpu_us']['median']:.0f} µs** "
+        f"(runs: {', '.join(f'{v:.0f}' for v in ratios['mesh_cpu_us']['runs'])}; goal ≤ {GOAL_CPU_US}: "
+        f"{goal_verdict(ratios['mesh_cpu_us']['runs'], lambda v: v <= GOAL_CPU_US)}).",
+        f"- Two router processes over one: ×{ratios['two_routers_over_one']['median']:.2f} "
+        f"(runs: {', '.join(f'{v:.2f}' for v in ratios['two_routers_over_one']['runs'])}).",
+        f"- Cache traffic during the mesh's mlp phases (bypass engaged), all runs: {lookups:.0f} lookups, "
+        f"{stored:.0f} bytes stored.",
+        "",
+        "**One caller**",
+        "",
+        "| path | p50 ms | p99 ms |",
+        "|---|---|---|",
+        f"| bare grpc.aio server | {s['bare_1']['p50_ms']:.3f} | {s['bare_1']['p99_ms']:.3f} |",
+        f"| three bare servers in series | {s['chain_1']['p50_ms']:.3f} | {s['chain_1']['p99_ms']:.3f} |",
+        f"| mesh | {s['mesh_1']['p50_ms']:.3f} | {s['mesh_1']['p99_ms']:.3f} |",
+        "",
+        f"- Mesh p50 above the bare server's: **{ratios['p50_over_bare_ms']['median']:.3f} ms** "
+        f"(runs: {', '.join(f'{v:.3f}' for v in ratios['p50_over_bare_ms']['runs'])}; goal ≤ 0.5: "
+        f"{goal_verdict(ratios['p50_over_bare_ms']['runs'], lambda v: v <= 0.5)}); "
+        f"above three bare servers in series: {ratios['p50_over_chain_ms']['median']:.3f} ms "
+        f"(runs: {', '.join(f'{v:.3f}' for v in ratios['p50_over_chain_ms']['runs'])}). The chain itself is "
+        f"{ratios['chain_p50_over_bare_ms']['median']:.3f} ms above one bare server.",
+        f"- What an idle gap costs this machine: an mlp run in-process takes "
+        f"{s['idle_gap']['back_to_back_us']:.0f} µs back to back and {s['idle_gap']['after_gap_us']:.0f} µs "
+        f"after a 3 ms pause (medians); at one caller each process of the path wakes from such a pause.",
+        "",
+        f"**Refusals, {CALLERS} callers**",
+        "",
+        "| what | calls/s | CPU µs per call | answers |",
+        "|---|---|---|---|",
+    ]
+    for key, label, cpu_key in (
+        ("bare_refused", "bare grpc.aio server: RESOURCE_EXHAUSTED", "bare"),
+        ("router_not_found", "router: unknown model (NOT_FOUND)", "router"),
+        ("router_flooded", "router: minilm flood, one-place standard queue", "router"),
+    ):
         cell = s[key]
         lines.append(f"| {label} | {cell['rps']:.0f} | {cell['cpu_us'][cpu_key]:.0f} | {cell['codes']} |")
     lines.append("")
-    lines.append(f"- Share of the flood refused: {ratios['flood_refused_share']['median']:.1%}; in the flood the "
-                 f"batcher spent {s['router_flooded']['cpu_us']['batcher']:.0f} µs and the model server "
-                 f"{s['router_flooded']['cpu_us']['model_server']:.0f} µs per call.")
+    lines.append(
+        f"- Share of the flood refused: {ratios['flood_refused_share']['median']:.1%}; in the flood the "
+        f"batcher spent {s['router_flooded']['cpu_us']['batcher']:.0f} µs and the model server "
+        f"{s['router_flooded']['cpu_us']['model_server']:.0f} µs per call."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -297,8 +365,12 @@ def plot(report: dict, path: pathlib.Path) -> None:
     s = report["summary"]
     fig, (rate, cpu, latency) = plt.subplots(1, 3, figsize=(13, 4))
     keys = ("bare", "chain", "mesh", "mesh_2_routers")
-    short = {"bare": "bare\nserver", "chain": "3 bare\nin series", "mesh": "mesh,\none router",
-             "mesh_2_routers": "mesh,\ntwo routers"}
+    short = {
+        "bare": "bare\nserver",
+        "chain": "3 bare\nin series",
+        "mesh": "mesh,\none router",
+        "mesh_2_routers": "mesh,\ntwo routers",
+    }
     rate.bar([short[k] for k in keys], [s[k]["rps"] for k in keys], color=["#8c8c8c", "#bdbdbd", "#4c72b0", "#55a868"])
     rate.set(ylabel="requests / s", title=f"mlp at {CALLERS} callers")
     bottom = 0.0
@@ -311,9 +383,11 @@ def plot(report: dict, path: pathlib.Path) -> None:
     cpu.axhline(GOAL_CPU_US, color="#c44e52", linestyle="--", linewidth=1, label=f"goal {GOAL_CPU_US} µs")
     cpu.set(ylabel="CPU µs per request", title="where the CPU goes")
     cpu.legend(fontsize=7)
-    latency.bar(["bare\np50", "chain\np50", "mesh\np50", "bare\np99", "chain\np99", "mesh\np99"],
-                [s[k][q] for q in ("p50_ms", "p99_ms") for k in ("bare_1", "chain_1", "mesh_1")],
-                color=["#8c8c8c", "#bdbdbd", "#4c72b0"] * 2)
+    latency.bar(
+        ["bare\np50", "chain\np50", "mesh\np50", "bare\np99", "chain\np99", "mesh\np99"],
+        [s[k][q] for q in ("p50_ms", "p99_ms") for k in ("bare_1", "chain_1", "mesh_1")],
+        color=["#8c8c8c", "#bdbdbd", "#4c72b0"] * 2,
+    )
     latency.set(ylabel="ms", title="one caller")
     save_figure(fig, path, report, "the mesh's own cost per request")
 
@@ -326,9 +400,24 @@ def flame_graphs(mesh: Mesh, out: pathlib.Path, seconds: float, rate: float) -> 
         if name == "redis":
             continue
         target = out / f"flame-{name}.svg"
-        recorder = subprocess.Popen([str(py_spy), "record", "--pid", str(process.popen.pid), "--output", str(target),
-                                     "--rate", "100", "--nonblocking", "--duration", str(int(seconds))],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        recorder = subprocess.Popen(
+            [
+                str(py_spy),
+                "record",
+                "--pid",
+                str(process.popen.pid),
+                "--output",
+                str(target),
+                "--rate",
+                "100",
+                "--nonblocking",
+                "--duration",
+                str(int(seconds)),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         time.sleep(1.0)  # py-spy attaches
         run_ghz(mesh.router, mlp_template(f"flame{name}"), int(seconds * rate), CALLERS, timeout_s=30)
         _, stderr = recorder.communicate(timeout=seconds + 30)
@@ -358,10 +447,15 @@ def main() -> int:
     for _ in range(2):
         chain.insert(0, start_bare(ROOT, forward=chain[0][1]))
     try:
-        with Mesh(MeshConfig(models=models, log_dir=logs / "one")) as one, \
-                Mesh(MeshConfig(models=models, log_dir=logs / "two", routers=2)) as two, \
-                Mesh(MeshConfig(models=models, log_dir=logs / "flood", cache=False,
-                     batcher_args=("--standard-max-queue-size", "1"))) as flood:
+        with (
+            Mesh(MeshConfig(models=models, log_dir=logs / "one")) as one,
+            Mesh(MeshConfig(models=models, log_dir=logs / "two", routers=2)) as two,
+            Mesh(
+                MeshConfig(
+                    models=models, log_dir=logs / "flood", cache=False, batcher_args=("--standard-max-queue-size", "1")
+                )
+            ) as flood,
+        ):
             meshes = {"mesh": one, "mesh_2_routers": two}
             progress(f"bare server {bare_address}, meshes up (logs in {logs}); warming up until the bypass engages")
             for mesh in meshes.values():  # past the bypass window (500 lookups) with unique inputs
@@ -380,10 +474,17 @@ def main() -> int:
         for process in [bare, *(process for process, _ in chain)]:
             process.kill()
             process.wait()
-    report = {"machine": machine(), "command": "python -m bench.fastpath " + " ".join(sys.argv[1:]),
-              "runs": len(runs), "seed": seed, "orders": orders, "date": time.strftime("%Y-%m-%d"),
-              "summary": summarise(runs),
-              "flame_graphs": flames, "raw": runs}
+    report = {
+        "machine": machine(),
+        "command": "python -m bench.fastpath " + " ".join(sys.argv[1:]),
+        "runs": len(runs),
+        "seed": seed,
+        "orders": orders,
+        "date": time.strftime("%Y-%m-%d"),
+        "summary": summarise(runs),
+        "flame_graphs": flames,
+        "raw": runs,
+    }
     write(args.out, "fastpath", report, markdown(report), plot)
     return 0
 

@@ -34,8 +34,20 @@ import tempfile
 import time
 
 from bench import budgets, fairness
-from bench.report import (chosen_seed, cpu_times, goal_verdict, machine, phase_order, process_cpu_s, progress,
-                          seed_argument, span, spread, steal_share, write)
+from bench.report import (
+    chosen_seed,
+    cpu_times,
+    goal_verdict,
+    machine,
+    phase_order,
+    process_cpu_s,
+    progress,
+    seed_argument,
+    span,
+    spread,
+    steal_share,
+    write,
+)
 from services.launcher.mesh import Mesh, MeshConfig
 from services.router.limits import RequestLimits
 from tools import fuzz_oip, pathological
@@ -49,6 +61,7 @@ IDLE = "idle"
 
 # ---------------------------------------------------------------- the pinger (its own process)
 
+
 def pinger(address: str, seconds: float) -> dict:
     """Probes `address` for `seconds`; latencies in ms of each kind, and failures."""
     import grpc
@@ -59,9 +72,14 @@ def pinger(address: str, seconds: float) -> dict:
     with grpc.insecure_channel(address) as channel:
         live = pb_grpc.GRPCInferenceServiceStub(channel).ServerLive
         check = health_pb2_grpc.HealthStub(channel).Check
-        probes = {"ServerLive": (live, pb.ServerLiveRequest(), lambda r: r.live),
-                  "Check": (check, health_pb2.HealthCheckRequest(),
-                            lambda r: r.status == health_pb2.HealthCheckResponse.SERVING)}
+        probes = {
+            "ServerLive": (live, pb.ServerLiveRequest(), lambda r: r.live),
+            "Check": (
+                check,
+                health_pb2.HealthCheckRequest(),
+                lambda r: r.status == health_pb2.HealthCheckResponse.SERVING,
+            ),
+        }
         for method, request, _ in probes.values():
             method(request, timeout=10)  # the connection is up before the clock starts
         out = {name: {"ms": [], "failed": 0} for name in probes}
@@ -94,6 +112,7 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 # ---------------------------------------------------------------- section: health under flood
 
+
 async def _flood(address: str, attack: pathological.Attack | None, seconds: float) -> dict:
     """Back-to-back requests of `attack` for `seconds` (none for the idle phase)."""
     import grpc
@@ -105,8 +124,11 @@ async def _flood(address: str, attack: pathological.Attack | None, seconds: floa
         await asyncio.sleep(seconds)
         return {"codes": codes, "unnamed": unnamed, "sent": 0}
     async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
-        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
-                                    response_deserializer=pb.ModelInferResponse.FromString)
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=None,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
         end = time.perf_counter() + seconds
         sent = 0
         while time.perf_counter() < end:
@@ -123,8 +145,13 @@ async def _flood(address: str, attack: pathological.Attack | None, seconds: floa
 
 
 def _phase(address: str, router_pid: int, attack: pathological.Attack | None, seconds: float) -> dict:
-    probe = subprocess.Popen([sys.executable, "-m", "bench.hardening", "--pinger", address, "--seconds", str(seconds)],
-                             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    probe = subprocess.Popen(
+        [sys.executable, "-m", "bench.hardening", "--pinger", address, "--seconds", str(seconds)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert probe.stdout.readline().strip() == "ready"
     cpu_before, machine_before, started = process_cpu_s(router_pid), cpu_times(), time.perf_counter()
     probe.stdin.write("go\n")
@@ -134,8 +161,13 @@ def _phase(address: str, router_pid: int, attack: pathological.Attack | None, se
     probe.wait()
     wall_s = time.perf_counter() - started
     cpu_s = process_cpu_s(router_pid) - cpu_before
-    row = {"kind": attack.kind if attack else IDLE, "wall_s": wall_s, "router_cpu_s": cpu_s,
-           "steal": steal_share(machine_before, cpu_times()), **flood}
+    row = {
+        "kind": attack.kind if attack else IDLE,
+        "wall_s": wall_s,
+        "router_cpu_s": cpu_s,
+        "steal": steal_share(machine_before, cpu_times()),
+        **flood,
+    }
     for name, got in probes.items():
         row[f"{name}_p50_ms"] = _quantile(got["ms"], 0.5)
         row[f"{name}_p99_ms"] = _quantile(got["ms"], 0.99)
@@ -150,7 +182,10 @@ def health_under_flood(runs: int, seconds: float, seed: int, scale: float, model
     rows = []
     for run in range(runs):
         order = phase_order([IDLE, *attacks], run, seed)
-        with tempfile.TemporaryDirectory() as logs, Mesh(MeshConfig(models=models, log_dir=pathlib.Path(logs), cache=False)) as mesh:
+        with (
+            tempfile.TemporaryDirectory() as logs,
+            Mesh(MeshConfig(models=models, log_dir=pathlib.Path(logs), cache=False)) as mesh,
+        ):
             pid = mesh.processes["router"].popen.pid
             run_rows = []
             for kind in order:
@@ -161,8 +196,12 @@ def health_under_flood(runs: int, seconds: float, seed: int, scale: float, model
             for position, row in enumerate(run_rows):
                 refused = row["codes"].get("INVALID_ARGUMENT", 0)
                 net = row["router_cpu_s"] - idle_rate * row["wall_s"]
-                row.update(run=run, position=position, order=order,
-                           cpu_ms_per_refusal=1000 * net / refused if refused else None)
+                row.update(
+                    run=run,
+                    position=position,
+                    order=order,
+                    cpu_ms_per_refusal=1000 * net / refused if refused else None,
+                )
             rows.extend(run_rows)
     return rows
 
@@ -179,24 +218,33 @@ def summarise_health(rows: list[dict]) -> list[dict]:
         mine = [r for r in rows if r["kind"] == kind]
         failed = sum(r["ServerLive_failed"] + r["Check_failed"] for r in mine)
         worst = [_worst_p99(r) for r in mine]
-        summary.append({
-            "kind": kind,
-            "ServerLive_p99_ms": spread(r["ServerLive_p99_ms"] for r in mine),
-            "Check_p99_ms": spread(r["Check_p99_ms"] for r in mine),
-            "ServerLive_p50_ms": spread(r["ServerLive_p50_ms"] for r in mine),
-            "probes": sum(r["ServerLive_answered"] + r["Check_answered"] for r in mine),
-            "failed_probes": failed,
-            "requests": sum(r["sent"] for r in mine),
-            "refused_naming_field": sum(r["codes"].get("INVALID_ARGUMENT", 0) for r in mine) - sum(r["unnamed"] for r in mine),
-            "other_answers": sum(r["unnamed"] for r in mine),
-            "cpu_ms_per_refusal": spread(r["cpu_ms_per_refusal"] for r in mine),
-            "goal": goal_verdict([w if not (r["ServerLive_failed"] + r["Check_failed"]) else float("inf")
-                                  for w, r in zip(worst, mine)], lambda v: v < GOAL_P99_MS),
-        })
+        summary.append(
+            {
+                "kind": kind,
+                "ServerLive_p99_ms": spread(r["ServerLive_p99_ms"] for r in mine),
+                "Check_p99_ms": spread(r["Check_p99_ms"] for r in mine),
+                "ServerLive_p50_ms": spread(r["ServerLive_p50_ms"] for r in mine),
+                "probes": sum(r["ServerLive_answered"] + r["Check_answered"] for r in mine),
+                "failed_probes": failed,
+                "requests": sum(r["sent"] for r in mine),
+                "refused_naming_field": sum(r["codes"].get("INVALID_ARGUMENT", 0) for r in mine)
+                - sum(r["unnamed"] for r in mine),
+                "other_answers": sum(r["unnamed"] for r in mine),
+                "cpu_ms_per_refusal": spread(r["cpu_ms_per_refusal"] for r in mine),
+                "goal": goal_verdict(
+                    [
+                        w if not (r["ServerLive_failed"] + r["Check_failed"]) else float("inf")
+                        for w, r in zip(worst, mine)
+                    ],
+                    lambda v: v < GOAL_P99_MS,
+                ),
+            }
+        )
     return summary
 
 
 # ---------------------------------------------------------------- section: fuzz counts
+
 
 def fuzz_counts(in_process: int, through_router: int, seed: int) -> list[dict]:
     """One row per place the generated requests went: tools.fuzz_oip's summary."""
@@ -215,48 +263,68 @@ def fuzz_counts(in_process: int, through_router: int, seed: int) -> list[dict]:
 
 # ---------------------------------------------------------------- the report
 
+
 def markdown(report: dict) -> str:
-    lines = ["# Trust and limits\n", f"Machine: {report['machine']}. Command: `{report['command']}`. "
-             f"{report['runs']} run(s), {report['seconds']} s per phase, seed {report['seed']} "
-             f"(phase orders: {'; '.join(' → '.join(o) for o in report['orders'])}).\n"]
+    lines = [
+        "# Trust and limits\n",
+        f"Machine: {report['machine']}. Command: `{report['command']}`. "
+        f"{report['runs']} run(s), {report['seconds']} s per phase, seed {report['seed']} "
+        f"(phase orders: {'; '.join(' → '.join(o) for o in report['orders'])}).\n",
+    ]
     if report.get("health"):
-        lines += ["## Health checks under back-to-back 16 MB pathological requests\n",
-                  f"A pinger process probes every {PROBE_INTERVAL_S * 1000:.0f} ms (ServerLive and grpc.health.v1 "
-                  f"Check in turn, {PROBE_TIMEOUT_S:.0f} s deadline each) while one client sends requests of one "
-                  f"kind back to back. Medians over runs (min–max). Goal: p99 < {GOAL_P99_MS:.0f} ms and no failed "
-                  "probe, in every run. CPU per refusal is the router process's, net of the idle phase's rate.\n",
-                  "| phase | ServerLive p50 ms | ServerLive p99 ms | Check p99 ms | probes | failed | requests | "
-                  "refused naming the field | other answers | router CPU ms per refusal | goal |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Health checks under back-to-back 16 MB pathological requests\n",
+            f"A pinger process probes every {PROBE_INTERVAL_S * 1000:.0f} ms (ServerLive and grpc.health.v1 "
+            f"Check in turn, {PROBE_TIMEOUT_S:.0f} s deadline each) while one client sends requests of one "
+            f"kind back to back. Medians over runs (min–max). Goal: p99 < {GOAL_P99_MS:.0f} ms and no failed "
+            "probe, in every run. CPU per refusal is the router process's, net of the idle phase's rate.\n",
+            "| phase | ServerLive p50 ms | ServerLive p99 ms | Check p99 ms | probes | failed | requests | "
+            "refused naming the field | other answers | router CPU ms per refusal | goal |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for row in report["health"]["summary"]:
-            lines.append(f"| {row['kind']} | {span(row['ServerLive_p50_ms'], '{:.1f}')} | "
-                         f"{span(row['ServerLive_p99_ms'], '{:.1f}')} | {span(row['Check_p99_ms'], '{:.1f}')} | "
-                         f"{row['probes']} | {row['failed_probes']} | {row['requests']} | {row['refused_naming_field']} | "
-                         f"{row['other_answers']} | {span(row['cpu_ms_per_refusal'], '{:.1f}')} | "
-                         f"{row['goal'] if row['kind'] != IDLE else '–'} |")
+            lines.append(
+                f"| {row['kind']} | {span(row['ServerLive_p50_ms'], '{:.1f}')} | "
+                f"{span(row['ServerLive_p99_ms'], '{:.1f}')} | {span(row['Check_p99_ms'], '{:.1f}')} | "
+                f"{row['probes']} | {row['failed_probes']} | {row['requests']} | {row['refused_naming_field']} | "
+                f"{row['other_answers']} | {span(row['cpu_ms_per_refusal'], '{:.1f}')} | "
+                f"{row['goal'] if row['kind'] != IDLE else '–'} |"
+            )
         lines.append("")
     if report.get("fuzz"):
-        lines += ["## Protocol fuzzing (tools/fuzz_oip.py)\n",
-                  "| where | requests | accepted | refused | crashes | hangs | refusals naming no field | "
-                  "peak traced memory per request, max | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Protocol fuzzing (tools/fuzz_oip.py)\n",
+            "| where | requests | accepted | refused | crashes | hangs | refusals naming no field | "
+            "peak traced memory per request, max | wall s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for row in report["fuzz"]:
             peak = row["peak_traced_bytes"]["max"]
-            lines.append(f"| {row['where']} | {row['requests']} | {row['accepted']} | {row['refused']} | "
-                         f"{row['crashes']} | {row['hangs']} | {row['unnamed_refusals']} | "
-                         f"{'–' if peak is None else f'{peak / 1024:.0f} KiB'} | {row['wall_s']:.0f} |")
-        lines.append("\nThrough a router, CPU is the router process's from /proc, in 10 ms ticks: a kind's figure "
-                     "means something only over many refusals.")
+            lines.append(
+                f"| {row['where']} | {row['requests']} | {row['accepted']} | {row['refused']} | "
+                f"{row['crashes']} | {row['hangs']} | {row['unnamed_refusals']} | "
+                f"{'–' if peak is None else f'{peak / 1024:.0f} KiB'} | {row['wall_s']:.0f} |"
+            )
+        lines.append(
+            "\nThrough a router, CPU is the router process's from /proc, in 10 ms ticks: a kind's figure "
+            "means something only over many refusals."
+        )
         for row in report["fuzz"]:
-            lines += [f"\nCPU per refusal by kind, {row['where']} (the ten most frequent):\n",
-                      "| refusals | CPU µs each | kind |", "|---|---|---|"]
+            lines += [
+                f"\nCPU per refusal by kind, {row['where']} (the ten most frequent):\n",
+                "| refusals | CPU µs each | kind |",
+                "|---|---|---|",
+            ]
             for kind, counted in list(row["refusal_kinds"].items())[:10]:
                 lines.append(f"| {counted['count']} | {counted['cpu_us_each']:.0f} | {kind} |")
         lines.append("")
     if report.get("fairness"):
         lines += ["## Two tenants of one tier (bench/fairness.py)\n", fairness.markdown(report["fairness"])]
     if report.get("budgets"):
-        lines += ["## RSS under the byte-budget load (bench/budgets.py)\n",
-                  budgets.markdown(report["budgets"]).split("\n", 2)[2]]  # under this heading, not its own
+        lines += [
+            "## RSS under the byte-budget load (bench/budgets.py)\n",
+            budgets.markdown(report["budgets"]).split("\n", 2)[2],
+        ]  # under this heading, not its own
     return "\n".join(lines)
 
 
@@ -267,8 +335,11 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="size of the pathological requests (1: 16 MB)")
     parser.add_argument("--fuzz-in-process", type=int, default=100_000)
     parser.add_argument("--fuzz-router", type=int, default=10_000)
-    parser.add_argument("--sections", default="health,fuzz,fairness,budgets",
-                        help="comma-separated: health, fuzz, fairness (bench.fairness), budgets (bench.budgets)")
+    parser.add_argument(
+        "--sections",
+        default="health,fuzz,fairness,budgets",
+        help="comma-separated: health, fuzz, fairness (bench.fairness), budgets (bench.budgets)",
+    )
     parser.add_argument("--models", type=pathlib.Path, default=ROOT / "build" / "models")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
     parser.add_argument("--pinger", help=argparse.SUPPRESS)  # internal: run as the pinger process
@@ -279,9 +350,15 @@ def main() -> int:
         return 0
     seed = chosen_seed(args.seed)
     sections = set(args.sections.split(","))
-    report = {"machine": machine(), "command": " ".join(["python -m bench.hardening", *sys.argv[1:]]),
-              "runs": args.runs, "seconds": args.seconds, "scale": args.scale, "seed": seed,
-              "orders": [phase_order([IDLE, *pathological.KINDS], run, seed) for run in range(args.runs)]}
+    report = {
+        "machine": machine(),
+        "command": " ".join(["python -m bench.hardening", *sys.argv[1:]]),
+        "runs": args.runs,
+        "seconds": args.seconds,
+        "scale": args.scale,
+        "seed": seed,
+        "orders": [phase_order([IDLE, *pathological.KINDS], run, seed) for run in range(args.runs)],
+    }
     if "health" in sections:
         rows = health_under_flood(args.runs, args.seconds, seed, args.scale, args.models)
         report["health"] = {"summary": summarise_health(rows), "raw": rows}

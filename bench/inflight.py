@@ -27,8 +27,8 @@ Writes bench/results/inflight.{json,md,png}.
 
 import argparse
 import asyncio
-import json
 import dataclasses
+import json
 import pathlib
 import sys
 import tempfile
@@ -109,50 +109,92 @@ def ghz_summary(report: dict) -> dict:
     out = {"sent": len(details), "seconds": report["total"] / 1e9, "statuses": {}}
     for status, latencies in sorted(by_status.items()):
         latencies.sort()
-        out["statuses"][status] = {"count": len(latencies), "p50_ms": pct(latencies, 0.5),
-                                   "p99_ms": pct(latencies, 0.99)}
+        out["statuses"][status] = {
+            "count": len(latencies),
+            "p50_ms": pct(latencies, 0.5),
+            "p99_ms": pct(latencies, 0.99),
+        }
     out["ok_rps"] = out["statuses"].get("OK", {}).get("count", 0) / out["seconds"] if out["seconds"] else 0.0
     return out
 
 
 async def hold(mesh: Mesh, streams: int, window: int, unary: int, seconds: float, reference: Reference) -> dict:
     callers = streams + unary
-    config = LoadConfig(callers=callers, stream_share=streams / callers, stream_window=window, vip_share=0.1,
-                        timeout_s=180.0, answer_grace_s=10.0, channels=4, check_every=50)
-    load = ChaosLoad(mesh.router, config, {"vip": mesh.credentials("dev-vip"),
-                                           "standard": mesh.credentials("dev-standard")}, reference=reference)
+    config = LoadConfig(
+        callers=callers,
+        stream_share=streams / callers,
+        stream_window=window,
+        vip_share=0.1,
+        timeout_s=180.0,
+        answer_grace_s=10.0,
+        channels=4,
+        check_every=50,
+    )
+    load = ChaosLoad(
+        mesh.router,
+        config,
+        {"vip": mesh.credentials("dev-vip"), "standard": mesh.credentials("dev-standard")},
+        reference=reference,
+    )
     with RssSampler(mesh) as rss:
         result = await load.run(seconds)
-    ok = sorted(at - r.sent_at for r in result.accounting.records.values() for at, status in r.answers[:1]
-                if status == "OK")
-    return {"config": dataclasses.asdict(config), "seconds": seconds, "totals": result.totals,
-            "most_in_flight": most_in_flight(result.accounting),
-            "p50_ms": 1000 * ok[len(ok) // 2] if ok else None,
-            "p99_ms": 1000 * ok[min(len(ok) - 1, int(0.99 * len(ok)))] if ok else None,
-            "peak_rss_bytes": rss.peaks(), "timeline": result.buckets}
+    ok = sorted(
+        at - r.sent_at for r in result.accounting.records.values() for at, status in r.answers[:1] if status == "OK"
+    )
+    return {
+        "config": dataclasses.asdict(config),
+        "seconds": seconds,
+        "totals": result.totals,
+        "most_in_flight": most_in_flight(result.accounting),
+        "p50_ms": 1000 * ok[len(ok) // 2] if ok else None,
+        "p99_ms": 1000 * ok[min(len(ok) - 1, int(0.99 * len(ok)))] if ok else None,
+        "peak_rss_bytes": rss.peaks(),
+        "timeline": result.buckets,
+    }
 
 
 async def overload(mesh: Mesh, capacity: float, factor: float, seconds: float, reference: Reference) -> dict:
-    probe = ChaosLoad(mesh.router, LoadConfig(callers=4, timeout_s=10.0),
-                      {"vip": mesh.credentials("dev-vip"), "standard": mesh.credentials("dev-standard")},
-                      reference=reference)
+    probe = ChaosLoad(
+        mesh.router,
+        LoadConfig(callers=4, timeout_s=10.0),
+        {"vip": mesh.credentials("dev-vip"), "standard": mesh.credentials("dev-standard")},
+        reference=reference,
+    )
     before_s, after_s = 10.0, 20.0
     running = asyncio.create_task(probe.run(before_s + seconds + after_s))
     await probe.started.wait()
     await asyncio.sleep(before_s)
     with RssSampler(mesh) as rss:
         began = time.monotonic()
-        report = await asyncio.to_thread(run_ghz, mesh.router, ghz_unique_template("overload"), 0, 1000,
-                                         rps=factor * capacity, timeout_s=10, seconds=seconds,
-                                         key=mesh.keys["dev-standard"])
+        report = await asyncio.to_thread(
+            run_ghz,
+            mesh.router,
+            ghz_unique_template("overload"),
+            0,
+            1000,
+            rps=factor * capacity,
+            timeout_s=10,
+            seconds=seconds,
+            key=mesh.keys["dev-standard"],
+        )
         ended = time.monotonic()
         result = await running
     back = recovery(result.accounting, ended, factor=P99_FACTOR, baseline_s=before_s, baseline_until=began)
-    return {"factor": factor, "offered_rps": factor * capacity, "seconds": seconds, "ghz": ghz_summary(report),
-            "peak_rss_bytes": rss.peaks(), "peak_rss_during_bytes": rss.peaks(began, ended),
-            "probe": result.totals, "probe_p99_before_ms": back["p99_before_ms"],
-            "p99_back_after_end_s": back["p99_back_s"], "probe_first_ok_after_end_s": back["first_ok_s"],
-            "timeline": result.buckets, "overload_at_s": began - result.started, "overload_end_s": ended - result.started}
+    return {
+        "factor": factor,
+        "offered_rps": factor * capacity,
+        "seconds": seconds,
+        "ghz": ghz_summary(report),
+        "peak_rss_bytes": rss.peaks(),
+        "peak_rss_during_bytes": rss.peaks(began, ended),
+        "probe": result.totals,
+        "probe_p99_before_ms": back["p99_before_ms"],
+        "p99_back_after_end_s": back["p99_back_s"],
+        "probe_first_ok_after_end_s": back["first_ok_s"],
+        "timeline": result.buckets,
+        "overload_at_s": began - result.started,
+        "overload_end_s": ended - result.started,
+    }
 
 
 def others(totals: dict) -> str:
@@ -170,33 +212,51 @@ def markdown(report: dict) -> str:
 
     t = h["totals"]
     g = o["ghz"]
-    statuses = "; ".join(f"{status}: {s['count']} (p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms)"
-                         for status, s in g["statuses"].items())
+    statuses = "; ".join(
+        f"{status}: {s['count']} (p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms)"
+        for status, s in g["statuses"].items()
+    )
     p = o["probe"]
     back = o["p99_back_after_end_s"]
-    return "\n".join([
-        "# 10,000 requests in flight, then three times saturation", "",
-        f"Machine: {report['machine']}. Command: `{report['command']}`. One run (each phase is one long "
-        f"measurement; rerun to see its spread).", "",
-        f"Capacity (ghz, 64 callers, closed loop, distinct minilm texts): {report['capacity_rps']:.0f} requests/s.", "",
-        "## Holding them",
-        f"{h['config']['callers'] - round(h['config']['callers'] * (1 - h['config']['stream_share']))} streams of "
-        f"{h['config']['stream_window']} outstanding requests and "
-        f"{round(h['config']['callers'] * (1 - h['config']['stream_share']))} unary callers for {h['seconds']:g} s: "
-        f"**{h['most_in_flight']} requests in flight at most**; {t['sent']} sent, {t['ok']} OK, other answers "
-        f"{others(t)}, **{t['unanswered']} unanswered, {t['twice']} twice, "
-        f"{t['wrong']} wrong** of {t['checked']} checked; OK latency p50 {h['p50_ms']:.0f} ms, p99 "
-        f"{h['p99_ms']:.0f} ms (a request waits behind every one sent before it).", "",
-        f"Peak RSS: {rss(h['peak_rss_bytes'])}.", "",
-        "## Three times saturation",
-        f"ghz open loop at {o['factor']:g}x capacity ({o['offered_rps']:.0f} requests/s) for {o['seconds']:g} s: "
-        f"{g['sent']} sent; {statuses}.", "",
-        f"Peak RSS during the overload: {rss(o['peak_rss_during_bytes'])}.", "",
-        f"The probe (4 accounted callers before, during and after): {p['sent']} sent, {p['ok']} OK, other answers "
-        f"{others(p)}, **{p['unanswered']} unanswered, {p['twice']} twice, {p['wrong']} "
-        f"wrong**; its p99 before the overload {o['probe_p99_before_ms']:.0f} ms, back within 1.5x of it "
-        + (f"**{back:.1f} s** after the overload ended." if back is not None else "**not within the 20 s watched**."),
-        "", "The probe's timeline is in inflight.png.", ""])
+    return "\n".join(
+        [
+            "# 10,000 requests in flight, then three times saturation",
+            "",
+            f"Machine: {report['machine']}. Command: `{report['command']}`. One run (each phase is one long "
+            f"measurement; rerun to see its spread).",
+            "",
+            f"Capacity (ghz, 64 callers, closed loop, distinct minilm texts): {report['capacity_rps']:.0f} requests/s.",
+            "",
+            "## Holding them",
+            f"{h['config']['callers'] - round(h['config']['callers'] * (1 - h['config']['stream_share']))} streams of "
+            f"{h['config']['stream_window']} outstanding requests and "
+            f"{round(h['config']['callers'] * (1 - h['config']['stream_share']))} unary callers for {h['seconds']:g} s: "
+            f"**{h['most_in_flight']} requests in flight at most**; {t['sent']} sent, {t['ok']} OK, other answers "
+            f"{others(t)}, **{t['unanswered']} unanswered, {t['twice']} twice, "
+            f"{t['wrong']} wrong** of {t['checked']} checked; OK latency p50 {h['p50_ms']:.0f} ms, p99 "
+            f"{h['p99_ms']:.0f} ms (a request waits behind every one sent before it).",
+            "",
+            f"Peak RSS: {rss(h['peak_rss_bytes'])}.",
+            "",
+            "## Three times saturation",
+            f"ghz open loop at {o['factor']:g}x capacity ({o['offered_rps']:.0f} requests/s) for {o['seconds']:g} s: "
+            f"{g['sent']} sent; {statuses}.",
+            "",
+            f"Peak RSS during the overload: {rss(o['peak_rss_during_bytes'])}.",
+            "",
+            f"The probe (4 accounted callers before, during and after): {p['sent']} sent, {p['ok']} OK, other answers "
+            f"{others(p)}, **{p['unanswered']} unanswered, {p['twice']} twice, {p['wrong']} "
+            f"wrong**; its p99 before the overload {o['probe_p99_before_ms']:.0f} ms, back within 1.5x of it "
+            + (
+                f"**{back:.1f} s** after the overload ended."
+                if back is not None
+                else "**not within the 20 s watched**."
+            ),
+            "",
+            "The probe's timeline is in inflight.png.",
+            "",
+        ]
+    )
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
@@ -220,22 +280,45 @@ def plot(report: dict, path: pathlib.Path) -> None:
 async def measure(args) -> dict:
     work = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-inflight-"))
     reference = Reference()
-    with Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=work / "logs", l2_path=work / "l2",
-              batcher_args=("--standard-max-queue-size", "12000", "--vip-max-queue-size", "4096"))) as mesh:
+    with Mesh(
+        MeshConfig(
+            models=ROOT / "build" / "models",
+            log_dir=work / "logs",
+            l2_path=work / "l2",
+            batcher_args=("--standard-max-queue-size", "12000", "--vip-max-queue-size", "4096"),
+        )
+    ) as mesh:
         run_ghz(mesh.router, ghz_unique_template("warm"), 300, 16, key=mesh.keys["dev-standard"])
-        capacity = ghz_summary(run_ghz(mesh.router, ghz_unique_template("capacity"), 0, 64, seconds=10,
-                                       timeout_s=10, key=mesh.keys["dev-standard"]))["ok_rps"]
+        capacity = ghz_summary(
+            run_ghz(
+                mesh.router,
+                ghz_unique_template("capacity"),
+                0,
+                64,
+                seconds=10,
+                timeout_s=10,
+                key=mesh.keys["dev-standard"],
+            )
+        )["ok_rps"]
         progress(f"capacity {capacity:.0f} requests/s")
-        progress(f"hold: {args.streams} streams x {args.window} outstanding + {args.unary} unary callers, "
-                 f"{args.hold_s:g} s")
+        progress(
+            f"hold: {args.streams} streams x {args.window} outstanding + {args.unary} unary callers, {args.hold_s:g} s"
+        )
         held = await hold(mesh, args.streams, args.window, args.unary, args.hold_s, reference)
-        progress(f"hold: {held['most_in_flight']} in flight at most; {held['totals']['sent']} sent, "
-                 f"{held['totals']['unanswered']} unanswered, {held['totals']['twice']} twice")
+        progress(
+            f"hold: {held['most_in_flight']} in flight at most; {held['totals']['sent']} sent, "
+            f"{held['totals']['unanswered']} unanswered, {held['totals']['twice']} twice"
+        )
         progress(f"overload: {args.overload:g}x capacity for {args.overload_s:g} s")
         over = await overload(mesh, capacity, args.overload, args.overload_s, reference)
         progress(f"overload: probe back within 1.5x {over['p99_back_after_end_s']} s after it ended")
-    return {"machine": machine(), "command": "python -m bench.inflight " + " ".join(sys.argv[1:]),
-            "capacity_rps": capacity, "hold": held, "overload": over}
+    return {
+        "machine": machine(),
+        "command": "python -m bench.inflight " + " ".join(sys.argv[1:]),
+        "capacity_rps": capacity,
+        "hold": held,
+        "overload": over,
+    }
 
 
 def main() -> int:

@@ -47,8 +47,10 @@ def main() -> int:
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-instances-"))
-    meshes = {name: Mesh(MeshConfig(models=minilm_instances_repository(work, count), cache=False, log_dir=work / str(count)))
-              for name, count in LAYOUTS.items()}
+    meshes = {
+        name: Mesh(MeshConfig(models=minilm_instances_repository(work, count), cache=False, log_dir=work / str(count)))
+        for name, count in LAYOUTS.items()
+    }
     runs = []
     try:
         for mesh in meshes.values():
@@ -61,12 +63,16 @@ def main() -> int:
             for callers in CALLERS:
                 order = list(meshes.items()) if run % 2 == 0 else list(reversed(meshes.items()))
                 for name, mesh in order:  # alternate who goes first, so drift favours neither
-                    r[name][callers] = ghz(mesh.router, f"i{run}c{callers}{name[:3]}", 0, callers,
-                                           seconds=args.seconds)
+                    r[name][callers] = ghz(mesh.router, f"i{run}c{callers}{name[:3]}", 0, callers, seconds=args.seconds)
             runs.append(r)
-            progress(f"run {run + 1}/{args.runs}: " + "; ".join(
-                f"{callers} callers {r[names[0]][callers]['rps']:.0f} vs {r[names[1]][callers]['rps']:.0f}/s"
-                for names in [list(meshes)] for callers in CALLERS))
+            progress(
+                f"run {run + 1}/{args.runs}: "
+                + "; ".join(
+                    f"{callers} callers {r[names[0]][callers]['rps']:.0f} vs {r[names[1]][callers]['rps']:.0f}/s"
+                    for names in [list(meshes)]
+                    for callers in CALLERS
+                )
+            )
         memory = {name: resident_mib(mesh.processes["model_server"].popen.pid) for name, mesh in meshes.items()}
     finally:
         for mesh in meshes.values():
@@ -80,15 +86,29 @@ def main() -> int:
 def summarise(runs: list[dict], memory: dict[str, float]) -> dict:
     med = statistics.median
     names = list(LAYOUTS)
-    summary = {name: {str(c): {"rps": med(r[name][c]["rps"] for r in runs),
-                               "p50_ms": med(r[name][c]["p50_ms"] for r in runs),
-                               "p99_ms": med(r[name][c]["p99_ms"] for r in runs),
-                               "failed": sum(r[name][c]["count"] - r[name][c]["ok"] for r in runs)}
-                      for c in CALLERS} for name in names}
+    summary = {
+        name: {
+            str(c): {
+                "rps": med(r[name][c]["rps"] for r in runs),
+                "p50_ms": med(r[name][c]["p50_ms"] for r in runs),
+                "p99_ms": med(r[name][c]["p99_ms"] for r in runs),
+                "failed": sum(r[name][c]["count"] - r[name][c]["ok"] for r in runs),
+            }
+            for c in CALLERS
+        }
+        for name in names
+    }
     ratios = {str(c): med(r[names[1]][c]["rps"] / r[names[0]][c]["rps"] for r in runs) for c in CALLERS}
-    return {"machine": machine(), "command": "python -m bench.instances " + " ".join(sys.argv[1:]),
-            "runs": len(runs), "date": time.strftime("%Y-%m-%d"), "summary": summary, "ratio": ratios,
-            "memory_mib": memory, "raw": runs}
+    return {
+        "machine": machine(),
+        "command": "python -m bench.instances " + " ".join(sys.argv[1:]),
+        "runs": len(runs),
+        "date": time.strftime("%Y-%m-%d"),
+        "summary": summary,
+        "ratio": ratios,
+        "memory_mib": memory,
+        "raw": runs,
+    }
 
 
 def markdown(report: dict) -> str:
@@ -102,12 +122,21 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|",
     ]
     for c in CALLERS:
-        lines.append(f"| {c} | " + " | ".join(
-            f"{s[n][str(c)]['rps']:.0f}, {s[n][str(c)]['p50_ms']:.1f}, {s[n][str(c)]['p99_ms']:.1f}" for n in names)
-            + f" | × {report['ratio'][str(c)]:.2f} |")
+        lines.append(
+            f"| {c} | "
+            + " | ".join(
+                f"{s[n][str(c)]['rps']:.0f}, {s[n][str(c)]['p50_ms']:.1f}, {s[n][str(c)]['p99_ms']:.1f}" for n in names
+            )
+            + f" | × {report['ratio'][str(c)]:.2f} |"
+        )
     failed = sum(s[n][str(c)]["failed"] for n in names for c in CALLERS)
-    lines += ["", "Model server resident memory at the end: " + ", ".join(
-        f"{n} {report['memory_mib'][n]:.0f} MiB" for n in names) + f". Failed requests over all runs: {failed}.", ""]
+    lines += [
+        "",
+        "Model server resident memory at the end: "
+        + ", ".join(f"{n} {report['memory_mib'][n]:.0f} MiB" for n in names)
+        + f". Failed requests over all runs: {failed}.",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -79,8 +79,21 @@ import time
 import numpy as np
 
 from bench.fastpath import ghz_cpu_s, mlp_template
-from bench.report import (chosen_seed, cpu_times, machine, phase_order, process_cpu_s, progress, pyplot, save_figure,
-                          seed_argument, span, spread, steal_share, write)
+from bench.report import (
+    chosen_seed,
+    cpu_times,
+    machine,
+    phase_order,
+    process_cpu_s,
+    progress,
+    pyplot,
+    save_figure,
+    seed_argument,
+    span,
+    spread,
+    steal_share,
+    write,
+)
 from bench.workload import GHZ, ghz_unique_template
 from services.launcher.mesh import Mesh, MeshConfig, MeshError, Process
 
@@ -144,6 +157,7 @@ def cell_key(server: str, layout: str) -> str:
 
 
 # -- processes ------------------------------------------------------------------
+
 
 def process_table() -> dict[int, tuple[int, int]]:
     """{pid: (parent pid, start time in ticks)} of every process now."""
@@ -248,9 +262,22 @@ def start_pytriton(work: pathlib.Path, logs: pathlib.Path, delay_ms: float) -> P
     grpc_port, http_port, metrics_port = free_ports(3)
     tmp = work / "pytriton-tmp"
     tmp.mkdir()
-    argv = [venv_python("pytriton"), str(PEERS / "pytriton_server.py"), "--models", str(ROOT / "build" / "models"),
-            "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", str(metrics_port),
-            "--max-batch-size", str(MAX_BATCH_SIZE), "--max-queue-delay-ms", str(delay_ms)]
+    argv = [
+        venv_python("pytriton"),
+        str(PEERS / "pytriton_server.py"),
+        "--models",
+        str(ROOT / "build" / "models"),
+        "--grpc-port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        "--metrics-port",
+        str(metrics_port),
+        "--max-batch-size",
+        str(MAX_BATCH_SIZE),
+        "--max-queue-delay-ms",
+        str(delay_ms),
+    ]
     return Process("pytriton", argv, logs, peer_env(tmp))
 
 
@@ -258,33 +285,80 @@ def start_ray(work: pathlib.Path, logs: pathlib.Path, netns: str, delay_ms: floa
     temp = work / "ray"
     temp.mkdir()
     # A token of this run's own: Ray would otherwise make one and keep it in ~/.ray.
-    env = peer_env(temp, PYTHONPATH=str(ROOT / "gen"), RAY_USAGE_STATS_ENABLED="0",
-                   RAY_AUTH_TOKEN=secrets.token_hex(32))
-    argv = ["ip", "netns", "exec", netns, venv_python("ray"), str(PEERS / "ray_server.py"),
-            "--models", str(ROOT / "build" / "models"), "--grpc-port", "9000", "--http-port", "8000",
-            "--temp-dir", str(temp), "--max-batch-size", str(MAX_BATCH_SIZE), "--max-queue-delay-ms", str(delay_ms)]
+    env = peer_env(
+        temp, PYTHONPATH=str(ROOT / "gen"), RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_TOKEN=secrets.token_hex(32)
+    )
+    argv = [
+        "ip",
+        "netns",
+        "exec",
+        netns,
+        venv_python("ray"),
+        str(PEERS / "ray_server.py"),
+        "--models",
+        str(ROOT / "build" / "models"),
+        "--grpc-port",
+        "9000",
+        "--http-port",
+        "8000",
+        "--temp-dir",
+        str(temp),
+        "--max-batch-size",
+        str(MAX_BATCH_SIZE),
+        "--max-queue-delay-ms",
+        str(delay_ms),
+    ]
     return Process("ray", argv, logs, env)
 
 
 def package_version(venv: str, package: str) -> str:
-    return subprocess.run([venv_python(venv), "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [venv_python(venv), "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
 
 # -- load -----------------------------------------------------------------------
+
 
 def ghz(server: Server, model: str, layout: str, tag: str, seconds: float) -> dict:
     """ghz's JSON report of `seconds` of ModelInfer calls from CALLERS callers.
     bench.workload.run_ghz cannot run in a namespace, name a .proto (Triton and
     Ray's proxy have no reflection here) or send Ray's routing metadata."""
-    argv = [*server.prefix(), str(GHZ), "--insecure", "--proto", str(PROTO), "--import-paths", str(PROTO.parent.parent),
-            "--call", "inference.GRPCInferenceService.ModelInfer", "-d", server.body(model, layout, tag),
-            "--duration", f"{seconds:g}s", "--duration-stop", "ignore", "--concurrency", str(CALLERS),
-            "--connections", str(min(CALLERS, 4)), "--timeout", "30s", "--format", "json"]
+    argv = [
+        *server.prefix(),
+        str(GHZ),
+        "--insecure",
+        "--proto",
+        str(PROTO),
+        "--import-paths",
+        str(PROTO.parent.parent),
+        "--call",
+        "inference.GRPCInferenceService.ModelInfer",
+        "-d",
+        server.body(model, layout, tag),
+        "--duration",
+        f"{seconds:g}s",
+        "--duration-stop",
+        "ignore",
+        "--concurrency",
+        str(CALLERS),
+        "--connections",
+        str(min(CALLERS, 4)),
+        "--timeout",
+        "30s",
+        "--format",
+        "json",
+    ]
     if server.routed_by_application:
         argv += ["-m", json.dumps(dict(server.metadata(model, layout)))]
-    return json.loads(subprocess.run([*argv, server.address], capture_output=True, text=True, check=True,
-                                     timeout=seconds + 120).stdout)
+    return json.loads(
+        subprocess.run(
+            [*argv, server.address], capture_output=True, text=True, check=True, timeout=seconds + 120
+        ).stdout
+    )
 
 
 def phase(server: Server, model: str, layout: str, tag: str, seconds: float, servers: list[Server]) -> dict:
@@ -298,16 +372,23 @@ def phase(server: Server, model: str, layout: str, tag: str, seconds: float, ser
     calls, wall_s = report["count"], report["total"] / 1e9
     latency = {p["percentage"]: p["latency"] / 1e6 for p in report.get("latencyDistribution") or ()}
     codes = report["statusCodeDistribution"]
-    return {"rps": report["rps"], "calls": calls, "errors": calls - codes.get("OK", 0), "codes": codes,
-            "error_samples": list(report.get("errorDistribution") or {})[:3],
-            "p50_ms": latency.get(50), "p99_ms": latency.get(99),
-            "cpu_us": 1e6 * spent[server.name] / max(calls, 1),
-            "ghz_cpu_us": 1e6 * (ghz_after - ghz_before) / max(calls, 1),
-            "idle_peers_cores": sum(v for name, v in spent.items() if name != server.name) / wall_s,
-            "steal": steal_share(machine_before, machine_after)}
+    return {
+        "rps": report["rps"],
+        "calls": calls,
+        "errors": calls - codes.get("OK", 0),
+        "codes": codes,
+        "error_samples": list(report.get("errorDistribution") or {})[:3],
+        "p50_ms": latency.get(50),
+        "p99_ms": latency.get(99),
+        "cpu_us": 1e6 * spent[server.name] / max(calls, 1),
+        "ghz_cpu_us": 1e6 * (ghz_after - ghz_before) / max(calls, 1),
+        "idle_peers_cores": sum(v for name, v in spent.items() if name != server.name) / wall_s,
+        "steal": steal_share(machine_before, machine_after),
+    }
 
 
 # -- the answers check --------------------------------------------------------------
+
 
 def answers(server: Server) -> dict[str, dict[str, list[float]]]:
     """One server's answers, in each of its layouts, to one mlp input and one text (the check's calls)."""
@@ -328,11 +409,13 @@ def answers(server: Server) -> dict[str, dict[str, list[float]]]:
             mlp.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 64])
             mlp.raw_input_contents.append(np.linspace(-1, 1, 64, dtype="<f4").tobytes())
             minilm = pb.ModelInferRequest(model_name=server.model_name("minilm", layout))
-            minilm.inputs.add(name="TEXT", datatype="BYTES", shape=list(server.text_shape)).contents.bytes_contents.append(
-                CHECK_TEXT.encode())
+            minilm.inputs.add(
+                name="TEXT", datatype="BYTES", shape=list(server.text_shape)
+            ).contents.bytes_contents.append(CHECK_TEXT.encode())
             found[cell_key(server.name, layout)] = {
                 model: output(stub.ModelInfer(request, timeout=30, metadata=server.metadata(model, layout) or None))
-                for model, request in (("mlp", mlp), ("minilm", minilm))}
+                for model, request in (("mlp", mlp), ("minilm", minilm))
+            }
     return found
 
 
@@ -342,10 +425,19 @@ def check_answers(servers: list[Server]) -> dict:
     found = {}
     for server in servers:
         if server.netns:  # reached from inside its namespace, by this module run there
-            argv = [*server.prefix(), sys.executable, "-m", "bench.peers", "--answers",
-                    json.dumps(dataclasses.asdict(server))]
-            found.update(json.loads(subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True,
-                                                   timeout=120).stdout))
+            argv = [
+                *server.prefix(),
+                sys.executable,
+                "-m",
+                "bench.peers",
+                "--answers",
+                json.dumps(dataclasses.asdict(server)),
+            ]
+            found.update(
+                json.loads(
+                    subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True, timeout=120).stdout
+                )
+            )
         else:
             found.update(answers(server))
     mesh = {model: np.array(values) for model, values in found.pop("mesh").items()}
@@ -353,18 +445,23 @@ def check_answers(servers: list[Server]) -> dict:
     for name, got in found.items():
         mlp, minilm = np.array(got["mlp"]), np.array(got["minilm"])
         if mlp.shape != mesh["mlp"].shape or minilm.shape != mesh["minilm"].shape:
-            raise RuntimeError(f"{name} answered shapes {mlp.shape} and {minilm.shape}, the mesh "
-                               f"{mesh['mlp'].shape} and {mesh['minilm'].shape}")
+            raise RuntimeError(
+                f"{name} answered shapes {mlp.shape} and {minilm.shape}, the mesh "
+                f"{mesh['mlp'].shape} and {mesh['minilm'].shape}"
+            )
         max_abs = float(np.max(np.abs(mlp - mesh["mlp"])))
         cosine = float(minilm @ mesh["minilm"] / (np.linalg.norm(minilm) * np.linalg.norm(mesh["minilm"])))
         agreement[name] = {"mlp_max_abs": max_abs, "minilm_cosine": cosine}
         if max_abs > MLP_MAX_ABS or cosine < MINILM_MIN_COSINE:
-            raise RuntimeError(f"{name}'s answers differ from the mesh's: mlp by up to {max_abs:.2e} "
-                               f"(at most {MLP_MAX_ABS:g}), minilm cosine {cosine:.6f} (at least {MINILM_MIN_COSINE})")
+            raise RuntimeError(
+                f"{name}'s answers differ from the mesh's: mlp by up to {max_abs:.2e} "
+                f"(at most {MLP_MAX_ABS:g}), minilm cosine {cosine:.6f} (at least {MINILM_MIN_COSINE})"
+            )
     return agreement
 
 
 # -- the run --------------------------------------------------------------------
+
 
 def phases(servers: list[Server]) -> list[tuple[str, Server, str]]:
     """Every (model, server, layout) measured in a run."""
@@ -378,10 +475,12 @@ def one_run(run: int, servers: list[Server], seconds: float, seed: int) -> tuple
     for model, server, layout in order:
         key = cell_key(server.name, layout)
         cell = result[model][key] = phase(server, model, layout, f"r{run}{key}", seconds, servers)
-        progress(f"run {run + 1}: {model} via {key}: {cell['rps']:.0f}/s, p50 {cell['p50_ms'] or 0:.2f} ms, "
-                 f"p99 {cell['p99_ms'] or 0:.2f} ms, errors {cell['errors']}, CPU µs per request: server "
-                 f"{cell['cpu_us']:.0f}, ghz {cell['ghz_cpu_us']:.0f}; idle peers {cell['idle_peers_cores']:.2f} "
-                 f"cores{'; ' + '; '.join(cell['error_samples']) if cell['errors'] else ''}")
+        progress(
+            f"run {run + 1}: {model} via {key}: {cell['rps']:.0f}/s, p50 {cell['p50_ms'] or 0:.2f} ms, "
+            f"p99 {cell['p99_ms'] or 0:.2f} ms, errors {cell['errors']}, CPU µs per request: server "
+            f"{cell['cpu_us']:.0f}, ghz {cell['ghz_cpu_us']:.0f}; idle peers {cell['idle_peers_cores']:.2f} "
+            f"cores{'; ' + '; '.join(cell['error_samples']) if cell['errors'] else ''}"
+        )
     return result, [f"{model}:{cell_key(server.name, layout)}" for model, server, layout in order]
 
 
@@ -397,21 +496,31 @@ def measure(args, seed: int, work: pathlib.Path, stack: contextlib.ExitStack) ->
     batching = ("--max-batch-size", str(MAX_BATCH_SIZE), "--max-queue-delay-ms", str(args.max_queue_delay_ms))
     started = time.monotonic()
     progress(f"starting the mesh, PyTriton and Ray Serve (logs in {logs})")
-    mesh = stack.enter_context(Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=logs / "mesh", batcher_args=batching)))
+    mesh = stack.enter_context(
+        Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=logs / "mesh", batcher_args=batching))
+    )
     servers = [Server("mesh", mesh.router, tuple(p.popen.pid for p in mesh.processes.values()))]
     triton_address = pytriton.wait_ready(300)["grpc"]
     servers.append(Server("pytriton", triton_address, (pytriton.popen.pid,), text_shape=(1, 1), layouts=LAYOUTS))
     ray_address = ray.wait_ready(300)["grpc"]
-    servers.append(Server("ray", ray_address, (ray.popen.pid,), netns=netns, routed_by_application=True,
-                          layouts=LAYOUTS))
-    progress(f"all up in {time.monotonic() - started:.0f}s: mesh {mesh.router}, PyTriton {triton_address}, "
-             f"Ray Serve {ray_address} (namespace {netns}); warming up")
+    servers.append(
+        Server("ray", ray_address, (ray.popen.pid,), netns=netns, routed_by_application=True, layouts=LAYOUTS)
+    )
+    progress(
+        f"all up in {time.monotonic() - started:.0f}s: mesh {mesh.router}, PyTriton {triton_address}, "
+        f"Ray Serve {ray_address} (namespace {netns}); warming up"
+    )
     for model, server, layout in phases(servers):  # the mesh's mlp phase must pass its cache's bypass window
         cell = phase(server, model, layout, f"warm{server.name}{layout}", args.warmup_seconds, servers)
         progress(f"  warm-up {model} via {cell_key(server.name, layout)}: {cell['rps']:.0f}/s, errors {cell['errors']}")
     agreement = check_answers(servers)
-    progress("answers agree with the mesh's: " + "; ".join(
-        f"{name} mlp |Δ| ≤ {a['mlp_max_abs']:.1e}, minilm cosine {a['minilm_cosine']:.6f}" for name, a in agreement.items()))
+    progress(
+        "answers agree with the mesh's: "
+        + "; ".join(
+            f"{name} mlp |Δ| ≤ {a['mlp_max_abs']:.1e}, minilm cosine {a['minilm_cosine']:.6f}"
+            for name, a in agreement.items()
+        )
+    )
     runs, orders = [], []
     for run in range(args.runs):
         result, order = one_run(run, servers, args.seconds, seed)
@@ -449,12 +558,16 @@ def summarise(runs: list[dict]) -> dict:
             }
         for peer in PEER_NAMES:
             equal = cell_key(peer, MESH_LAYOUT[model])
-            best = [max(r[model][cell_key(peer, layout)]["rps"] for layout in LAYOUTS) / r[model]["mesh"]["rps"]
-                    for r in runs]
-            summary[model][peer] = {"equal_layout": equal, "equal_over_mesh": summary[model][equal]["rps_over_mesh"],
-                                    "best_over_mesh": spread(best),
-                                    "best_layouts": [max(LAYOUTS, key=lambda lay: r[model][cell_key(peer, lay)]["rps"])
-                                                     for r in runs]}
+            best = [
+                max(r[model][cell_key(peer, layout)]["rps"] for layout in LAYOUTS) / r[model]["mesh"]["rps"]
+                for r in runs
+            ]
+            summary[model][peer] = {
+                "equal_layout": equal,
+                "equal_over_mesh": summary[model][equal]["rps_over_mesh"],
+                "best_over_mesh": spread(best),
+                "best_layouts": [max(LAYOUTS, key=lambda lay: r[model][cell_key(peer, lay)]["rps"]) for r in runs],
+            }
     steals = [c["steal"] for r in runs for by_cell in r.values() for c in by_cell.values() if c["steal"] is not None]
     summary["steal_median"] = med(steals) if steals else None
     summary["steal_max"] = max(steals) if steals else None
@@ -492,49 +605,70 @@ def markdown(report: dict) -> str:
     s = report["summary"]
     settings = report["settings"]
     cores = settings.get("cores", 2)
-    steal = ("" if s["steal_median"] is None else
-             f" The hypervisor took {s['steal_median']:.0%} of the CPU at the median phase (at most {s['steal_max']:.0%}).")
-    lines = [f"Machine: {report['machine']}. Command: `{report['command']}`. Medians of {report['runs']} runs on "
-             f"{report['date']}, {settings['seconds']:g} s a phase; each run's phases in an order shuffled with seed "
-             f"{report['seed']}; ratios are taken within each run, their spread (min–max over runs) in brackets.{steal}",
-             "",
-             f"Versions: PyTriton {report['versions']['pytriton']} (with its Triton Inference Server), Ray {report['versions']['ray']}, ONNX Runtime "
-             f"{report['versions']['onnxruntime']} (CPU) in every server. Batching: max {settings['max_batch_size']} "
-             f"rows, {settings['max_queue_delay_ms']:g} ms queue delay in all three.", ""]
-    for model, what in (("mlp", "INPUT0 FP32 [1, 64], distinct on every call"),
-                        ("minilm", "one short text, distinct on every call; TEXT [1] to the mesh and Ray, [1, 1] to Triton")):
-        lines += [f"**{model}** ({what}), ghz at {CALLERS} callers (closed loop)", "",
-                  "| server, model layout | requests/s | × mesh (min–max) | p50 ms | p99 ms | errors | "
-                  "server CPU µs per request | ghz CPU µs per request | idle peers' cores |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+    steal = (
+        ""
+        if s["steal_median"] is None
+        else f" The hypervisor took {s['steal_median']:.0%} of the CPU at the median phase (at most {s['steal_max']:.0%})."
+    )
+    lines = [
+        f"Machine: {report['machine']}. Command: `{report['command']}`. Medians of {report['runs']} runs on "
+        f"{report['date']}, {settings['seconds']:g} s a phase; each run's phases in an order shuffled with seed "
+        f"{report['seed']}; ratios are taken within each run, their spread (min–max over runs) in brackets.{steal}",
+        "",
+        f"Versions: PyTriton {report['versions']['pytriton']} (with its Triton Inference Server), Ray {report['versions']['ray']}, ONNX Runtime "
+        f"{report['versions']['onnxruntime']} (CPU) in every server. Batching: max {settings['max_batch_size']} "
+        f"rows, {settings['max_queue_delay_ms']:g} ms queue delay in all three.",
+        "",
+    ]
+    for model, what in (
+        ("mlp", "INPUT0 FP32 [1, 64], distinct on every call"),
+        ("minilm", "one short text, distinct on every call; TEXT [1] to the mesh and Ray, [1, 1] to Triton"),
+    ):
+        lines += [
+            f"**{model}** ({what}), ghz at {CALLERS} callers (closed loop)",
+            "",
+            "| server, model layout | requests/s | × mesh (min–max) | p50 ms | p99 ms | errors | "
+            "server CPU µs per request | ghz CPU µs per request | idle peers' cores |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for key in cells():
             cell = s[model][key]
             ratio = "1.00" if key == "mesh" else span(cell["rps_over_mesh"])
-            lines.append(f"| {label(key, model, cores)} | {cell['rps']:.0f} | {ratio} | {_ms(cell['p50_ms'])} | "
-                         f"{_ms(cell['p99_ms'])} | {cell['errors']} of {cell['calls']} | {cell['cpu_us']:.0f} | "
-                         f"{cell['ghz_cpu_us']:.0f} | {cell['idle_peers_cores']:.2f} |")
+            lines.append(
+                f"| {label(key, model, cores)} | {cell['rps']:.0f} | {ratio} | {_ms(cell['p50_ms'])} | "
+                f"{_ms(cell['p99_ms'])} | {cell['errors']} of {cell['calls']} | {cell['cpu_us']:.0f} | "
+                f"{cell['ghz_cpu_us']:.0f} | {cell['idle_peers_cores']:.2f} |"
+            )
         lines.append("")
         for peer in PEER_NAMES:
             p = s[model][peer]
-            lines.append(f"- {LABELS[peer]} on equal terms (the mesh's layout): × {span(p['equal_over_mesh'])}, "
-                         f"{verdict(p['equal_over_mesh'])}; at its best layout in each run "
-                         f"({', '.join(p['best_layouts'])}): × {span(p['best_over_mesh'])}, {verdict(p['best_over_mesh'])}.")
+            lines.append(
+                f"- {LABELS[peer]} on equal terms (the mesh's layout): × {span(p['equal_over_mesh'])}, "
+                f"{verdict(p['equal_over_mesh'])}; at its best layout in each run "
+                f"({', '.join(p['best_layouts'])}): × {span(p['best_over_mesh'])}, {verdict(p['best_over_mesh'])}."
+            )
         lines.append("")
     agreement = report["agreement"]
-    lines += ["- Every server, in every layout, answered the same mlp input and text as the mesh before the runs: "
-              + "; ".join(f"{name} mlp within {a['mlp_max_abs']:.1e}, minilm cosine {a['minilm_cosine']:.6f}"
-                          for name, a in agreement.items()) + ".",
-              "- Server CPU is every process of the server's tree (mesh: router, cache, batcher, model server, "
-              "redis-server; PyTriton: its Python process, tritonserver and the Python-backend stubs; Ray: the "
-              "driver, GCS, raylet, agents, controller, proxy and replicas), from /proc. Idle peers' cores: what "
-              "the servers not under load spent meanwhile, in cores.",
-              "- The mesh's minilm runs on two one-thread ONNX Runtime sessions (one kept for VIP batches, lent "
-              "after 10 s without, as here) at nice 5, behind priority queues, admission control and a cache whose "
-              "bypass engages on distinct inputs; its mlp on one session with a thread per core. Each peer serves both "
-              "layouts of each model side by side (PyTriton as two models, Ray as two applications). PyTriton's "
-              "callables run in its own Python process, reached from Triton's Python-backend stub over ZeroMQ and "
-              "shared memory; Ray runs in a network namespace of its own (loopback only), ghz beside it, its "
-              "proxy routing by `application` metadata.", ""]
+    lines += [
+        "- Every server, in every layout, answered the same mlp input and text as the mesh before the runs: "
+        + "; ".join(
+            f"{name} mlp within {a['mlp_max_abs']:.1e}, minilm cosine {a['minilm_cosine']:.6f}"
+            for name, a in agreement.items()
+        )
+        + ".",
+        "- Server CPU is every process of the server's tree (mesh: router, cache, batcher, model server, "
+        "redis-server; PyTriton: its Python process, tritonserver and the Python-backend stubs; Ray: the "
+        "driver, GCS, raylet, agents, controller, proxy and replicas), from /proc. Idle peers' cores: what "
+        "the servers not under load spent meanwhile, in cores.",
+        "- The mesh's minilm runs on two one-thread ONNX Runtime sessions (one kept for VIP batches, lent "
+        "after 10 s without, as here) at nice 5, behind priority queues, admission control and a cache whose "
+        "bypass engages on distinct inputs; its mlp on one session with a thread per core. Each peer serves both "
+        "layouts of each model side by side (PyTriton as two models, Ray as two applications). PyTriton's "
+        "callables run in its own Python process, reached from Triton's Python-backend stub over ZeroMQ and "
+        "shared memory; Ray runs in a network namespace of its own (loopback only), ghz beside it, its "
+        "proxy routing by `application` metadata.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -553,19 +687,38 @@ def plot(report: dict, path: pathlib.Path) -> None:
         server, _, layout = key.partition("/")
         hatch = "//" if layout == "split" else None
         for panel, field in zip(panels, ("rps", "p99_ms", "cpu_us")):
-            bars = panel.bar(x + offset, [s[m][key][field] or 0 for m in MODELS], width, color=COLOURS[server],
-                             hatch=hatch, edgecolor="white", label=key if panel is panels[0] else None)
+            bars = panel.bar(
+                x + offset,
+                [s[m][key][field] or 0 for m in MODELS],
+                width,
+                color=COLOURS[server],
+                hatch=hatch,
+                edgecolor="white",
+                label=key if panel is panels[0] else None,
+            )
             panel.bar_label(bars, fmt="%.0f", fontsize=6)
         if "rps_over_mesh" in s[MODELS[0]][key] and key != "mesh":  # the spread of the ratio, as a range on the bar
             for j, model in enumerate(MODELS):
                 r = s[model][key]["rps_over_mesh"]
                 mesh_rps = s[model]["mesh"]["rps"]
                 panels[0].vlines(x[j] + offset, r["min"] * mesh_rps, r["max"] * mesh_rps, color="black", linewidth=1)
-        panels[1].scatter(x + offset, [s[m][key]["p50_ms"] or 0 for m in MODELS], color="black", marker="_", s=80,
-                          zorder=3, label="p50" if i == len(keys) - 1 else None)
-    for panel, (ylabel, title) in zip(panels, (("requests / s", f"throughput at {CALLERS} callers (runs' range)"),
-                                               ("ms", "p99 (bars) and p50 (marks)"),
-                                               ("CPU µs per request", "server CPU per request"))):
+        panels[1].scatter(
+            x + offset,
+            [s[m][key]["p50_ms"] or 0 for m in MODELS],
+            color="black",
+            marker="_",
+            s=80,
+            zorder=3,
+            label="p50" if i == len(keys) - 1 else None,
+        )
+    for panel, (ylabel, title) in zip(
+        panels,
+        (
+            ("requests / s", f"throughput at {CALLERS} callers (runs' range)"),
+            ("ms", "p99 (bars) and p50 (marks)"),
+            ("CPU µs per request", "server CPU per request"),
+        ),
+    ):
         panel.set_xticks(x, MODELS)
         panel.set(ylabel=ylabel, title=title, yscale="log")
     panels[0].legend(fontsize=7, title="hatched: one one-thread session per core", title_fontsize=6)
@@ -578,8 +731,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=15.0, help="length of each measured phase")
     parser.add_argument("--warmup-seconds", type=float, default=4.0, help="length of each warm-up phase")
-    parser.add_argument("--max-queue-delay-ms", type=float, default=MAX_QUEUE_DELAY_MS,
-                        help="every server's batching delay")
+    parser.add_argument(
+        "--max-queue-delay-ms", type=float, default=MAX_QUEUE_DELAY_MS, help="every server's batching delay"
+    )
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs (and Ray's session files)")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
     seed_argument(parser)
@@ -588,8 +742,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.answers:
         fields = json.loads(args.answers)
-        fields.update(roots=tuple(fields["roots"]), text_shape=tuple(fields["text_shape"]),
-                      layouts=tuple(fields["layouts"]))
+        fields.update(
+            roots=tuple(fields["roots"]), text_shape=tuple(fields["text_shape"]), layouts=tuple(fields["layouts"])
+        )
         print(json.dumps(answers(Server(**fields))))
         return 0
     # Stopped by SIGTERM as by Ctrl-C: the servers stop, the namespace and temporary files go.
@@ -597,8 +752,11 @@ def main() -> int:
     if os.geteuid() != 0:
         raise SystemExit("bench.peers makes a network namespace for Ray Serve: run it as root")
     seed = chosen_seed(args.seed)
-    versions = {"pytriton": package_version("pytriton", "nvidia-pytriton"), "ray": package_version("ray", "ray"),
-                "onnxruntime": package_version("ray", "onnxruntime")}
+    versions = {
+        "pytriton": package_version("pytriton", "nvidia-pytriton"),
+        "ray": package_version("ray", "ray"),
+        "onnxruntime": package_version("ray", "onnxruntime"),
+    }
     work = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-peers-"))
     started = time.monotonic()
     try:
@@ -610,21 +768,37 @@ def main() -> int:
         return 130
     except (MeshError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", None)
-        raise SystemExit(f"bench.peers failed: {exc}{chr(10) + detail[-2000:] if detail else ''}"
-                         f"{chr(10) + 'logs kept in ' + str(work / 'logs') if args.keep_logs else ''}") from None
+        raise SystemExit(
+            f"bench.peers failed: {exc}{chr(10) + detail[-2000:] if detail else ''}"
+            f"{chr(10) + 'logs kept in ' + str(work / 'logs') if args.keep_logs else ''}"
+        ) from None
     finally:
         if not args.keep_logs:
             shutil.rmtree(work, ignore_errors=True)
     progress(f"done in {time.monotonic() - started:.0f}s")
-    report = {"machine": machine(), "command": "python -m bench.peers " + " ".join(sys.argv[1:]),
-              "runs": args.runs, "seed": seed, "orders": measured["orders"], "date": time.strftime("%Y-%m-%d"),
-              "versions": versions,
-              "settings": {"seconds": args.seconds, "warmup_seconds": args.warmup_seconds, "callers": CALLERS,
-                           "max_batch_size": MAX_BATCH_SIZE, "max_queue_delay_ms": args.max_queue_delay_ms,
-                           "cores": len(os.sched_getaffinity(0)), "mesh_layout": MESH_LAYOUT,
-                           "mesh_defaults": "batcher max batch 32, 5 ms delay; minilm 2 instances of 1 thread "
-                                            "(1 reserved for VIP); model server at nice 5"},
-              "agreement": measured["agreement"], "summary": summarise(measured["runs"]), "raw": measured["runs"]}
+    report = {
+        "machine": machine(),
+        "command": "python -m bench.peers " + " ".join(sys.argv[1:]),
+        "runs": args.runs,
+        "seed": seed,
+        "orders": measured["orders"],
+        "date": time.strftime("%Y-%m-%d"),
+        "versions": versions,
+        "settings": {
+            "seconds": args.seconds,
+            "warmup_seconds": args.warmup_seconds,
+            "callers": CALLERS,
+            "max_batch_size": MAX_BATCH_SIZE,
+            "max_queue_delay_ms": args.max_queue_delay_ms,
+            "cores": len(os.sched_getaffinity(0)),
+            "mesh_layout": MESH_LAYOUT,
+            "mesh_defaults": "batcher max batch 32, 5 ms delay; minilm 2 instances of 1 thread "
+            "(1 reserved for VIP); model server at nice 5",
+        },
+        "agreement": measured["agreement"],
+        "summary": summarise(measured["runs"]),
+        "raw": measured["runs"],
+    }
     write(args.out, "peers", report, markdown(report), plot)
     return 0
 

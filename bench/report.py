@@ -70,8 +70,9 @@ def save_figure(fig, path: pathlib.Path, report: dict, what: str = "") -> None:
     fig.savefig(path, dpi=110)
 
 
-def write(out: pathlib.Path, name: str, report: dict, markdown: str,
-          plot: Callable[[dict, pathlib.Path], None] | None = None) -> None:
+def write(
+    out: pathlib.Path, name: str, report: dict, markdown: str, plot: Callable[[dict, pathlib.Path], None] | None = None
+) -> None:
     """out/name.json, out/name.md and (given a plot) out/name.png; prints the Markdown."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(report, indent=1))
@@ -85,6 +86,7 @@ def bucket_quantile(before: dict, after: dict, name: str, q: float, **labels) ->
     """The q-quantile of what a Prometheus histogram `name` counted between two
     scrapes (services.common.metrics.scrape), as the upper bound of the bucket
     it falls in (seconds); NaN when nothing was counted."""
+
     def counts(scraped: dict) -> dict[float, float]:
         out: dict[float, float] = {}
         for (sample, pairs), value in scraped.items():
@@ -107,8 +109,12 @@ def bucket_quantile(before: dict, after: dict, name: str, q: float, **labels) ->
 
 def seed_argument(parser) -> None:
     """--seed: the seed of every run's phase order (drawn and recorded when not given)."""
-    parser.add_argument("--seed", type=int, default=None,
-                        help="seed of the phases' order in each run (default: drawn, and written to the report)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the phases' order in each run (default: drawn, and written to the report)",
+    )
 
 
 def chosen_seed(seed: int | None) -> int:

@@ -60,9 +60,11 @@ def _model(degree: int, device: str):
 
 def _feeds(tokenizer: Tokenizer, batch: list[str]) -> dict[str, np.ndarray]:
     encodings = tokenizer.encode_batch(batch)
-    return {"input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
-            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
-            "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64)}
+    return {
+        "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+        "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+        "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
+    }
 
 
 def _time(model, feeds, seconds: float) -> tuple[float, float]:
@@ -92,17 +94,24 @@ def main() -> int:
     batch = _feeds(tokenizer, pool[1:33])
     models = {d: _model(d, args.device) for d in DEGREES}
     reference = models[1].run(["sentence_embedding"], batch)[0]
-    report = {"machine": machine(), "device": args.device,
-              "command": f"python -m bench.shards --runs {args.runs} --device {args.device}",
-              "degrees": {}, "runs": []}
+    report = {
+        "machine": machine(),
+        "device": args.device,
+        "command": f"python -m bench.shards --runs {args.runs} --device {args.device}",
+        "degrees": {},
+        "runs": [],
+    }
     for degree in DEGREES:
         if degree == 1:
             held = [(VERSION / "model.onnx").stat().st_size]
         else:
             held = [s["bytes"] for s in read_manifest(VERSION / f"tp{degree}", degree)["shards"]]
         got = models[degree].run(["sentence_embedding"], batch)[0]
-        report["degrees"][degree] = {"bytes_per_shard": held, "largest_shard_share": max(held) / sum(held),
-                                     "max_abs_diff_vs_degree_1": float(np.abs(got - reference).max())}
+        report["degrees"][degree] = {
+            "bytes_per_shard": held,
+            "largest_shard_share": max(held) / sum(held),
+            "max_abs_diff_vs_degree_1": float(np.abs(got - reference).max()),
+        }
     seed = chosen_seed(args.seed)
     report["seed"] = seed
     for run in range(args.runs):
@@ -112,9 +121,13 @@ def main() -> int:
             per_batch, _ = _time(models[degree], batch, args.seconds)
             result[degree] = {"latency_ms_batch1": 1000 * latency, "sentences_per_s_batch32": 32 / per_batch}
         report["runs"].append(result)
-        progress(f"run {run + 1}/{args.runs}: " + "; ".join(
-            f"degree {d}: {r['latency_ms_batch1']:.1f} ms at batch 1, {r['sentences_per_s_batch32']:.0f}/s at batch 32"
-            for d, r in sorted(result.items())))
+        progress(
+            f"run {run + 1}/{args.runs}: "
+            + "; ".join(
+                f"degree {d}: {r['latency_ms_batch1']:.1f} ms at batch 1, {r['sentences_per_s_batch32']:.0f}/s at batch 32"
+                for d, r in sorted(result.items())
+            )
+        )
     for degree in DEGREES:
         for key in ("latency_ms_batch1", "sentences_per_s_batch32"):
             report["degrees"][degree][key] = statistics.median(r[degree][key] for r in report["runs"])
@@ -123,18 +136,23 @@ def main() -> int:
         f"| {d} | {r['latency_ms_batch1']:.1f} | {r['sentences_per_s_batch32']:.0f} | "
         f"{' / '.join(f'{b / 1e6:.1f}' for b in r['bytes_per_shard'])} | {r['largest_shard_share']:.3f} | "
         f"{r['max_abs_diff_vs_degree_1']:.1e} |"
-        for d, r in report["degrees"].items())
+        for d, r in report["degrees"].items()
+    )
     markdown = f"""# Tensor-parallel shards: degree 1 vs 2 vs 4
 
-`{report['command']}` on {report['machine']} ({args.device}); medians of {args.runs} runs; minilm, 16-token texts.
+`{report["command"]}` on {report["machine"]} ({args.device}); medians of {args.runs} runs; minilm, 16-token texts.
 
 | degree | latency, 1 text (ms) | throughput, batch 32 (sentences/s) | weights per shard (MB) | largest shard's share | max abs diff vs degree 1 |
 |---|---|---|---|---|---|
 {rows}
 
 Each shard holds about 1/N of the weights (shard 0 also holds the position and token-type embeddings).
-""" + ("On the CPU the shards split the same cores, so sharding only adds its cost: 14 segment runs "
-       "and 13 all-reduces per batch in place of one graph." if args.device == "cpu" else "")
+""" + (
+        "On the CPU the shards split the same cores, so sharding only adds its cost: 14 segment runs "
+        "and 13 all-reduces per batch in place of one graph."
+        if args.device == "cpu"
+        else ""
+    )
 
     def plot(rep, path):
         plt = pyplot()

@@ -20,8 +20,8 @@ Writes bench/results/soak.{json,md,png}.
 
 import argparse
 import asyncio
-import os
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -73,18 +73,26 @@ def _cpu_s(pid: int) -> float:
 
 def minute_row(index: int, ghz: dict, rss: list[dict[str, int]], other_cpu: float | None = None) -> dict:
     ok = ghz["statuses"].get("OK", {})
-    return {"minute": index + 1, "other_cpu_share": other_cpu, "sent": ghz["sent"], "ok": ok.get("count", 0),
-            "p50_ms": ok.get("p50_ms"),
-            "p99_ms": ok.get("p99_ms"), "errors": {s: v["count"] for s, v in ghz["statuses"].items() if s != "OK"},
-            "rss_bytes": {name: int(statistics.median(s[name] for s in rss)) for name in (rss[0] if rss else {})}}
+    return {
+        "minute": index + 1,
+        "other_cpu_share": other_cpu,
+        "sent": ghz["sent"],
+        "ok": ok.get("count", 0),
+        "p50_ms": ok.get("p50_ms"),
+        "p99_ms": ok.get("p99_ms"),
+        "errors": {s: v["count"] for s, v in ghz["statuses"].items() if s != "OK"},
+        "rss_bytes": {name: int(statistics.median(s[name] for s in rss)) for name in (rss[0] if rss else {})},
+    }
 
 
 async def soak(mesh: Mesh, rate: float, minutes: int, reference: Reference) -> dict:
     # Light: about PROBE_RPS in all (a pause before each request), so that ghz's share stays the load.
-    probe = ChaosLoad(mesh.router, LoadConfig(callers=PROBE_CALLERS, stream_window=1, timeout_s=10.0,
-                                              think_s=PROBE_CALLERS / PROBE_RPS),
-                      {"vip": mesh.credentials("dev-vip"), "standard": mesh.credentials("dev-standard")},
-                      reference=reference)
+    probe = ChaosLoad(
+        mesh.router,
+        LoadConfig(callers=PROBE_CALLERS, stream_window=1, timeout_s=10.0, think_s=PROBE_CALLERS / PROBE_RPS),
+        {"vip": mesh.credentials("dev-vip"), "standard": mesh.credentials("dev-standard")},
+        reference=reference,
+    )
     rows = []
     other = OtherLoad(mesh)
     with RssSampler(mesh, period_s=1.0) as rss:
@@ -92,15 +100,24 @@ async def soak(mesh: Mesh, rate: float, minutes: int, reference: Reference) -> d
         await probe.started.wait()
         for index in range(minutes):
             began = time.monotonic()
-            report = await asyncio.to_thread(run_ghz, mesh.router, ghz_unique_template(f"soak{index}"), 0, 256,
-                                             rps=rate - PROBE_RPS, timeout_s=10, seconds=60,
-                                             key=mesh.keys["dev-standard"])
+            report = await asyncio.to_thread(
+                run_ghz,
+                mesh.router,
+                ghz_unique_template(f"soak{index}"),
+                0,
+                256,
+                rps=rate - PROBE_RPS,
+                timeout_s=10,
+                seconds=60,
+                key=mesh.keys["dev-standard"],
+            )
             row = minute_row(index, ghz_summary(report), [s for t, s in rss.samples if t >= began], other.share())
             rows.append(row)
-            progress(f"minute {index + 1}/{minutes}: other programs' CPU {_percent(row['other_cpu_share'])}, "
-                     f"{row['ok']} OK, p99 {row['p99_ms']:.0f} ms, errors "
-                     f"{row['errors'] or 0}, RSS " + ", ".join(f"{n} {v / MIB:.0f} MiB"
-                                                              for n, v in row["rss_bytes"].items()))
+            progress(
+                f"minute {index + 1}/{minutes}: other programs' CPU {_percent(row['other_cpu_share'])}, "
+                f"{row['ok']} OK, p99 {row['p99_ms']:.0f} ms, errors "
+                f"{row['errors'] or 0}, RSS " + ", ".join(f"{n} {v / MIB:.0f} MiB" for n, v in row["rss_bytes"].items())
+            )
         probe.stop()
         result = await running
     return {"minutes": rows, "probe": result.totals}
@@ -112,9 +129,12 @@ def _other_line(rows: list[dict]) -> str:
     if any(share is None for share in shares):
         return "Other programs' CPU use was not measured in this run.\n"
     busy = [r["minute"] for r in rows if r["other_cpu_share"] > 0.05]
-    return (f"Other programs took {statistics.median(shares):.0%} of the CPU at the median minute, at most "
-            f"{max(shares):.0%}" + (f" (over 5% in minutes {busy[0]}-{busy[-1]}: read their latency against it)"
-                                    if busy else "") + ".\n")
+    return (
+        f"Other programs took {statistics.median(shares):.0%} of the CPU at the median minute, at most "
+        f"{max(shares):.0%}"
+        + (f" (over 5% in minutes {busy[0]}-{busy[-1]}: read their latency against it)" if busy else "")
+        + ".\n"
+    )
 
 
 def _percent(share: float | None) -> str:
@@ -125,29 +145,42 @@ def summarise(rows: list[dict]) -> dict:
     first, last = rows[min(1, len(rows) - 1)], rows[-1]
     head = [r["p99_ms"] for r in rows[1:4] if r["p99_ms"] is not None] or [rows[0]["p99_ms"]]
     tail = [r["p99_ms"] for r in rows[-3:] if r["p99_ms"] is not None]
-    return {"rss_growth_bytes": {n: last["rss_bytes"][n] - first["rss_bytes"][n] for n in last["rss_bytes"]},
-            "rss_first_bytes": first["rss_bytes"], "rss_last_bytes": last["rss_bytes"],
-            "errors": sum(sum(r["errors"].values()) for r in rows), "sent": sum(r["sent"] for r in rows),
-            "p99_first_ms": statistics.median(head), "p99_last_ms": statistics.median(tail),
-            "p99_drift": statistics.median(tail) / statistics.median(head)}
+    return {
+        "rss_growth_bytes": {n: last["rss_bytes"][n] - first["rss_bytes"][n] for n in last["rss_bytes"]},
+        "rss_first_bytes": first["rss_bytes"],
+        "rss_last_bytes": last["rss_bytes"],
+        "errors": sum(sum(r["errors"].values()) for r in rows),
+        "sent": sum(r["sent"] for r in rows),
+        "p99_first_ms": statistics.median(head),
+        "p99_last_ms": statistics.median(tail),
+        "p99_drift": statistics.median(tail) / statistics.median(head),
+    }
 
 
 def markdown(report: dict) -> str:
     s, p = report["summary"], report["probe"]
     lines = [
-        f"# Soak: {len(report['minutes'])} minutes at {report['share']:.0%} of saturation", "",
+        f"# Soak: {len(report['minutes'])} minutes at {report['share']:.0%} of saturation",
+        "",
         f"Machine: {report['machine']}. Command: `{report['command']}`. One run. Capacity (ghz, 64 callers, "
         f"closed loop): {report['capacity_rps']:.0f} requests/s; the soak sends {report['rate_rps']:.0f}/s open "
-        f"loop in all: ghz's distinct minilm texts and about {PROBE_RPS:g}/s from 4 accounted mixed callers.", "",
+        f"loop in all: ghz's distinct minilm texts and about {PROBE_RPS:g}/s from 4 accounted mixed callers.",
+        "",
         f"ghz: {s['sent']} sent, **{s['errors']} not OK**. p99 of the first minutes (2-4) {s['p99_first_ms']:.0f} ms, "
-        f"of the last three {s['p99_last_ms']:.0f} ms: drift x{s['p99_drift']:.2f}.", "",
+        f"of the last three {s['p99_last_ms']:.0f} ms: drift x{s['p99_drift']:.2f}.",
+        "",
         f"Mixed load: {p['sent']} sent, {p['ok']} OK, other answers {others(p)}, "
-        f"**{p['unanswered']} unanswered, {p['twice']} twice, {p['wrong']} wrong** of {p['checked']} checked.", "",
+        f"**{p['unanswered']} unanswered, {p['twice']} twice, {p['wrong']} wrong** of {p['checked']} checked.",
+        "",
         _other_line(report["minutes"]),
-        "| service | RSS in minute 2 | RSS in the last minute | growth |", "|---|---|---|---|"]
+        "| service | RSS in minute 2 | RSS in the last minute | growth |",
+        "|---|---|---|---|",
+    ]
     for name, growth in s["rss_growth_bytes"].items():
-        lines.append(f"| {name} | {s['rss_first_bytes'][name] / MIB:.0f} MiB | {s['rss_last_bytes'][name] / MIB:.0f} MiB"
-                     f" | {growth / MIB:+.1f} MiB |")
+        lines.append(
+            f"| {name} | {s['rss_first_bytes'][name] / MIB:.0f} MiB | {s['rss_last_bytes'][name] / MIB:.0f} MiB"
+            f" | {growth / MIB:+.1f} MiB |"
+        )
     lines += ["", "Per minute: soak.json (`minutes`); RSS and p99 over time: soak.png.", ""]
     return "\n".join(lines)
 
@@ -159,8 +192,11 @@ def plot(report: dict, path: pathlib.Path) -> None:
     minutes = [r["minute"] for r in rows]
     base = rows[min(1, len(rows) - 1)]["rss_bytes"]  # minute 2: after the warm-up
     for name in rows[0]["rss_bytes"]:
-        memory.plot(minutes, [(r["rss_bytes"][name] - base[name]) / MIB for r in rows],
-                    label=f"{name} ({base[name] / MIB:.0f} MiB in minute 2)")
+        memory.plot(
+            minutes,
+            [(r["rss_bytes"][name] - base[name]) / MIB for r in rows],
+            label=f"{name} ({base[name] / MIB:.0f} MiB in minute 2)",
+        )
     memory.set_ylabel("RSS since minute 2 (MiB)")
     memory.legend(fontsize=8)
     latency.plot(minutes, [r["p99_ms"] for r in rows], label="p99", color="tab:orange")
@@ -180,13 +216,28 @@ async def measure(minutes: int, share: float) -> dict:
     reference = Reference()
     with Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=work / "logs", l2_path=work / "l2")) as mesh:
         run_ghz(mesh.router, ghz_unique_template("warm"), 300, 16, key=mesh.keys["dev-standard"])
-        capacity = ghz_summary(run_ghz(mesh.router, ghz_unique_template("capacity"), 0, 64, seconds=10,
-                                       timeout_s=10, key=mesh.keys["dev-standard"]))["ok_rps"]
+        capacity = ghz_summary(
+            run_ghz(
+                mesh.router,
+                ghz_unique_template("capacity"),
+                0,
+                64,
+                seconds=10,
+                timeout_s=10,
+                key=mesh.keys["dev-standard"],
+            )
+        )["ok_rps"]
         progress(f"capacity {capacity:.0f} requests/s; soaking at {share * capacity:.0f}/s for {minutes} min")
         result = await soak(mesh, share * capacity, minutes, reference)
-    return {"machine": machine(), "command": "python -m bench.soak " + " ".join(sys.argv[1:]),
-            "capacity_rps": capacity, "share": share, "rate_rps": share * capacity, **result,
-            "summary": summarise(result["minutes"])}
+    return {
+        "machine": machine(),
+        "command": "python -m bench.soak " + " ".join(sys.argv[1:]),
+        "capacity_rps": capacity,
+        "share": share,
+        "rate_rps": share * capacity,
+        **result,
+        "summary": summarise(result["minutes"]),
+    }
 
 
 def main() -> int:

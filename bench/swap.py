@@ -82,9 +82,13 @@ async def _one_run(router: str, model_server: str, run: int) -> list[dict]:
             await asyncio.sleep(SETTLE_S)
             override = json.dumps({"version_policy": {"specific": {"versions": [int(target)]}}})
             requested = time.perf_counter()
-            await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(
-                model_name="minilm", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}),
-                timeout=300, metadata=mesh.credentials("dev-admin"))
+            await control.RepositoryModelLoad(
+                pb.RepositoryModelLoadRequest(
+                    model_name="minilm", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}
+                ),
+                timeout=300,
+                metadata=mesh.credentials("dev-admin"),
+            )
             swaps.append((target, requested, time.perf_counter()))
         await asyncio.sleep(SETTLE_S)
         stop.set()
@@ -97,21 +101,29 @@ async def _one_run(router: str, model_server: str, run: int) -> list[dict]:
         before = [lat for s, lat, _, err in records if requested - SETTLE_S <= s < requested and not err]
         during = [lat for s, lat, _, err in records if requested <= s < settled and not err]
         window = [r for r in records if requested - SETTLE_S <= r[0] < settled + SETTLE_S / 2]
-        results.append({
-            "to_version": target,
-            "load_rpc_s": loaded - requested,
-            "to_traffic_s": first_new - requested,
-            "requests": len(window),
-            "failed": sum(1 for r in window if r[3]),
-            "failed_codes": sorted({r[3] for r in window if r[3]}),
-            "p99_before_ms": _p99(before),
-            "p99_during_ms": _p99(during),
-            "p50_before_ms": 1000 * statistics.median(before),
-            "p50_during_ms": 1000 * statistics.median(during) if during else float("nan"),
-        })
-    results.append({"timeline": [(round(s - records[0][0], 3), round(1000 * lat, 2), v or err)
-                                 for s, lat, v, err in records[:: max(1, len(records) // 4000)]],
-                    "swap_marks": [(t, round(a - records[0][0], 3), round(b - records[0][0], 3)) for t, a, b in swaps]})
+        results.append(
+            {
+                "to_version": target,
+                "load_rpc_s": loaded - requested,
+                "to_traffic_s": first_new - requested,
+                "requests": len(window),
+                "failed": sum(1 for r in window if r[3]),
+                "failed_codes": sorted({r[3] for r in window if r[3]}),
+                "p99_before_ms": _p99(before),
+                "p99_during_ms": _p99(during),
+                "p50_before_ms": 1000 * statistics.median(before),
+                "p50_during_ms": 1000 * statistics.median(during) if during else float("nan"),
+            }
+        )
+    results.append(
+        {
+            "timeline": [
+                (round(s - records[0][0], 3), round(1000 * lat, 2), v or err)
+                for s, lat, v, err in records[:: max(1, len(records) // 4000)]
+            ],
+            "swap_marks": [(t, round(a - records[0][0], 3), round(b - records[0][0], 3)) for t, a, b in swaps],
+        }
+    )
     return results
 
 
@@ -123,7 +135,9 @@ def _plot(report: dict, path: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 4))
     for label, color in (("1", "tab:blue"), ("2", "tab:orange")):
         points = [(t, ms) for t, ms, v in timeline if v == label]
-        ax.scatter([p[0] for p in points], [p[1] for p in points], s=3, color=color, label=f"answered by version {label}")
+        ax.scatter(
+            [p[0] for p in points], [p[1] for p in points], s=3, color=color, label=f"answered by version {label}"
+        )
     failed = [(t, ms) for t, ms, v in timeline if v not in ("1", "2")]
     if failed:
         ax.scatter([p[0] for p in failed], [p[1] for p in failed], s=12, color="red", marker="x", label="failed")
@@ -148,16 +162,20 @@ def main() -> int:
     repo = _repository(work)
     runs = []
     # No rollback standby, so every swap (both directions, every run) is a fresh load.
-    with Mesh(MeshConfig(models=repo, cache=False, log_dir=work, model_server_args=("--rollback-grace-s", "0"))) as mesh:
+    with Mesh(
+        MeshConfig(models=repo, cache=False, log_dir=work, model_server_args=("--rollback-grace-s", "0"))
+    ) as mesh:
         model_server = mesh.processes["model_server"].info["grpc"]
         for run in range(args.runs):
             results = asyncio.run(_one_run(mesh.router, model_server, run))
             detail = results.pop()
             runs.append({"swaps": results, **detail})
             for r in results:
-                progress(f"run {run + 1}/{args.runs} -> v{r['to_version']}: {r['failed']} failed of {r['requests']}, "
-                         f"load RPC {r['load_rpc_s']:.2f}s, first answer from v{r['to_version']} after "
-                         f"{r['to_traffic_s']:.2f}s, p99 {r['p99_before_ms']:.0f} -> {r['p99_during_ms']:.0f} ms")
+                progress(
+                    f"run {run + 1}/{args.runs} -> v{r['to_version']}: {r['failed']} failed of {r['requests']}, "
+                    f"load RPC {r['load_rpc_s']:.2f}s, first answer from v{r['to_version']} after "
+                    f"{r['to_traffic_s']:.2f}s, p99 {r['p99_before_ms']:.0f} -> {r['p99_during_ms']:.0f} ms"
+                )
         dead = mesh.dead()
     shutil.rmtree(work, ignore_errors=True)
 
@@ -172,15 +190,22 @@ def main() -> int:
         "swaps": len(swaps),
         **{f"{key}_median": med(key) for key in ("load_rpc_s", "to_traffic_s", "p99_before_ms", "p99_during_ms")},
     }
-    report = {"machine": machine(), "command": "python -m bench.swap --runs %d" % args.runs, "callers": CALLERS,
-              "dead_services": dead, "summary": summary, "runs": runs}
+    report = {
+        "machine": machine(),
+        "command": "python -m bench.swap --runs %d" % args.runs,
+        "callers": CALLERS,
+        "dead_services": dead,
+        "summary": summary,
+        "runs": runs,
+    }
     rows = "\n".join(
         f"| {i // 2 + 1} | v{3 - int(s['to_version'])} → v{s['to_version']} | {s['failed']} / {s['requests']} | "
         f"{s['load_rpc_s']:.2f} | {s['to_traffic_s']:.2f} | {s['p99_before_ms']:.0f} | {s['p99_during_ms']:.0f} |"
-        for i, s in enumerate(swaps))
+        for i, s in enumerate(swaps)
+    )
     markdown = f"""# Hot swap under load
 
-`{report['command']}` on {report['machine']}; the mesh (router, batcher, model server, no cache) and the
+`{report["command"]}` on {report["machine"]}; the mesh (router, batcher, model server, no cache) and the
 {CALLERS} closed-loop callers share the machine. Each swap is a fresh load: the new version is loaded beside
 the serving one, warmed up, checked against minilm's golden probe, then swapped in; the rollback standby is
 off (`--rollback-grace-s 0`) so going back is a fresh load too.
@@ -189,10 +214,10 @@ off (`--rollback-grace-s 0`) so going back is a fresh load too.
 |---|---|---|---|---|---|---|
 {rows}
 
-Medians over {len(swaps)} swaps: load RPC {summary['load_rpc_s_median']:.2f} s, first answer from the new version
-{summary['to_traffic_s_median']:.2f} s after the request; p99 {summary['p99_before_ms_median']:.0f} ms before vs
-{summary['p99_during_ms_median']:.0f} ms during (the load, warm-up and probe share the 2 cores with serving).
-Failed requests in all: **{summary['failed_total']} of {summary['requests_total']}**.
+Medians over {len(swaps)} swaps: load RPC {summary["load_rpc_s_median"]:.2f} s, first answer from the new version
+{summary["to_traffic_s_median"]:.2f} s after the request; p99 {summary["p99_before_ms_median"]:.0f} ms before vs
+{summary["p99_during_ms_median"]:.0f} ms during (the load, warm-up and probe share the 2 cores with serving).
+Failed requests in all: **{summary["failed_total"]} of {summary["requests_total"]}**.
 """
     write(args.out, "swap", report, markdown, _plot)
     return 0 if summary["failed_total"] == 0 else 1

@@ -29,16 +29,25 @@ import tempfile
 import threading
 import time
 
-
-from bench.report import (chosen_seed, goal_verdict, machine, phase_order, progress, pyplot, save_figure, seed_argument,
-                          span, spread, write)
+from bench.report import (
+    chosen_seed,
+    goal_verdict,
+    machine,
+    phase_order,
+    progress,
+    pyplot,
+    save_figure,
+    seed_argument,
+    span,
+    spread,
+    write,
+)
 from bench.workload import InProcessMinilm, ghz_texts, ghz_unique_template, run_ghz
 from services.launcher.mesh import Mesh, MeshConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MODEL = ROOT / "build" / "models" / "minilm" / "1"
-
 
 
 CORES = len(os.sched_getaffinity(0))
@@ -65,7 +74,7 @@ def in_process_throughput(batch_sizes: list[int], seconds: float, tag: str, sess
             offset = index * len(pool) // sessions
             while time.perf_counter() - started < seconds:
                 start = (offset + done[index]) % (len(pool) - batch)
-                models[index].embed(pool[start:start + batch])
+                models[index].embed(pool[start : start + batch])
                 done[index] += batch
 
         workers = [threading.Thread(target=drive, args=(i,)) for i in range(sessions)]
@@ -83,8 +92,14 @@ def ghz_run(router: str, concurrency: int, seconds: float, tag: str) -> dict:
     report = run_ghz(router, ghz_unique_template(tag), 0, concurrency, seconds=seconds)
     latency = {p["percentage"]: p["latency"] / 1e6 for p in report["latencyDistribution"]}
     ok = report["statusCodeDistribution"].get("OK", 0)
-    return {"rps": report["rps"], "p50_ms": latency[50], "p99_ms": latency[99], "ok": ok, "count": report["count"],
-            "seconds": report["total"] / 1e9}
+    return {
+        "rps": report["rps"],
+        "p50_ms": latency[50],
+        "p99_ms": latency[99],
+        "ok": ok,
+        "count": report["count"],
+        "seconds": report["total"] / 1e9,
+    }
 
 
 def main() -> int:
@@ -100,7 +115,9 @@ def main() -> int:
     phases = ["ort", "ort_sessions", *(f"mesh{c}" for c in levels)]
 
     runs, orders = [], []
-    with Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=tempfile.mkdtemp(prefix="infermesh-bench-"))) as mesh:
+    with Mesh(
+        MeshConfig(models=ROOT / "build" / "models", log_dir=tempfile.mkdtemp(prefix="infermesh-bench-"))
+    ) as mesh:
         progress(f"mesh up, router {mesh.router}; warming up (seed {seed})")
         ghz_run(mesh.router, 16, 3.0, "warm")
         for run in range(args.runs):
@@ -115,13 +132,16 @@ def main() -> int:
                 if phase == "ort":
                     result["ort"] = in_process_throughput([1, 8, 16, 32, 64], args.seconds / 2, tag)
                 elif phase == "ort_sessions":
-                    result["ort_sessions"] = in_process_throughput([1, 8, 16, 32], args.seconds / 2, tag,
-                                                                   sessions=CORES)
+                    result["ort_sessions"] = in_process_throughput(
+                        [1, 8, 16, 32], args.seconds / 2, tag, sessions=CORES
+                    )
                 else:
                     c = int(phase.removeprefix("mesh"))
                     cell = result["mesh"][c] = ghz_run(mesh.router, c, args.seconds, tag)
-                    progress(f"  mesh concurrency {c:3d}: {cell['rps']:7.1f} req/s  p50 {cell['p50_ms']:6.2f} ms  "
-                             f"p99 {cell['p99_ms']:6.2f} ms  ok {cell['ok']}/{cell['count']} in {cell['seconds']:.1f} s")
+                    progress(
+                        f"  mesh concurrency {c:3d}: {cell['rps']:7.1f} req/s  p50 {cell['p50_ms']:6.2f} ms  "
+                        f"p99 {cell['p99_ms']:6.2f} ms  ok {cell['ok']}/{cell['count']} in {cell['seconds']:.1f} s"
+                    )
             runs.append(result)
 
     summary = summarise(runs, levels)
@@ -169,8 +189,10 @@ def summarise(runs: list[dict], levels: list[int]) -> dict:
             "ratio_to_one_session": med(r["mesh"][c]["rps"] / max(r["ort"].values()) for r in runs),
         }
     if 64 in levels:
-        out["goal"] = {"ratio": GOAL, "verdict": goal_verdict(out["mesh"][64]["ratio_to_ort_best_spread"]["runs"],
-                                                              lambda v: v >= GOAL)}
+        out["goal"] = {
+            "ratio": GOAL,
+            "verdict": goal_verdict(out["mesh"][64]["ratio_to_ort_best_spread"]["runs"], lambda v: v >= GOAL),
+        }
     return out
 
 
@@ -191,21 +213,27 @@ def markdown(report: dict, levels: list[int]) -> str:
         f"{s['ort_best_per_s']:.0f} | | | {s['ort_best_per_s'] / baseline:.2f} | 1.00 |",
     ]
     if "ort_sessions_per_s" in s:
-        lines.append(f"| in-process ORT, {s['sessions']} one-thread sessions side by side, batch "
-                     f"{s['ort_sessions_batch']} (their best) | – | {s['ort_sessions_per_s']:.0f} | | | "
-                     f"{s['ort_sessions_per_s'] / baseline:.2f} | {s['ort_sessions_per_s'] / s['ort_best_per_s']:.2f} |")
+        lines.append(
+            f"| in-process ORT, {s['sessions']} one-thread sessions side by side, batch "
+            f"{s['ort_sessions_batch']} (their best) | – | {s['ort_sessions_per_s']:.0f} | | | "
+            f"{s['ort_sessions_per_s'] / baseline:.2f} | {s['ort_sessions_per_s'] / s['ort_best_per_s']:.2f} |"
+        )
     for c in levels:
         m = s["mesh"][str(c)] if str(c) in s["mesh"] else s["mesh"][c]
-        lines.append(f"| mesh (ghz → router → cache → batcher → model_server) | {c} | {m['rps']:.0f} | "
-                     f"{m['p50_ms']:.2f} | {m['p99_ms']:.2f} | "
-                     f"{span(m['ratio_to_ort_best_spread']) if 'ratio_to_ort_best_spread' in m else format(m['ratio_to_ort_best'], '.2f')} | "
-                     f"{m.get('ratio_to_one_session', m['ratio_to_ort_best']):.2f} |")
+        lines.append(
+            f"| mesh (ghz → router → cache → batcher → model_server) | {c} | {m['rps']:.0f} | "
+            f"{m['p50_ms']:.2f} | {m['p99_ms']:.2f} | "
+            f"{span(m['ratio_to_ort_best_spread']) if 'ratio_to_ort_best_spread' in m else format(m['ratio_to_ort_best'], '.2f')} | "
+            f"{m.get('ratio_to_one_session', m['ratio_to_ort_best']):.2f} |"
+        )
     errors = sum((s["mesh"][c]["errors"]) for c in s["mesh"])
     lines.append("")
     lines.append(f"Failed requests over all mesh runs: {errors}.")
     if "goal" in s:
-        lines.append(f"Goal: the mesh at 64 callers ≥ {s['goal']['ratio']:.2f} of in-process ORT at its best layout: "
-                     f"{s['goal']['verdict']}.")
+        lines.append(
+            f"Goal: the mesh at 64 callers ≥ {s['goal']['ratio']:.2f} of in-process ORT at its best layout: "
+            f"{s['goal']['verdict']}."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -216,11 +244,19 @@ def plot(report: dict, levels: list[int], path: pathlib.Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     rps = [s["mesh"][c]["rps"] for c in levels]
     left.bar([str(c) for c in levels], rps, color="#4c72b0", label="mesh")
-    left.axhline(s["ort_best_per_s"], color="#c44e52", linestyle="--",
-                 label=f"in-process ORT, one session, best batch ({s['ort_best_batch']})")
+    left.axhline(
+        s["ort_best_per_s"],
+        color="#c44e52",
+        linestyle="--",
+        label=f"in-process ORT, one session, best batch ({s['ort_best_batch']})",
+    )
     if "ort_sessions_per_s" in s:
-        left.axhline(s["ort_sessions_per_s"], color="#dd8452", linestyle="-.",
-                     label=f"in-process ORT, {s['sessions']} one-thread sessions ({s['ort_sessions_batch']})")
+        left.axhline(
+            s["ort_sessions_per_s"],
+            color="#dd8452",
+            linestyle="-.",
+            label=f"in-process ORT, {s['sessions']} one-thread sessions ({s['ort_sessions_batch']})",
+        )
     left.axhline(s["ort_batch1_per_s"], color="#8c8c8c", linestyle=":", label="in-process ORT, batch 1")
     left.set_xlabel("concurrent callers (ghz)")
     left.set_ylabel("sentences / s")

@@ -36,7 +36,6 @@ PHASES = (("low", 1), ("high", 6), ("low again", 1))
 CALLERS = 64
 
 
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
@@ -47,10 +46,22 @@ def main() -> int:
     seed = chosen_seed(args.seed)
     work = pathlib.Path(tempfile.mkdtemp(prefix="infermesh-tidal-"))
     per_row = in_process(3.0, seed=1, sizes=IN_PROCESS_SIZES, threads=1)
-    progress("in-process, one thread: " + ", ".join(f"{rows}: {rate:.0f}" for rows, rate in per_row.items())
-             + " rows/s by batch size")
-    meshes = {name: Mesh(MeshConfig(models=ROOT / "build" / "models", cache=False, log_dir=work / name.replace(", ", "-"),
-                         batcher_args=batcher_args)) for name, batcher_args in LAYOUTS.items()}
+    progress(
+        "in-process, one thread: "
+        + ", ".join(f"{rows}: {rate:.0f}" for rows, rate in per_row.items())
+        + " rows/s by batch size"
+    )
+    meshes = {
+        name: Mesh(
+            MeshConfig(
+                models=ROOT / "build" / "models",
+                cache=False,
+                log_dir=work / name.replace(", ", "-"),
+                batcher_args=batcher_args,
+            )
+        )
+        for name, batcher_args in LAYOUTS.items()
+    }
     runs = []
     try:
         for mesh in meshes.values():
@@ -66,26 +77,40 @@ def main() -> int:
             orders.append(order)
             for policy in order:
                 mesh = meshes[policy]
-                result[policy] = {"saturation": ghz(mesh.router, f"{policy}{run}saturation", 0, CALLERS,
-                                                    seconds=args.phase_seconds)}
+                result[policy] = {
+                    "saturation": ghz(mesh.router, f"{policy}{run}saturation", 0, CALLERS, seconds=args.phase_seconds)
+                }
                 for phase, factor in PHASES:
                     rate = low * factor
-                    result[policy][phase] = ghz(mesh.router, f"{policy}{run}{phase}", int(rate * args.phase_seconds),
-                                                CALLERS, rps=rate)
-                progress(f"run {run + 1}/{args.runs} {policy:13s}: " + "; ".join(
-                    f"{ph} {r['rps']:.0f}/s p99 {r['p99_ms']:.0f} ms" for ph, r in result[policy].items()))
+                    result[policy][phase] = ghz(
+                        mesh.router, f"{policy}{run}{phase}", int(rate * args.phase_seconds), CALLERS, rps=rate
+                    )
+                progress(
+                    f"run {run + 1}/{args.runs} {policy:13s}: "
+                    + "; ".join(f"{ph} {r['rps']:.0f}/s p99 {r['p99_ms']:.0f} ms" for ph, r in result[policy].items())
+                )
             runs.append(result)
     finally:
         for mesh in meshes.values():
             mesh.stop()
     report = {
         "machine": machine(),
-        "command": "python -m bench.tidal " + " ".join(sys.argv[1:]), "runs": args.runs, "seed": seed, "orders": orders,
-        "date": time.strftime("%Y-%m-%d"), "saturation_rps": saturation, "low_rps": low,
+        "command": "python -m bench.tidal " + " ".join(sys.argv[1:]),
+        "runs": args.runs,
+        "seed": seed,
+        "orders": orders,
+        "date": time.strftime("%Y-%m-%d"),
+        "saturation_rps": saturation,
+        "low_rps": low,
         "in_process_rows_per_s": per_row,
-        "summary": {p: {ph: {k: statistics.median(r[p][ph][k] for r in runs) for k in ("rps", "p50_ms", "p99_ms")}
-                        | {"errors": sum(r[p][ph]["count"] - r[p][ph]["ok"] for r in runs)}
-                        for ph in ("saturation", *(ph for ph, _ in PHASES))} for p in LAYOUTS},
+        "summary": {
+            p: {
+                ph: {k: statistics.median(r[p][ph][k] for r in runs) for k in ("rps", "p50_ms", "p99_ms")}
+                | {"errors": sum(r[p][ph]["count"] - r[p][ph]["ok"] for r in runs)}
+                for ph in ("saturation", *(ph for ph, _ in PHASES))
+            }
+            for p in LAYOUTS
+        },
         "raw": runs,
     }
     write(args.out, "tidal", report, markdown(report), plot)
@@ -98,7 +123,8 @@ def markdown(report: dict) -> str:
         f"{report['date']}; open-loop ghz at {report['low_rps']:.0f} → {6 * report['low_rps']:.0f} → "
         f"{report['low_rps']:.0f} requests/s (the mesh saturated at {report['saturation_rps']:.0f}/s).",
         "",
-        "| policy | " + " | ".join(f"{ph}: req/s, p50, p99 ms" for ph, _ in PHASES)
+        "| policy | "
+        + " | ".join(f"{ph}: req/s, p50, p99 ms" for ph, _ in PHASES)
         + f" | saturation ({CALLERS} callers, closed loop): req/s, p50, p99 ms | failed |",
         "|---|" + "---|" * (len(PHASES) + 2),
     ]
@@ -107,8 +133,11 @@ def markdown(report: dict) -> str:
         cells = [f"{phases[ph]['rps']:.0f}, {phases[ph]['p50_ms']:.0f}, {phases[ph]['p99_ms']:.0f}" for ph in order]
         lines.append(f"| {policy} | " + " | ".join(cells) + f" | {sum(r['errors'] for r in phases.values())} |")
     per_row = report["in_process_rows_per_s"]
-    lines += ["", "The model itself (in-process ONNX Runtime, one thread, before the meshes started), rows/s by batch "
-              "size: " + ", ".join(f"{rows}: {rate:.0f}" for rows, rate in per_row.items()) + "."]
+    lines += [
+        "",
+        "The model itself (in-process ONNX Runtime, one thread, before the meshes started), rows/s by batch "
+        "size: " + ", ".join(f"{rows}: {rate:.0f}" for rows, rate in per_row.items()) + ".",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -51,15 +51,20 @@ print((rss() - before) / 1e6)
 
 def _session_rss_mb(model: pathlib.Path, tok_path: pathlib.Path) -> float:
     """Resident memory a fresh process gains by creating the session and running one batch of 32."""
-    out = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(model), str(tok_path)],
-                         capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_PROBE, str(model), str(tok_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     return float(out.stdout.split()[-1])
 
 
 def _throughput(sess, tok, texts: list[str], batch: int) -> float:
     started = time.perf_counter()
     for start in range(0, len(texts), batch):
-        bv.embed(sess, tok, texts[start:start + batch], batch=batch)
+        bv.embed(sess, tok, texts[start : start + batch], batch=batch)
     return len(texts) / (time.perf_counter() - started)
 
 
@@ -80,7 +85,9 @@ def _broken_probe(src: pathlib.Path, tok_path: pathlib.Path, golden: dict, scale
     for t in model.graph.initializer:
         a = numpy_helper.to_array(t)
         if a.dtype == np.float32 and a.size >= 1000:
-            t.CopyFrom(numpy_helper.from_array(a + rng.standard_normal(a.shape).astype(np.float32) * scale * a.std(), t.name))
+            t.CopyFrom(
+                numpy_helper.from_array(a + rng.standard_normal(a.shape).astype(np.float32) * scale * a.std(), t.name)
+            )
     onnx.save_model(model, str(dst))
     return float(bv.probe_cosines(dst, tok_path, golden).min())
 
@@ -103,8 +110,11 @@ def main() -> int:
     min_cos = json.loads((minilm / "config.json").read_text())["golden_probe"]["min_cosine"]
 
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="bench-versions-"))
-    paths = {"v1 fp32": minilm / "1" / "model.onnx", "v2 int8": minilm / "2" / "model.onnx",
-             "minilm-lite": args.models / "minilm-lite" / "1" / "model.onnx"}
+    paths = {
+        "v1 fp32": minilm / "1" / "model.onnx",
+        "v2 int8": minilm / "2" / "model.onnx",
+        "minilm-lite": args.models / "minilm-lite" / "1" / "model.onnx",
+    }
     for i, (name, spec) in enumerate(ALTERNATIVES.items()):
         progress(f"quantising alternative: {name}")
         _alternative(paths["v1 fp32"], scratch / f"alt{i}.onnx", spec)
@@ -114,8 +124,11 @@ def main() -> int:
     sessions = {}
     for name, path in paths.items():
         sessions[name] = bv.session(path)
-        variants[name] = {"file_mb": path.stat().st_size / 1e6, "parameters": bv.parameter_count(path),
-                          "session_rss_mb": _session_rss_mb(path, tok_path)}
+        variants[name] = {
+            "file_mb": path.stat().st_size / 1e6,
+            "parameters": bv.parameter_count(path),
+            "session_rss_mb": _session_rss_mb(path, tok_path),
+        }
         progress(f"{name}: {variants[name]['file_mb']:.1f} MB, session +{variants[name]['session_rss_mb']:.0f} MB RSS")
 
     progress("quality on the held-out set (embedding every sentence with every variant)")
@@ -129,7 +142,7 @@ def main() -> int:
         progress(f"  {name}: {variants[name]['quality']}")
 
     # Throughput: the same sentences in their held-out (hash) order, every variant in each run.
-    b1_texts, b32_texts = heldout[:128], heldout[128:128 + 640]
+    b1_texts, b32_texts = heldout[:128], heldout[128 : 128 + 640]
     speeds = {name: {"1": [], "32": []} for name in sessions}
     seed = chosen_seed(args.seed)
     for run in range(args.runs):
@@ -141,15 +154,25 @@ def main() -> int:
     for name in sessions:
         variants[name]["sentences_per_s"] = {b: statistics.median(v) for b, v in speeds[name].items()}
         variants[name]["sentences_per_s_runs"] = speeds[name]
-        variants[name]["speedup_vs_v1"] = {b: variants[name]["sentences_per_s"][b] / statistics.median(speeds["v1 fp32"][b])
-                                           for b in ("1", "32")}
+        variants[name]["speedup_vs_v1"] = {
+            b: variants[name]["sentences_per_s"][b] / statistics.median(speeds["v1 fp32"][b]) for b in ("1", "32")
+        }
 
     progress("golden probe against deliberately broken copies of v1")
-    broken = {f"v1 + {s:g} std weight noise": _broken_probe(paths["v1 fp32"], tok_path, golden, s, scratch / "broken.onnx")
-              for s in (0.1, 1.0)}
+    broken = {
+        f"v1 + {s:g} std weight noise": _broken_probe(paths["v1 fp32"], tok_path, golden, s, scratch / "broken.onnx")
+        for s in (0.1, 1.0)
+    }
 
-    report = {"machine": machine(), "runs": args.runs, "seed": seed, "heldout_sentences": len(heldout),
-              "golden_min_cosine": min_cos, "broken_golden_worst_row_cosine": broken, "variants": variants}
+    report = {
+        "machine": machine(),
+        "runs": args.runs,
+        "seed": seed,
+        "heldout_sentences": len(heldout),
+        "golden_min_cosine": min_cos,
+        "broken_golden_worst_row_cosine": broken,
+        "variants": variants,
+    }
     write(args.out, "versions", report, _markdown(report), _plot)
     return 0
 
@@ -177,11 +200,12 @@ def _markdown(r: dict) -> str:
             f"| {x['sentences_per_s']['1']:.0f} | {x['sentences_per_s']['32']:.0f} "
             f"| {x['speedup_vs_v1']['1']:.2f} | {x['speedup_vs_v1']['32']:.2f} "
             f"| {q['cosine_mean']:.4f} | {q['cosine_p1']:.4f} | {q['pairwise_spearman']:.4f} | {q['top10_overlap']:.3f} "
-            f"| {x['golden_min_cosine']:.4f} |")
+            f"| {x['golden_min_cosine']:.4f} |"
+        )
     v2 = v["v2 int8"]
     lines += [
         "",
-        "## INT8: what we measured against the claim \"−75% memory for < 1% accuracy loss\"",
+        '## INT8: what we measured against the claim "−75% memory for < 1% accuracy loss"',
         "",
         f"- File: {v2['file_mb']:.1f} MB vs {v1['file_mb']:.1f} MB ({100 * (v2['file_mb'] / v1['file_mb'] - 1):+.0f}%). "
         f"Resident memory of a session: +{v2['session_rss_mb']:.0f} MB vs +{v1['session_rss_mb']:.0f} MB "
@@ -205,7 +229,8 @@ def _markdown(r: dict) -> str:
         f"min_cosine {r['golden_min_cosine']}: a row passes at or above it. Worst row: "
         + ", ".join(f"{n} {x['golden_min_cosine']:.4f}" for n, x in v.items() if n in ("v1 fp32", "v2 int8"))
         + ". Broken copies of v1 (worst row; the probe fails when any row is below): "
-        + ", ".join(f"{n} {c:.4f}" for n, c in r["broken_golden_worst_row_cosine"].items()) + ".",
+        + ", ".join(f"{n} {c:.4f}" for n, c in r["broken_golden_worst_row_cosine"].items())
+        + ".",
         "minilm-lite has its own threshold (tools/build_models/repository.py LITE_GOLDEN_MIN, worst row shown in the table): "
         "the golden texts include languages and code it barely models.",
         "",
@@ -228,12 +253,15 @@ def _speed_spread(v: dict) -> str:
     """Each variant's sentences/s across runs (min–max), or a line saying the report kept none:
     without the spread, a difference in speed cannot be told from this machine's noise."""
     if not all("sentences_per_s_runs" in x for x in v.values()):
-        return ("This report keeps only the median speeds, not each run's, so it cannot tell how much of a "
-                "difference in speed between two variants is noise.")
+        return (
+            "This report keeps only the median speeds, not each run's, so it cannot tell how much of a "
+            "difference in speed between two variants is noise."
+        )
     spans = "; ".join(
         f"{name} {min(x['sentences_per_s_runs']['1']):.0f}–{max(x['sentences_per_s_runs']['1']):.0f} / "
         f"{min(x['sentences_per_s_runs']['32']):.0f}–{max(x['sentences_per_s_runs']['32']):.0f}"
-        for name, x in v.items())
+        for name, x in v.items()
+    )
     return f"Sentences/s across runs (min–max, batch 1 / batch 32): {spans}."
 
 
@@ -250,8 +278,11 @@ def _plot(r: dict, path: pathlib.Path) -> None:
     ax1.set_ylabel("sentences/s (log)")
     ax1.set_title("throughput, in-process ORT, 2 threads")
     ax1.legend()
-    for key, label, off in (("cosine_mean", "cosine mean", -0.27), ("cosine_p1", "cosine p1", 0),
-                            ("pairwise_spearman", "pairwise Spearman", 0.27)):
+    for key, label, off in (
+        ("cosine_mean", "cosine mean", -0.27),
+        ("cosine_p1", "cosine p1", 0),
+        ("pairwise_spearman", "pairwise Spearman", 0.27),
+    ):
         ax2.bar(x + off, [v[n]["quality"][key] for n in names], 0.27, label=label)
     ax2.set_ylim(0, 1.02)
     ax2.set_title("quality vs v1 (held-out sentences)")

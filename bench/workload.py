@@ -14,30 +14,71 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-SUBJECTS = ["my order", "the invoice", "my account", "the delivery", "my refund", "the app", "my password",
-            "the subscription", "the parcel", "my card", "the discount code", "the warranty"]
-PROBLEMS = ["has not arrived yet", "shows the wrong amount", "was charged twice", "stopped working this morning",
-            "cannot be changed online", "is missing an item", "was cancelled without notice", "keeps asking me to log in",
-            "is stuck in processing", "was sent to the wrong address"]
-ASKS = ["what should I do", "can you help me", "please advise", "how long will it take", "who can I talk to",
-        "is there a fix", "can I get a refund", "when will it be solved"]
+SUBJECTS = [
+    "my order",
+    "the invoice",
+    "my account",
+    "the delivery",
+    "my refund",
+    "the app",
+    "my password",
+    "the subscription",
+    "the parcel",
+    "my card",
+    "the discount code",
+    "the warranty",
+]
+PROBLEMS = [
+    "has not arrived yet",
+    "shows the wrong amount",
+    "was charged twice",
+    "stopped working this morning",
+    "cannot be changed online",
+    "is missing an item",
+    "was cancelled without notice",
+    "keeps asking me to log in",
+    "is stuck in processing",
+    "was sent to the wrong address",
+]
+ASKS = [
+    "what should I do",
+    "can you help me",
+    "please advise",
+    "how long will it take",
+    "who can I talk to",
+    "is there a fix",
+    "can I get a refund",
+    "when will it be solved",
+]
 
 
 def texts(count: int, seed: int = 0) -> list[str]:
     """`count` distinct texts; a different seed gives a disjoint set."""
     rng = random.Random(seed)
-    return [f"Hello, {rng.choice(SUBJECTS)} {rng.choice(PROBLEMS)}, {rng.choice(ASKS)}? (case {seed}-{i})"
-            for i in range(count)]
+    return [
+        f"Hello, {rng.choice(SUBJECTS)} {rng.choice(PROBLEMS)}, {rng.choice(ASKS)}? (case {seed}-{i})"
+        for i in range(count)
+    ]
 
 
 def ghz_data(items: list[str], model: str = "minilm") -> str:
     """A ghz --data-file body: one ModelInfer message per text, sent round-robin."""
-    return json.dumps([
-        {"model_name": model,
-         "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1],
-                     "contents": {"bytes_contents": [base64.b64encode(t.encode()).decode()]}}]}
-        for t in items
-    ])
+    return json.dumps(
+        [
+            {
+                "model_name": model,
+                "inputs": [
+                    {
+                        "name": "TEXT",
+                        "datatype": "BYTES",
+                        "shape": [1],
+                        "contents": {"bytes_contents": [base64.b64encode(t.encode()).decode()]},
+                    }
+                ],
+            }
+            for t in items
+        ]
+    )
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -64,26 +105,46 @@ def _link_or_copy(source: str, target: str) -> None:
         shutil.copy2(source, target)
 
 
-def run_ghz(address: str, data: str, total: int, concurrency: int, rps: float = 0, timeout_s: float | None = None,
-            key: str | None = None, seconds: float | None = None) -> dict:
+def run_ghz(
+    address: str,
+    data: str,
+    total: int,
+    concurrency: int,
+    rps: float = 0,
+    timeout_s: float | None = None,
+    key: str | None = None,
+    seconds: float | None = None,
+) -> dict:
     """ghz's JSON report of `total` unary ModelInfer calls with body `data` (a -d
     template), or with `seconds` of them (a closed loop lasts what was asked,
     whatever the rate; calls still in flight at the end are not counted):
     `concurrency` workers over up to 4 connections, at `rps` per second if
     given, presenting a tenant's bearer `key` if given (a VIP tenant's for VIP
     traffic: the tier comes from the caller's identity)."""
-    argv = [str(GHZ), "--insecure", "--call", "inference.GRPCInferenceService.ModelInfer", "-d", data,
-            "--concurrency", str(concurrency), "--connections", str(min(concurrency, 4)), "--format", "json"]
-    argv += (["--duration", f"{seconds:g}s", "--duration-stop", "ignore"] if seconds is not None
-             else ["--total", str(total)])
+    argv = [
+        str(GHZ),
+        "--insecure",
+        "--call",
+        "inference.GRPCInferenceService.ModelInfer",
+        "-d",
+        data,
+        "--concurrency",
+        str(concurrency),
+        "--connections",
+        str(min(concurrency, 4)),
+        "--format",
+        "json",
+    ]
+    argv += (
+        ["--duration", f"{seconds:g}s", "--duration-stop", "ignore"] if seconds is not None else ["--total", str(total)]
+    )
     if timeout_s is not None:
         argv += ["--timeout", f"{timeout_s:g}s"]
     if rps:
         argv += ["--rps", str(max(1, int(rps)))]  # ghz takes whole requests a second; 0 would mean no limit
     if key is not None:
         argv += ["-m", json.dumps({"authorization": f"Bearer {key}"})]
-    return json.loads(subprocess.run([*argv, address], capture_output=True, text=True, check=True,
-                                     timeout=900).stdout)
+    return json.loads(subprocess.run([*argv, address], capture_output=True, text=True, check=True, timeout=900).stdout)
 
 
 # The text of every call of the unique-text workloads, with the request number and
@@ -98,8 +159,12 @@ def ghz_unique_template(tag: str, model: str = "minilm") -> str:
     per call: a data file of many messages costs ghz CPU per call in proportion to
     its size, which on a small machine is taken from the mesh being measured."""
     text = f"{{{{ printf `{UNIQUE_TEXT.format(tag=tag)}` .RequestNumber .WorkerID | b64enc }}}}"
-    return json.dumps({"model_name": model, "inputs": [
-        {"name": "TEXT", "datatype": "BYTES", "shape": [1], "contents": {"bytes_contents": [text]}}]})
+    return json.dumps(
+        {
+            "model_name": model,
+            "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1], "contents": {"bytes_contents": [text]}}],
+        }
+    )
 
 
 def ghz_texts(tag: str, count: int, callers: int = 64, connections: int = 4, start: int = 0) -> list[str]:
@@ -125,9 +190,11 @@ class InProcessMinilm:
 
     def embed(self, batch: list[str]) -> np.ndarray:
         encodings = self._tokenizer.encode_batch(batch)
-        feeds = {"input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
-                 "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
-                 "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64)}
+        feeds = {
+            "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+            "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
+        }
         return self._session.run(["sentence_embedding"], feeds)[0]
 
 
@@ -136,10 +203,10 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(
         description="Writes ghz call data for minilm to stdout: a -d template whose text differs on every call "
-                    "(the default, cheap for ghz), or with --count a --data-file of that many distinct requests.")
+        "(the default, cheap for ghz), or with --count a --data-file of that many distinct requests."
+    )
     parser.add_argument("--count", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="load", help="part of every templated text, to tell runs apart")
     args = parser.parse_args()
     print(ghz_data(texts(args.count, args.seed)) if args.count else ghz_unique_template(args.tag))
-

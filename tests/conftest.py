@@ -62,6 +62,7 @@ def _run_meshes_on_tls(config) -> None:
                 if target in {p.info.get("grpc") for p in running.processes.values()}:
                     return open_secure(target, running.client_credentials(), *args, **kwargs)
             return open_plain(target, *args, **kwargs)
+
         return opened
 
     launcher.Mesh.__init__ = tls_init
@@ -79,18 +80,22 @@ def pytest_collection_modifyitems(config, items):
         if len(tiers) != 1:
             wrong.append(f"{item.nodeid}: {' and '.join(tiers) or 'no tier'}")
     if wrong:
-        raise pytest.UsageError("each test needs exactly one of the markers unit, service or e2e "
-                                "(pytest.ini says which is which):\n  " + "\n  ".join(wrong))
+        raise pytest.UsageError(
+            "each test needs exactly one of the markers unit, service or e2e "
+            "(pytest.ini says which is which):\n  " + "\n  ".join(wrong)
+        )
 
 
 @contextlib.contextmanager
 def _in_process_only(broken: list[str]):
     """While it lasts, starting a process or a server, or binding an IP socket,
     fails and is written down in `broken` (in case the code swallows the error)."""
+
     def refuse(what):
         def refused(*args, **kwargs):
             broken.append(what)
             raise RuntimeError(f"a unit test {what}: mark it service or e2e")
+
         return refused
 
     bind = socket.socket.bind
@@ -153,10 +158,21 @@ def _test_mesh(model_repository, tmp_path_factory):
 
     # Automatic cache bypass is off here (the tests send mostly unique texts yet expect lookups),
     # and so is the near cache: these tests watch the cache service itself.
-    return Mesh(MeshConfig(models=model_repository, log_dir=tmp_path_factory.mktemp("mesh-logs"),
-                l2_path=tmp_path_factory.mktemp("l2"),
-                router_args=("--max-request-bytes", str(MAX_REQUEST_BYTES), "--cache-min-hit-rate", "0",
-                             "--near-cache-ttl-s", "0")))
+    return Mesh(
+        MeshConfig(
+            models=model_repository,
+            log_dir=tmp_path_factory.mktemp("mesh-logs"),
+            l2_path=tmp_path_factory.mktemp("l2"),
+            router_args=(
+                "--max-request-bytes",
+                str(MAX_REQUEST_BYTES),
+                "--cache-min-hit-rate",
+                "0",
+                "--near-cache-ttl-s",
+                "0",
+            ),
+        )
+    )
 
 
 @pytest.fixture(scope="session")

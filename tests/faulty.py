@@ -43,23 +43,27 @@ def _break(model: onnx.ModelProto) -> onnx.ModelProto:
     output = graph.output[0].name
     for node in graph.node:  # the original result becomes an intermediate
         node.output[:] = [f"{output}_clean" if name == output else name for name in node.output]
-    graph.initializer.extend([
-        numpy_helper.from_array(np.array(1, dtype=np.int64), "faulty_axis"),
-        numpy_helper.from_array(np.array(64, dtype=np.int64), "faulty_low"),
-        numpy_helper.from_array(np.array(200, dtype=np.int64), "faulty_high"),
-        numpy_helper.from_array(np.zeros(1, dtype=np.float32), "faulty_table"),  # one row: index 1 is past its end
-        numpy_helper.from_array(np.array(0.0, dtype=np.float32), "faulty_zero"),
-    ])
-    graph.node.extend([
-        helper.make_node("Shape", ["input_ids"], ["faulty_shape"]),
-        helper.make_node("Gather", ["faulty_shape", "faulty_axis"], ["faulty_length"]),
-        helper.make_node("Greater", ["faulty_length", "faulty_low"], ["faulty_above"]),
-        helper.make_node("Less", ["faulty_length", "faulty_high"], ["faulty_below"]),
-        helper.make_node("And", ["faulty_above", "faulty_below"], ["faulty_hit"]),
-        helper.make_node("Cast", ["faulty_hit"], ["faulty_index"], to=TensorProto.INT64),
-        helper.make_node("Gather", ["faulty_table", "faulty_index"], ["faulty_value"]),
-        helper.make_node("Mul", ["faulty_value", "faulty_zero"], ["faulty_nothing"]),
-        helper.make_node("Add", [f"{output}_clean", "faulty_nothing"], [output]),
-    ])
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array(1, dtype=np.int64), "faulty_axis"),
+            numpy_helper.from_array(np.array(64, dtype=np.int64), "faulty_low"),
+            numpy_helper.from_array(np.array(200, dtype=np.int64), "faulty_high"),
+            numpy_helper.from_array(np.zeros(1, dtype=np.float32), "faulty_table"),  # one row: index 1 is past its end
+            numpy_helper.from_array(np.array(0.0, dtype=np.float32), "faulty_zero"),
+        ]
+    )
+    graph.node.extend(
+        [
+            helper.make_node("Shape", ["input_ids"], ["faulty_shape"]),
+            helper.make_node("Gather", ["faulty_shape", "faulty_axis"], ["faulty_length"]),
+            helper.make_node("Greater", ["faulty_length", "faulty_low"], ["faulty_above"]),
+            helper.make_node("Less", ["faulty_length", "faulty_high"], ["faulty_below"]),
+            helper.make_node("And", ["faulty_above", "faulty_below"], ["faulty_hit"]),
+            helper.make_node("Cast", ["faulty_hit"], ["faulty_index"], to=TensorProto.INT64),
+            helper.make_node("Gather", ["faulty_table", "faulty_index"], ["faulty_value"]),
+            helper.make_node("Mul", ["faulty_value", "faulty_zero"], ["faulty_nothing"]),
+            helper.make_node("Add", [f"{output}_clean", "faulty_nothing"], [output]),
+        ]
+    )
     onnx.checker.check_model(model)
     return model

@@ -15,8 +15,10 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BIN = ROOT / "bin"
-CRD_FILES = (ROOT / "build" / "istio" / "customresourcedefinitions.gen.yaml",
-             ROOT / "build" / "monitoring" / "monitoring.coreos.com_prometheusrules.yaml")
+CRD_FILES = (
+    ROOT / "build" / "istio" / "customresourcedefinitions.gen.yaml",
+    ROOT / "build" / "monitoring" / "monitoring.coreos.com_prometheusrules.yaml",
+)
 TOKEN = "infermesh-test-admin"
 
 
@@ -45,28 +47,79 @@ class KubeAPI:
         self.dir = pathlib.Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="kube-")))
         client_port, peer_port, self.port = _free_port(), _free_port(), _free_port()
         etcd_url, peer_url = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
-        self._start("etcd", [str(BIN / "etcd"), "--data-dir", str(self.dir / "etcd"),
-                             "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
-                             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-                             "--initial-cluster", f"default={peer_url}", "--log-level", "warn"])
+        self._start(
+            "etcd",
+            [
+                str(BIN / "etcd"),
+                "--data-dir",
+                str(self.dir / "etcd"),
+                "--listen-client-urls",
+                etcd_url,
+                "--advertise-client-urls",
+                etcd_url,
+                "--listen-peer-urls",
+                peer_url,
+                "--initial-advertise-peer-urls",
+                peer_url,
+                "--initial-cluster",
+                f"default={peer_url}",
+                "--log-level",
+                "warn",
+            ],
+        )
         key = self.dir / "service-accounts.key"
         subprocess.run(["openssl", "genrsa", "-out", str(key), "2048"], check=True, capture_output=True)
         (self.dir / "tokens.csv").write_text(f'{TOKEN},admin,admin,"system:masters"\n')
-        self._start("kube-apiserver", [
-            str(BIN / "kube-apiserver"), "--etcd-servers", etcd_url, "--bind-address", "127.0.0.1",
-            "--advertise-address", "127.0.0.1", "--secure-port", str(self.port), "--cert-dir", str(self.dir / "certs"),
-            "--service-account-issuer", "https://kubernetes.default.svc", "--service-account-key-file", str(key),
-            "--service-account-signing-key-file", str(key), "--token-auth-file", str(self.dir / "tokens.csv"),
-            "--authorization-mode", "RBAC", "--service-cluster-ip-range", "10.96.0.0/16"])
+        self._start(
+            "kube-apiserver",
+            [
+                str(BIN / "kube-apiserver"),
+                "--etcd-servers",
+                etcd_url,
+                "--bind-address",
+                "127.0.0.1",
+                "--advertise-address",
+                "127.0.0.1",
+                "--secure-port",
+                str(self.port),
+                "--cert-dir",
+                str(self.dir / "certs"),
+                "--service-account-issuer",
+                "https://kubernetes.default.svc",
+                "--service-account-key-file",
+                str(key),
+                "--service-account-signing-key-file",
+                str(key),
+                "--token-auth-file",
+                str(self.dir / "tokens.csv"),
+                "--authorization-mode",
+                "RBAC",
+                "--service-cluster-ip-range",
+                "10.96.0.0/16",
+            ],
+        )
         self.kubeconfig = self.dir / "kubeconfig"
         self._wait_ready()
-        self.kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "test",
-            "clusters": [{"name": "test", "cluster": {
-                "server": f"https://127.0.0.1:{self.port}",
-                "certificate-authority": str(self.dir / "certs" / "apiserver.crt")}}],
-            "users": [{"name": "admin", "user": {"token": TOKEN}}],
-            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "admin"}}]}))
+        self.kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "test",
+                    "clusters": [
+                        {
+                            "name": "test",
+                            "cluster": {
+                                "server": f"https://127.0.0.1:{self.port}",
+                                "certificate-authority": str(self.dir / "certs" / "apiserver.crt"),
+                            },
+                        }
+                    ],
+                    "users": [{"name": "admin", "user": {"token": TOKEN}}],
+                    "contexts": [{"name": "test", "context": {"cluster": "test", "user": "admin"}}],
+                }
+            )
+        )
         self.install_crds()
 
     def _start(self, name: str, argv: list[str]) -> None:
@@ -91,14 +144,17 @@ class KubeAPI:
 
         context = ssl.create_default_context()
         context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # the server makes its cert as it starts
-        request = urllib.request.Request(f"https://127.0.0.1:{self.port}/readyz",
-                                         headers={"Authorization": f"Bearer {TOKEN}"})
+        request = urllib.request.Request(
+            f"https://127.0.0.1:{self.port}/readyz", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for name in ("etcd", "kube_apiserver"):
                 if getattr(self, f"_{name}").poll() is not None:
-                    raise RuntimeError(f"{name} exited: " + (self.dir / f"{name.replace('_', '-')}.log")
-                                       .read_text(errors="replace")[-2000:])
+                    raise RuntimeError(
+                        f"{name} exited: "
+                        + (self.dir / f"{name.replace('_', '-')}.log").read_text(errors="replace")[-2000:]
+                    )
             try:
                 with urllib.request.urlopen(request, context=context, timeout=2) as response:
                     if response.status == 200:
@@ -106,8 +162,10 @@ class KubeAPI:
             except OSError:
                 pass
             time.sleep(0.25)
-        raise RuntimeError("kube-apiserver was not ready in time: "
-                           + (self.dir / "kube-apiserver.log").read_text(errors="replace")[-2000:])
+        raise RuntimeError(
+            "kube-apiserver was not ready in time: "
+            + (self.dir / "kube-apiserver.log").read_text(errors="replace")[-2000:]
+        )
 
     def client(self):
         from kubernetes import config, dynamic
@@ -117,14 +175,20 @@ class KubeAPI:
     def install_crds(self, timeout_s: float = 60.0) -> None:
         api = self.client()
         definitions = api.resources.get(api_version="apiextensions.k8s.io/v1", kind="CustomResourceDefinition")
-        crds = [d for path in CRD_FILES for d in yaml.safe_load_all(path.read_text())
-                if d and d.get("kind") == "CustomResourceDefinition"]
+        crds = [
+            d
+            for path in CRD_FILES
+            for d in yaml.safe_load_all(path.read_text())
+            if d and d.get("kind") == "CustomResourceDefinition"
+        ]
         for crd in crds:
             definitions.create(body=crd)
         deadline = time.monotonic() + timeout_s
         for crd in crds:
-            while not any(c["type"] == "Established" and c["status"] == "True"
-                          for c in (definitions.get(name=crd["metadata"]["name"]).status or {}).get("conditions") or []):
+            while not any(
+                c["type"] == "Established" and c["status"] == "True"
+                for c in (definitions.get(name=crd["metadata"]["name"]).status or {}).get("conditions") or []
+            ):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"CRD {crd['metadata']['name']} not established in time")
                 time.sleep(0.1)

@@ -14,7 +14,9 @@ def pack_texts(texts: list[str | bytes]) -> bytes:
     return out
 
 
-def text_request(texts: list[str | bytes], model: str = "minilm", request_id: str = "", version: str = "") -> pb.ModelInferRequest:
+def text_request(
+    texts: list[str | bytes], model: str = "minilm", request_id: str = "", version: str = ""
+) -> pb.ModelInferRequest:
     request = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
     request.inputs.add(name="TEXT", datatype="BYTES", shape=[len(texts)])
     request.raw_input_contents.append(pack_texts(texts))

@@ -3,7 +3,13 @@
 import pytest
 
 from services.batcher.policy import (
-    AdaptivePolicy, ArrivalRate, BaselinePolicy, FixedPolicy, QueueView, RowCost, make_policy,
+    AdaptivePolicy,
+    ArrivalRate,
+    BaselinePolicy,
+    FixedPolicy,
+    QueueView,
+    RowCost,
+    make_policy,
 )
 from services.common.latency import LatencyProfile
 from services.common.tier import Tier

@@ -12,8 +12,8 @@ import prometheus_client
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from services.batcher.core import Batcher, BatchingConfig
 from services.batcher.config import ReplicaConfig
+from services.batcher.core import Batcher, BatchingConfig
 from services.batcher.replicas import ReplicaSet
 from services.common.tensors import from_numpy, to_numpy
 from services.model_server.config import ModelServerConfig
@@ -60,24 +60,37 @@ def _row_sum_repository(root):
     folder = root / "rowsum"
     (folder / "1").mkdir(parents=True)
     graph = helper.make_graph(
-        [helper.make_node("ReduceSum", ["X", "axes"], ["Y"], keepdims=1)], "rowsum",
+        [helper.make_node("ReduceSum", ["X", "axes"], ["Y"], keepdims=1)],
+        "rowsum",
         [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", "width"])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", 1])],
-        [numpy_helper.from_array(np.array([1], dtype=np.int64), "axes")])
+        [numpy_helper.from_array(np.array([1], dtype=np.int64), "axes")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
     onnx.checker.check_model(model)
     onnx.save(model, str(folder / "1" / "model.onnx"))
-    (folder / "config.json").write_text(json.dumps({
-        "name": "rowsum", "platform": "onnxruntime_onnx", "max_batch_size": 8,
-        "inputs": [{"name": "X", "datatype": "FP32", "shape": [-1, -1]}],
-        "outputs": [{"name": "Y", "datatype": "FP32", "shape": [-1, 1]}]}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "name": "rowsum",
+                "platform": "onnxruntime_onnx",
+                "max_batch_size": 8,
+                "inputs": [{"name": "X", "datatype": "FP32", "shape": [-1, -1]}],
+                "outputs": [{"name": "Y", "datatype": "FP32", "shape": [-1, 1]}],
+            }
+        )
+    )
     return root
 
 
 def _batches(outcome: str) -> float:
-    return prometheus_client.REGISTRY.get_sample_value(
-        "infermesh_model_batches_total", {"model": "rowsum", "outcome": outcome}) or 0.0
+    return (
+        prometheus_client.REGISTRY.get_sample_value(
+            "infermesh_model_batches_total", {"model": "rowsum", "outcome": outcome}
+        )
+        or 0.0
+    )
 
 
 @pytest.mark.service
@@ -95,7 +108,8 @@ async def test_requests_of_different_widths_sent_together_are_each_answered_by_t
         five = np.arange(10, 15, dtype=np.float32).reshape(1, 5)  # 10 + ... + 14
         answers = await asyncio.gather(
             batcher.submit("rowsum", "", [from_numpy("X", three)], [], timeout_s=30),
-            batcher.submit("rowsum", "", [from_numpy("X", five)], [], timeout_s=30))
+            batcher.submit("rowsum", "", [from_numpy("X", five)], [], timeout_s=30),
+        )
         assert [to_numpy(outputs[0]).tolist() for _, outputs in answers] == [[[3.0]], [[60.0]]]
         # Each ran as a batch of its own shape: none was concatenated under the
         # other's shape, failed at the model server and was run again alone.

@@ -82,14 +82,18 @@ async def test_while_a_batch_runs_a_partial_batch_leaves_after_the_queue_delay()
     await asyncio.gather(running, *waiting)
 
 
-@pytest.mark.parametrize("policy, expected", [
-    ("fixed", [[0.0, 1.0, 2.0, 3.0]]),  # everything waiting, on one instance
-    ("adaptive", [[0.0, 1.0], [2.0, 3.0]]),  # half each on two: done in half the time
-])
+@pytest.mark.parametrize(
+    "policy, expected",
+    [
+        ("fixed", [[0.0, 1.0, 2.0, 3.0]]),  # everything waiting, on one instance
+        ("adaptive", [[0.0, 1.0], [2.0, 3.0]]),  # half each on two: done in half the time
+    ],
+)
 async def test_the_adaptive_policy_spreads_a_short_queue_over_the_free_instances(policy, expected):
     backend = GatedBackend(max_batch=4, capacity=2)
-    batcher = Batcher(backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100,
-                      batch_policy=policy))
+    batcher = Batcher(
+        backend, BatchingConfig(max_batch_size=4, max_queue_delay_ms=60_000, max_queue_size=100, batch_policy=policy)
+    )
     learned = batcher._queue("m", "1").batch_policy
     learned.observe_batch(1, 0.012)  # what batches took before: 12 ms a row alone, 8 ms in fours
     learned.observe_batch(4, 0.032)
@@ -105,8 +109,12 @@ async def test_vip_goes_first_and_fifo_holds_within_a_level():
     batcher = Batcher(backend, BatchingConfig(max_batch_size=2, max_queue_delay_ms=0, max_queue_size=100))
     blocker = submit(batcher, 0.0)
     await backend.started.wait()  # the only slot is busy from now on
-    waiting = [submit(batcher, 1.0), submit(batcher, 2.0, tier=Tier.VIP), submit(batcher, 3.0),
-               submit(batcher, 4.0, tier=Tier.VIP)]
+    waiting = [
+        submit(batcher, 1.0),
+        submit(batcher, 2.0, tier=Tier.VIP),
+        submit(batcher, 3.0),
+        submit(batcher, 4.0, tier=Tier.VIP),
+    ]
     await settle()
     backend.gate.set()
     await asyncio.gather(blocker, *waiting)
@@ -253,15 +261,23 @@ class OutOfTimeBackend(GatedBackend):
 
 
 async def test_a_batch_that_runs_out_of_time_after_it_was_sent_is_counted_and_logged(caplog):
-    count = prometheus_client.REGISTRY.get_sample_value(
-        "infermesh_batcher_batch_timeouts_total", {"model": "m", "tier": "standard"}) or 0.0
+    count = (
+        prometheus_client.REGISTRY.get_sample_value(
+            "infermesh_batcher_batch_timeouts_total", {"model": "m", "tier": "standard"}
+        )
+        or 0.0
+    )
     backend = OutOfTimeBackend(max_batch=2)
     batcher = Batcher(backend, BatchingConfig(max_batch_size=2, max_queue_delay_ms=60_000, max_queue_size=10))
     results = await asyncio.gather(submit(batcher, 1.0), submit(batcher, 2.0), return_exceptions=True)
     assert all(isinstance(r, errors.DeadlineExceeded) for r in results)
     assert backend.batches == [[1.0, 2.0]]  # no time is left to run them one by one
-    assert prometheus_client.REGISTRY.get_sample_value(
-        "infermesh_batcher_batch_timeouts_total", {"model": "m", "tier": "standard"}) == count + 1
+    assert (
+        prometheus_client.REGISTRY.get_sample_value(
+            "infermesh_batcher_batch_timeouts_total", {"model": "m", "tier": "standard"}
+        )
+        == count + 1
+    )
     assert "batch of 2 rows for model m (standard) ran out of its" in caplog.text
     assert "the tier's batches take about (no estimate yet)" in caplog.text
 
@@ -379,7 +395,9 @@ async def test_a_batch_runs_by_its_latest_requests_deadline():
     an aged standard request leads, say) along with the impatient ones beside it."""
     backend = GatedBackend(max_batch=2)
     backend.gate.set()
-    batcher = Batcher(backend, BatchingConfig(max_batch_size=2, max_queue_delay_ms=60_000, max_queue_size=10, default_timeout_s=30))
+    batcher = Batcher(
+        backend, BatchingConfig(max_batch_size=2, max_queue_delay_ms=60_000, max_queue_size=10, default_timeout_s=30)
+    )
     await asyncio.gather(submit(batcher, 1.0, timeout_s=5), submit(batcher, 2.0, timeout_s=20))
     await asyncio.gather(submit(batcher, 3.0), submit(batcher, 4.0, timeout_s=5))  # one with no deadline of its own
     assert backend.batches == [[1.0, 2.0], [3.0, 4.0]]
@@ -446,7 +464,12 @@ async def test_each_level_has_its_own_bound_and_a_full_one_says_when_to_retry():
     vip_running = submit(batcher, 2.0, tier=Tier.VIP)
     await settle()
     assert backend.batches == [[0.0], [2.0]]  # sent at once, on the slot reserved for VIP work
-    queued = [vip_running, submit(batcher, 1.0), submit(batcher, 3.0, tier=Tier.VIP), submit(batcher, 4.0, tier=Tier.VIP)]
+    queued = [
+        vip_running,
+        submit(batcher, 1.0),
+        submit(batcher, 3.0, tier=Tier.VIP),
+        submit(batcher, 4.0, tier=Tier.VIP),
+    ]
     await settle()
     with pytest.raises(errors.ResourceExhausted, match="the standard queue of model 'm' is full") as info:
         await batcher.submit("m", "1", row(4.0), [])
@@ -604,8 +627,10 @@ async def test_requests_answered_while_they_wait_give_their_place_back_at_once()
     batching task next passes it: in the queue's bound, its length gauge and
     the aging bound, which reads the oldest request still waiting."""
     backend = GatedBackend(max_batch=1, reserved=0)
-    policy = QueuePolicy(levels={level: LevelPolicy(max_queue_size=2, default_timeout_s=30) for level in (Tier.VIP, Tier.STANDARD)},
-                         aging_s=0.05)
+    policy = QueuePolicy(
+        levels={level: LevelPolicy(max_queue_size=2, default_timeout_s=30) for level in (Tier.VIP, Tier.STANDARD)},
+        aging_s=0.05,
+    )
     batcher = Batcher(backend, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0, policy=policy))
     tasks = [submit(batcher, 100.0, tier=Tier.VIP)]
     await backend.started.wait()  # the only slot is busy; the last batch was VIP-led
@@ -616,8 +641,12 @@ async def test_requests_answered_while_they_wait_give_their_place_back_at_once()
     with pytest.raises(errors.DeadlineExceeded):
         await expiring
     assert batcher.queue_length() == 0
-    assert prometheus_client.REGISTRY.get_sample_value(
-        "infermesh_batcher_queue_length", {"model": "m", "tier": "standard"}) == 0
+    assert (
+        prometheus_client.REGISTRY.get_sample_value(
+            "infermesh_batcher_queue_length", {"model": "m", "tier": "standard"}
+        )
+        == 0
+    )
     tasks += [submit(batcher, 3.0), submit(batcher, 4.0)]  # the full level's two places
     await settle()
     tasks.append(submit(batcher, 101.0, tier=Tier.VIP))
@@ -639,8 +668,12 @@ async def test_a_failed_batch_reruns_only_requests_that_can_still_be_answered():
     queue = batcher._queue("m", "1")
 
     def waits() -> float:
-        return prometheus_client.REGISTRY.get_sample_value(
-            "infermesh_batcher_queue_wait_seconds_count", {"model": "m", "tier": "standard"}) or 0.0
+        return (
+            prometheus_client.REGISTRY.get_sample_value(
+                "infermesh_batcher_queue_wait_seconds_count", {"model": "m", "tier": "standard"}
+            )
+            or 0.0
+        )
 
     before = waits()
     tasks = [submit(batcher, 1.0), submit(batcher, 13.0), submit(batcher, 3.0, timeout_s=0.02), submit(batcher, 4.0)]
@@ -769,13 +802,18 @@ def text(length: int):
     return [from_numpy("TEXT", np.array([b"x" * length], dtype=object))]
 
 
-@pytest.mark.parametrize("length_aware, expected", [
-    (True, [[5], [10, 11, 12], [200, 205, 190]]),  # nearest to the oldest first
-    (False, [[5], [10, 200, 12], [190, 11, 205]]),
-])
+@pytest.mark.parametrize(
+    "length_aware, expected",
+    [
+        (True, [[5], [10, 11, 12], [200, 205, 190]]),  # nearest to the oldest first
+        (False, [[5], [10, 200, 12], [190, 11, 205]]),
+    ],
+)
 async def test_length_aware_batching_groups_texts_of_similar_length(length_aware, expected):
     backend = TextBackend(max_batch=3)
-    batcher = Batcher(backend, BatchingConfig(max_batch_size=3, max_queue_delay_ms=0, max_queue_size=100, length_aware=length_aware))
+    batcher = Batcher(
+        backend, BatchingConfig(max_batch_size=3, max_queue_delay_ms=0, max_queue_size=100, length_aware=length_aware)
+    )
     running = asyncio.create_task(batcher.submit("m", "1", text(5), []))
     await backend.started.wait()
     waiting = [asyncio.create_task(batcher.submit("m", "1", text(n), [])) for n in (10, 200, 12, 190, 11, 205)]
@@ -820,8 +858,11 @@ async def test_a_request_whose_tier_slowed_while_it_waited_is_refused_when_its_t
     # Its refusal timer is set for 35 ms before its deadline; when its turn comes, after the slow
     # batch, it has about 300 ms left, and the tier's batches now take about 350 ms (cautiously).
     late = submit(batcher, 4.0, timeout_s=0.8)
-    with pytest.raises(errors.ResourceExhausted, match=r"waited \d+ ms in the standard queue and has \d+ ms left, "
-                                                      r"less than its batch would take \(about 3\d\d ms\)"):
+    with pytest.raises(
+        errors.ResourceExhausted,
+        match=r"waited \d+ ms in the standard queue and has \d+ ms left, "
+        r"less than its batch would take \(about 3\d\d ms\)",
+    ):
         await late
     await slow
     assert backend.batches == [[0.0], [1.0], [2.0], [3.0]]  # it was not sent
@@ -835,7 +876,9 @@ async def test_a_request_that_would_wait_past_its_deadline_is_refused_at_once():
     await asyncio.gather(*(batcher.submit("m", "1", row(float(i)), []) for i in range(5)))  # learn ~100 rows/s
     backlog = [submit(batcher, float(i), timeout_s=30) for i in range(40)]  # ~0.4 s of work
     await settle()
-    with pytest.raises(errors.ResourceExhausted, match="that its deadline, 50 ms away, leaves after its own batch") as info:
+    with pytest.raises(
+        errors.ResourceExhausted, match="that its deadline, 50 ms away, leaves after its own batch"
+    ) as info:
         await batcher.submit("m", "1", row(99.0), [], timeout_s=0.05)
     assert info.value.retry_after_ms > 100
     vip = await batcher.submit("m", "1", row(7.0), [], tier=Tier.VIP, timeout_s=0.2)  # nothing ahead at VIP
@@ -888,7 +931,9 @@ async def test_admission_leaves_a_request_time_for_its_own_batch():
 
 def test_a_tiers_batch_time_is_its_mean_plus_deviations_once_a_batch_has_finished():
     times = MovingTime()
-    assert times.estimate(CAUTIOUS_DEVIATIONS) is None  # nothing to go by: a waiting request only expires at its deadline
+    assert (
+        times.estimate(CAUTIOUS_DEVIATIONS) is None
+    )  # nothing to go by: a waiting request only expires at its deadline
     times.observe(0.2)
     assert times.estimate(CAUTIOUS_DEVIATIONS) == pytest.approx(0.2)
     times.observe(0.6)  # one batch three times as long: the margin widens at once
@@ -986,8 +1031,15 @@ async def test_queued_row_counts_follow_every_way_out_of_the_queue():
     running.append(asyncio.create_task(batcher.submit("m", "1", text(6), [], tier=Tier.VIP)))
     await settle()
     assert backend.batches == [[5], [6]]  # both slots, general and reserved, are busy from here on
-    waiting = [asyncio.create_task(batcher.submit("m", "1", text(n), [], tier=p, timeout_s=t))
-               for n, p, t in ((10, Tier.STANDARD, None), (200, Tier.STANDARD, None), (12, Tier.VIP, None), (30, Tier.STANDARD, 0.001))]
+    waiting = [
+        asyncio.create_task(batcher.submit("m", "1", text(n), [], tier=p, timeout_s=t))
+        for n, p, t in (
+            (10, Tier.STANDARD, None),
+            (200, Tier.STANDARD, None),
+            (12, Tier.VIP, None),
+            (30, Tier.STANDARD, 0.001),
+        )
+    ]
     await settle()
     queue = batcher._queues[("m", "1")]
     assert queue.levels.queued_rows == {Tier.VIP: 1, Tier.STANDARD: 3}

@@ -13,8 +13,9 @@ from services.common.metrics import scrape
 @pytest.fixture
 def served():
     registry = prometheus_client.CollectorRegistry()
-    histogram = prometheus_client.Histogram("t_seconds", "test", ["code"], buckets=(0.001, 0.005, 0.01, 0.1),
-                                            registry=registry)
+    histogram = prometheus_client.Histogram(
+        "t_seconds", "test", ["code"], buckets=(0.001, 0.005, 0.01, 0.1), registry=registry
+    )
     server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=registry)
     try:
         yield histogram, f"http://127.0.0.1:{server.server_port}/metrics"

@@ -38,10 +38,26 @@ async def test_ghz_renders_exactly_the_texts_the_baseline_embeds(ghz_binary):
     await server.start()
     try:
         ghz = await asyncio.create_subprocess_exec(
-            str(ghz_binary), "--insecure", "--proto", str(PROTO), "--import-paths", str(PROTO.parent.parent),
-            "--call", "inference.GRPCInferenceService.ModelInfer", "-d", ghz_unique_template("t1"),
-            "--total", "40", "--concurrency", "8", "--connections", "2", f"127.0.0.1:{port}",
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+            str(ghz_binary),
+            "--insecure",
+            "--proto",
+            str(PROTO),
+            "--import-paths",
+            str(PROTO.parent.parent),
+            "--call",
+            "inference.GRPCInferenceService.ModelInfer",
+            "-d",
+            ghz_unique_template("t1"),
+            "--total",
+            "40",
+            "--concurrency",
+            "8",
+            "--connections",
+            "2",
+            f"127.0.0.1:{port}",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
         _, stderr = await asyncio.wait_for(ghz.communicate(), 120)
         assert ghz.returncode == 0, stderr.decode()
     finally:

@@ -21,8 +21,13 @@ NAMES = 300
 
 
 def _series(metric: str, label: str) -> set[str]:
-    return {sample.labels[label] for family in prometheus_client.REGISTRY.collect() if family.name == metric
-            for sample in family.samples if label in sample.labels}
+    return {
+        sample.labels[label]
+        for family in prometheus_client.REGISTRY.collect()
+        if family.name == metric
+        for sample in family.samples
+        if label in sample.labels
+    }
 
 
 @pytest.mark.service
@@ -31,7 +36,8 @@ async def test_unknown_model_names_sent_to_the_model_server_add_one_series_at_mo
         before = _series("infermesh_model_batches", "model")
         for i in range(NAMES):
             request = model_server_pb2.ExecuteRequest(
-                model=f"no-such-model-{i}", inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")]))
+                model=f"no-such-model-{i}", inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")])
+            )
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await server.models.Execute(request, timeout=30)
             assert raised.value.code() == grpc.StatusCode.NOT_FOUND
@@ -44,10 +50,11 @@ async def test_distinct_priorities_sent_to_the_model_server_are_remembered_bound
     async with model_server(repo) as server:
         for tier in range(0, 2**31 - 1, (2**31 - 1) // NAMES):  # an enum field: int32 values
             request = model_server_pb2.ExecuteRequest(
-                model="mlp", tier=tier, inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")]))
+                model="mlp", tier=tier, inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")])
+            )
             await server.models.Execute(request, timeout=30)
         loaded = server.manager.resolve("mlp", "")
-        assert len(loaded._seen_at) <= MAX_TIERS_SEEN  # noqa: SLF001 - the state under test
+        assert len(loaded._seen_at) <= MAX_TIERS_SEEN
         assert (await server.execute())[0] == "1"
 
 
@@ -58,4 +65,4 @@ async def test_unknown_model_names_and_versions_sent_to_the_batcher_get_no_queue
     for i in range(NAMES):
         with pytest.raises(errors.Unavailable):
             await batcher.submit(f"model-{i}", "", inputs, [], timeout_s=5)
-    assert batcher._queues == {} and batcher._slots == {}  # noqa: SLF001 - the state under test
+    assert batcher._queues == {} and batcher._slots == {}

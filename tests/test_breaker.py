@@ -17,7 +17,7 @@ from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.common import errors
-from services.common.tensors import from_numpy, pack_bytes_elements, TensorData
+from services.common.tensors import TensorData, from_numpy, pack_bytes_elements
 from services.launcher.mesh import Mesh, MeshConfig
 from services.router.breaker import HALF_OPEN_STEPS, Breaker, BreakerPolicy, FailureSamples, State
 from services.router.config import RouterConfig
@@ -101,16 +101,23 @@ class FailingModel:
 
 def breaker_router(batcher, samples: FailureSamples | None = None) -> Router:
     catalog = Catalog()
-    catalog.replace([dataclasses.replace(MINILM, fallback="minilm-lite"),
-                     dataclasses.replace(MINILM, name="minilm-lite")])
-    return Router(catalog, batcher, cache=None, settings=RouterSettings(breaker_policy=RouterConfig().breaker_policy()),
-                  failure_samples=samples)
+    catalog.replace(
+        [dataclasses.replace(MINILM, fallback="minilm-lite"), dataclasses.replace(MINILM, name="minilm-lite")]
+    )
+    return Router(
+        catalog,
+        batcher,
+        cache=None,
+        settings=RouterSettings(breaker_policy=RouterConfig().breaker_policy()),
+        failure_samples=samples,
+    )
 
 
 def texts_request(text: str, timeout_s: float | None = None) -> InferRequest:
     data = pack_bytes_elements([text.encode()])
-    return InferRequest("minilm", "", "", [TensorData("TEXT", "BYTES", (1,), data)], [], timeout_s=timeout_s,
-                        cache_bypass=True)
+    return InferRequest(
+        "minilm", "", "", [TensorData("TEXT", "BYTES", (1,), data)], [], timeout_s=timeout_s, cache_bypass=True
+    )
 
 
 async def _fail(router: Router, count: int, timeout_s: float | None = None) -> None:
@@ -130,7 +137,7 @@ async def test_a_callers_own_short_deadline_never_opens_the_breaker():
     batcher.error = None
     result = await router.infer(texts_request("an ordinary request"))
     assert not result.degraded and batcher.calls[-1] == "minilm"
-    assert router._breakers["minilm"].state is State.CLOSED  # noqa: SLF001
+    assert router._breakers["minilm"].state is State.CLOSED
 
 
 @pytest.mark.unit
@@ -143,17 +150,24 @@ async def test_a_deadline_exceeded_with_an_ample_budget_is_the_models_failure():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("error", [
-    errors.InvalidArgument("input 'TEXT' is wrong"), errors.ResourceExhausted("queue full", retry_after_ms=50),
-    errors.NotFound("no such version"), errors.Cancelled("the caller went away"),
-    errors.PermissionDenied("no"), errors.FailedPrecondition("not now")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        errors.InvalidArgument("input 'TEXT' is wrong"),
+        errors.ResourceExhausted("queue full", retry_after_ms=50),
+        errors.NotFound("no such version"),
+        errors.Cancelled("the caller went away"),
+        errors.PermissionDenied("no"),
+        errors.FailedPrecondition("not now"),
+    ],
+)
 async def test_failures_that_are_not_the_models_are_not_recorded_either_way(error):
     """Neither counted as failures nor as successes: a flood of bad requests
     must not keep the breaker closed while the model fails everyone else."""
     batcher = FailingModel(error)
     router = breaker_router(batcher)
     await _fail(router, 500)  # a refusal with a retry hint: the router then sheds the rest itself
-    assert router._breakers["minilm"].state is State.CLOSED  # noqa: SLF001
+    assert router._breakers["minilm"].state is State.CLOSED
     await asyncio.sleep(0.1)  # past the hint, so that the next requests reach the batcher
     batcher.error = errors.Unavailable("the model server is down")
     await _fail(router, 19)
@@ -189,7 +203,7 @@ async def test_callers_that_go_away_are_not_recorded():
         call.cancel()
     await asyncio.gather(*calls, return_exceptions=True)
     assert all(call.cancelled() for call in calls)
-    assert router._breakers["minilm"].state is State.CLOSED  # noqa: SLF001
+    assert router._breakers["minilm"].state is State.CLOSED
     batcher.release.set()
     batcher.error = errors.Unavailable("the model server is down")
     await _fail(router, 19)
@@ -224,8 +238,9 @@ SECRET = "my account number is 12345678 and my password is hunter2"
 
 async def _sample_lines(tmp_path, content: str) -> list[dict]:
     path = tmp_path / f"{content}.jsonl"
-    router = breaker_router(FailingModel(errors.Unavailable("the model server is down")),
-                            FailureSamples(str(path), content=content))
+    router = breaker_router(
+        FailingModel(errors.Unavailable("the model server is down")), FailureSamples(str(path), content=content)
+    )
     await _fail(router, 3)
     with pytest.raises(errors.Unavailable):  # the breaker is still closed: a counted failure
         await router.infer(texts_request(SECRET))
@@ -243,8 +258,9 @@ async def test_redacted_samples_hold_shapes_and_keyed_hashes_never_the_text(tmp_
     assert len(tensor["text_hashes"][0]) == 16  # 8 bytes, hex
     hashes = {line["inputs"][0]["text_hashes"][0] for line in lines}
     assert len(hashes) == 4  # one per distinct text
-    assert (await _sample_lines(tmp_path / "again", "redacted"))[-1]["inputs"][0]["text_hashes"] != \
-        tensor["text_hashes"], "the hash is keyed per process (here: per FailureSamples), not a bare digest"
+    assert (await _sample_lines(tmp_path / "again", "redacted"))[-1]["inputs"][0]["text_hashes"] != tensor[
+        "text_hashes"
+    ], "the hash is keyed per process (here: per FailureSamples), not a bare digest"
 
 
 @pytest.mark.unit
@@ -258,7 +274,7 @@ async def test_the_samples_file_is_bounded_and_rotated_once(tmp_path):
     path = tmp_path / "samples.jsonl"
     samples = FailureSamples(str(path), per_minute=10_000, max_bytes=4096)
     router = breaker_router(FailingModel(errors.Unavailable("down")), samples)
-    router._breaker_policy = dataclasses.replace(router._breaker_policy, min_requests=10**9)  # noqa: SLF001 - stays closed
+    router._breaker_policy = dataclasses.replace(router._breaker_policy, min_requests=10**9)
     await _fail(router, 200)
     assert path.stat().st_size <= 4096 and (tmp_path / "samples.jsonl.1").stat().st_size <= 4096
     assert sorted(p.name for p in tmp_path.iterdir()) == ["samples.jsonl", "samples.jsonl.1"]
@@ -286,31 +302,57 @@ async def test_tiny_deadlines_through_the_mesh_leave_the_breaker_closed(mesh):
 
 
 @pytest.mark.e2e
-async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(model_repository, tmp_path,
-                                                                             reference_embeddings):
-    with Mesh(MeshConfig(models=model_repository, log_dir=tmp_path, l2_path=tmp_path / "l2",
-              batcher_args=("--replica-poll-s", "0.2"),
-              router_args=("--catalog-poll-s", "0.2", "--breaker-min-requests", "10", "--breaker-open-s", "1",
-                           "--near-cache-ttl-s", "0", "--cache-min-hit-rate", "0"))) as mesh:
-        async with grpc.aio.insecure_channel(mesh.router) as channel, \
-                grpc.aio.insecure_channel(mesh.processes["model_server"].info["grpc"]) as control_channel:
+async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(
+    model_repository, tmp_path, reference_embeddings
+):
+    with Mesh(
+        MeshConfig(
+            models=model_repository,
+            log_dir=tmp_path,
+            l2_path=tmp_path / "l2",
+            batcher_args=("--replica-poll-s", "0.2"),
+            router_args=(
+                "--catalog-poll-s",
+                "0.2",
+                "--breaker-min-requests",
+                "10",
+                "--breaker-open-s",
+                "1",
+                "--near-cache-ttl-s",
+                "0",
+                "--cache-min-hit-rate",
+                "0",
+            ),
+        )
+    ) as mesh:
+        async with (
+            grpc.aio.insecure_channel(mesh.router) as channel,
+            grpc.aio.insecure_channel(mesh.processes["model_server"].info["grpc"]) as control_channel,
+        ):
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             control = pb_grpc.GRPCInferenceServiceStub(control_channel)
 
             def router_sees(model: str, ready: bool):
                 """Whether the router's catalog, which comes from the batcher's, has `model` ready or not."""
+
                 async def check() -> bool:
                     return (await stub.ModelReady(pb.ModelReadyRequest(name=model))).ready == ready
+
                 return until(check, f"the router seeing {model} {'ready' if ready else 'without a ready version'}")
 
             known = "a sentence answered before the outage"
             stored_before = metric(mesh.metrics_url("cache"), "infermesh_cache_stored_bytes_total", level="l1")
             await stub.ModelInfer(text_request([known]), timeout=60)
-            await until(lambda: metric(mesh.metrics_url("cache"), "infermesh_cache_stored_bytes_total", level="l1")
-                        > stored_before, "the answer stored in the cache")
+            await until(
+                lambda: (
+                    metric(mesh.metrics_url("cache"), "infermesh_cache_stored_bytes_total", level="l1") > stored_before
+                ),
+                "the answer stored in the cache",
+            )
 
-            await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm"), timeout=30,
-                metadata=mesh.credentials("dev-admin"))
+            await control.RepositoryModelUnload(
+                pb.RepositoryModelUnloadRequest(model_name="minilm"), timeout=30, metadata=mesh.credentials("dev-admin")
+            )
             await router_sees("minilm", ready=False)
             results = []
             for _ in range(40):
@@ -322,8 +364,9 @@ async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(mode
             failed = [r for r in results if isinstance(r, Exception)]
             degraded = [r for r in results if not isinstance(r, Exception)]
             assert len(failed) <= 10  # only until the breaker has seen min_requests answers
-            assert degraded and all(r.parameters["infermesh_degraded"].string_param.startswith("fallback minilm-lite/")
-                                    for r in degraded)
+            assert degraded and all(
+                r.parameters["infermesh_degraded"].string_param.startswith("fallback minilm-lite/") for r in degraded
+            )
             assert all(r.model_name == "minilm" and output_array(r, "EMBEDDING").shape == (1, 384) for r in degraded)
             cached = await stub.ModelInfer(text_request([known]), timeout=30)
             assert cached.parameters["infermesh_degraded"].string_param == "cache"
@@ -331,18 +374,25 @@ async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(mode
             assert float(np.dot(output_array(cached, "EMBEDDING")[0], want[0])) >= 0.9999  # minilm's own answer
 
             # With the fallback gone too, the caller hears why, as a retryable status.
-            await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm-lite"), timeout=30,
-                metadata=mesh.credentials("dev-admin"))
+            await control.RepositoryModelUnload(
+                pb.RepositoryModelUnloadRequest(model_name="minilm-lite"),
+                timeout=30,
+                metadata=mesh.credentials("dev-admin"),
+            )
             await router_sees("minilm-lite", ready=False)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await stub.ModelInfer(text_request([f"no fallback {uuid.uuid4().hex}"]), timeout=30)
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "its fallback 'minilm-lite' cannot answer either" in raised.value.details()
-            await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="minilm-lite"), timeout=60,
-                metadata=mesh.credentials("dev-admin"))
+            await control.RepositoryModelLoad(
+                pb.RepositoryModelLoadRequest(model_name="minilm-lite"),
+                timeout=60,
+                metadata=mesh.credentials("dev-admin"),
+            )
 
-            await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="minilm"), timeout=120,
-                metadata=mesh.credentials("dev-admin"))
+            await control.RepositoryModelLoad(
+                pb.RepositoryModelLoadRequest(model_name="minilm"), timeout=120, metadata=mesh.credentials("dev-admin")
+            )
             await router_sees("minilm-lite", ready=True)  # the fallback, while the breaker is open
             await router_sees("minilm", ready=True)
             # Half-open: 10%, then 25%, then 50% of requests try minilm, each step needing 10 good answers.
@@ -350,15 +400,22 @@ async def test_a_withdrawn_model_is_answered_by_its_fallback_and_comes_back(mode
             # reopens the breaker for a second, so on a slow machine rounds can run out first.
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 60
-            while (metric(mesh.router_metrics, "infermesh_router_breaker_state", model="minilm") != 0
-                   and loop.time() < deadline):
-                await asyncio.gather(*(stub.ModelInfer(text_request([f"recovery {uuid.uuid4().hex}"]), timeout=30)
-                                       for _ in range(16)))
+            while (
+                metric(mesh.router_metrics, "infermesh_router_breaker_state", model="minilm") != 0
+                and loop.time() < deadline
+            ):
+                await asyncio.gather(
+                    *(stub.ModelInfer(text_request([f"recovery {uuid.uuid4().hex}"]), timeout=30) for _ in range(16))
+                )
             after = await stub.ModelInfer(text_request(["after the recovery"]), timeout=30)
             assert "infermesh_degraded" not in after.parameters and after.model_version == "1", _last_failures(tmp_path)
             assert metric(mesh.router_metrics, "infermesh_router_breaker_state", model="minilm") == 0
-            assert metric(mesh.router_metrics, "infermesh_router_breaker_transitions_total", model="minilm",
-                          state="closed") >= 1
+            assert (
+                metric(
+                    mesh.router_metrics, "infermesh_router_breaker_transitions_total", model="minilm", state="closed"
+                )
+                >= 1
+            )
         # The launcher names a samples file; the router writes it redacted by default.
         samples = [json.loads(line) for line in (tmp_path / "failure-samples.jsonl").read_text().splitlines()]
         assert samples and samples[0]["model"] == "minilm" and samples[0]["status"] == "UNAVAILABLE"

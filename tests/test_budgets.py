@@ -63,7 +63,7 @@ def test_a_request_past_the_budget_is_refused_naming_service_budget_and_size_wit
 @pytest.mark.unit
 def test_every_service_derives_its_budget_from_its_memory_limit_and_refuses_one_that_does_not_fit():
     for config in (RouterConfig(), BatcherConfig(), CacheConfig(), ModelServerConfig()):
-        assert 0 < config.budget_bytes and config.memory_needed_bytes <= config.memory_limit_bytes
+        assert config.budget_bytes > 0 and config.memory_needed_bytes <= config.memory_limit_bytes
     assert RouterConfig(memory_limit_bytes=2 * GIB).budget_bytes > RouterConfig().budget_bytes
     with pytest.raises(ValueError, match="more than memory_limit_bytes"):
         RouterConfig(request_budget_bytes=512 * MIB)
@@ -236,8 +236,10 @@ async def test_idle_streams_end_after_their_idle_time_and_free_the_calls_they_he
 @pytest.mark.service
 async def test_one_connections_idle_streams_cannot_take_every_call_from_unary_callers():
     server, address, _ = await serve_router(max_concurrent_rpcs=8, max_concurrent_streams=4, stream_idle_timeout_s=0)
-    async with (grpc.aio.insecure_channel(address, options=OWN_CONNECTION) as hoarder,
-                grpc.aio.insecure_channel(address, options=OWN_CONNECTION) as caller):
+    async with (
+        grpc.aio.insecure_channel(address, options=OWN_CONNECTION) as hoarder,
+        grpc.aio.insecure_channel(address, options=OWN_CONNECTION) as caller,
+    ):
         stub = pb_grpc.GRPCInferenceServiceStub(hoarder)
         opening = [asyncio.create_task(open_idle_stream(stub, i)) for i in range(8)]
         await until(lambda: sum(task.done() for task in opening) >= 4, "four idle streams open")
@@ -273,8 +275,9 @@ async def test_the_stream_multiplexers_timeout_heap_holds_no_answered_response()
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        mux = StreamMux("echo", batcher_pb2_grpc.BatcherStub(channel).Submit,
-                        lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True))
+        mux = StreamMux(
+            "echo", batcher_pb2_grpc.BatcherStub(channel).Submit, lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True)
+        )
         for _ in range(50):
             await mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model="fast"), timeout_s=60)
         assert len(mux._deadlines) == 50  # their deadlines are a minute away: the entries are still there ...
@@ -315,8 +318,15 @@ async def test_the_batcher_holds_each_submitted_request_in_its_budget_until_answ
         call = batcher_pb2_grpc.BatcherStub(channel).Submit()
         row_bytes = np.full((1, 10 * KIB), 1.0, np.float32).tobytes()  # 40 KiB: three fit
         for i in range(1, 5):
-            await call.write(batcher_pb2.SubmitRequest(id=i, model="m", version="1", timeout_ms=30_000, inputs=[
-                Tensor(name="X", datatype="FP32", shape=[1, 10 * KIB], data=row_bytes)]))
+            await call.write(
+                batcher_pb2.SubmitRequest(
+                    id=i,
+                    model="m",
+                    version="1",
+                    timeout_ms=30_000,
+                    inputs=[Tensor(name="X", datatype="FP32", shape=[1, 10 * KIB], data=row_bytes)],
+                )
+            )
         refused = await call.read()
         assert refused.id == 4 and refused.error.code == errors.ResourceExhausted.code
         assert "past its byte budget" in refused.error.message and refused.error.retry_after_ms > 0
@@ -334,8 +344,19 @@ def test_the_cache_holds_stored_results_in_its_budget_until_written(tmp_path):
     """Redis stopped: writes wait, the stored results are held, and those past
     the budget are dropped (a failed store: nobody waits for one) before they
     reach Redis."""
-    mesh = Mesh(MeshConfig(log_dir=tmp_path / "logs", cache_args=(
-        "--max-message-bytes", str(1 * MIB), "--request-budget-bytes", str(2 * MIB), "--redis-timeout-ms", "20000")))
+    mesh = Mesh(
+        MeshConfig(
+            log_dir=tmp_path / "logs",
+            cache_args=(
+                "--max-message-bytes",
+                str(1 * MIB),
+                "--request-budget-bytes",
+                str(2 * MIB),
+                "--redis-timeout-ms",
+                "20000",
+            ),
+        )
+    )
     try:
         mesh.start_redis()
         mesh.start_cache().wait_ready(60)
@@ -347,14 +368,18 @@ def test_the_cache_holds_stored_results_in_its_budget_until_written(tmp_path):
             with grpc.insecure_channel(mesh.address("cache")) as channel:
                 future = cache_pb2_grpc.CacheStub(channel).Store.future(iter(requests), timeout=60)
                 url = mesh.metrics_url("cache")
-                wait_until(lambda: metric(url, "infermesh_budget_refusals_total", service="cache") == 2,
-                           "the two stores past the budget refused")
+                wait_until(
+                    lambda: metric(url, "infermesh_budget_refusals_total", service="cache") == 2,
+                    "the two stores past the budget refused",
+                )
                 assert metric(url, "infermesh_held_request_bytes", service="cache") > 1.5 * MIB
                 os.kill(redis_pid, signal.SIGCONT)
                 summary = future.result()
                 assert (summary.stored, summary.failed) == (2, 2)
-                wait_until(lambda: metric(url, "infermesh_held_request_bytes", service="cache") == 0,
-                           "nothing held once written")
+                wait_until(
+                    lambda: metric(url, "infermesh_held_request_bytes", service="cache") == 0,
+                    "nothing held once written",
+                )
         finally:
             os.kill(redis_pid, signal.SIGCONT)
     finally:

@@ -11,8 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.cache import codec
-from services.common.tensors import (DATATYPES, NUMPY_DTYPES, TensorData, count_bytes_elements, element_count,
-                                     pack_bytes_elements)
+from services.common.tensors import (
+    DATATYPES,
+    NUMPY_DTYPES,
+    TensorData,
+    count_bytes_elements,
+    element_count,
+    pack_bytes_elements,
+)
 
 pytestmark = pytest.mark.unit
 FUZZ = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -24,11 +30,16 @@ def tensors(draw) -> TensorData:
     datatype = draw(st.sampled_from(sorted(DATATYPES)))
     shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
     if datatype == "BYTES":
-        data = pack_bytes_elements(draw(st.lists(st.binary(max_size=8), min_size=element_count(shape),
-                                                 max_size=element_count(shape))))
+        data = pack_bytes_elements(
+            draw(st.lists(st.binary(max_size=8), min_size=element_count(shape), max_size=element_count(shape)))
+        )
     else:
-        data = draw(st.binary(min_size=element_count(shape) * NUMPY_DTYPES[datatype].itemsize,
-                              max_size=element_count(shape) * NUMPY_DTYPES[datatype].itemsize))
+        data = draw(
+            st.binary(
+                min_size=element_count(shape) * NUMPY_DTYPES[datatype].itemsize,
+                max_size=element_count(shape) * NUMPY_DTYPES[datatype].itemsize,
+            )
+        )
     return TensorData(name, datatype, shape, data)
 
 
@@ -118,8 +129,16 @@ def test_an_fp16_body_of_odd_length_is_corrupt():
 
 def _raw_value(name: bytes, datatype: bytes, shape: tuple[int, ...], data: bytes) -> bytes:
     """One tensor in the value format, written by hand (encode refuses what it should not hold)."""
-    header = struct.pack(f"<H{len(name)}sB{len(datatype)}sB{len(shape)}qI", len(name), name, len(datatype), datatype,
-                         len(shape), *shape, len(data))
+    header = struct.pack(
+        f"<H{len(name)}sB{len(datatype)}sB{len(shape)}qI",
+        len(name),
+        name,
+        len(datatype),
+        datatype,
+        len(shape),
+        *shape,
+        len(data),
+    )
     return codec.MAGIC + bytes([0, 1]) + header + data
 
 

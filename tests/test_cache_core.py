@@ -85,12 +85,16 @@ async def test_generations_survive_a_replica_restart_and_purges_keep_counting_up
     await a.close()
 
 
-@pytest.mark.parametrize("digest, outputs, fp16", [
-    (b"\x01" * 16, EMBEDDING * 256, False),                                    # more tensors than the format holds
-    (b"\x01" * 600, EMBEDDING, False),                                         # longer than an LMDB key
-    (b"\x01" * 16, [TensorData("EMBEDDING", "FP32", (1, 2), b"\0" * 6)], True),  # bytes contradict the shape
-    (b"\x01" * 16, [], False),                                                 # nothing to keep
-], ids=["256-tensors", "600-byte-digest", "short-fp32", "no-outputs"])
+@pytest.mark.parametrize(
+    "digest, outputs, fp16",
+    [
+        (b"\x01" * 16, EMBEDDING * 256, False),  # more tensors than the format holds
+        (b"\x01" * 600, EMBEDDING, False),  # longer than an LMDB key
+        (b"\x01" * 16, [TensorData("EMBEDDING", "FP32", (1, 2), b"\0" * 6)], True),  # bytes contradict the shape
+        (b"\x01" * 16, [], False),  # nothing to keep
+    ],
+    ids=["256-tensors", "600-byte-digest", "short-fp32", "no-outputs"],
+)
 async def test_a_result_that_cannot_be_stored_fails_alone_not_its_batch(redis_server, tmp_path, digest, outputs, fp16):
     cache = replica(redis_server, tmp_path / "l2", l2_fp16=fp16)
     good = [bytes([0x10 + i]) * 16 for i in range(5)]
@@ -109,7 +113,7 @@ def damage_page_holding(path, value: bytes) -> None:
     raw = bytearray(data.read_bytes())
     page = raw.index(value) // 4096
     assert page >= 2, "the value sits on a meta page"
-    raw[page * 4096:page * 4096 + 16] = b"\xff" * 16
+    raw[page * 4096 : page * 4096 + 16] = b"\xff" * 16
     data.write_bytes(bytes(raw))
 
 

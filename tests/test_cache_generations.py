@@ -27,8 +27,11 @@ async def test_a_store_under_the_next_generation_is_refused_and_no_purge_brings_
     that should remove the cache's answers would then make it the answer."""
     cache = replica(redis_server, tmp_path / "l2")
     _, generation = await cache.lookup("minilm", DIGEST)
-    with pytest.raises(errors.InvalidArgument, match=r"field 'generation' is 1 for model 'minilm', but its "
-                                                     r"current generation is 0"):
+    with pytest.raises(
+        errors.InvalidArgument,
+        match=r"field 'generation' is 1 for model 'minilm', but its "
+        r"current generation is 0",
+    ):
         await cache.put("minilm", DIGEST, POISON, generation + 1)
     with pytest.raises(errors.InvalidArgument, match="field 'generation' is 18446744073709551615"):
         await cache.put("minilm", DIGEST, POISON, 2**64 - 1)
@@ -103,10 +106,9 @@ async def test_the_models_a_replica_remembers_for_callers_are_bounded(redis_serv
     await a.put("minilm", DIGEST, EMBEDDING)
     for i in range(400):
         await a.lookup(f"model-{i}", DIGEST)
-    assert len(a.generations._confirmed) <= 50 and a.generations._generations == {}  # noqa: SLF001 - the state under test
-    assert "minilm" not in a.generations._confirmed  # noqa: SLF001
+    assert len(a.generations._confirmed) <= 50 and a.generations._generations == {}
+    assert "minilm" not in a.generations._confirmed
     await b.purge("minilm")  # while a had forgotten it: a reads it again, never serves the purged entry
     assert await a.get("minilm", DIGEST) is None and a.current_generation("minilm") == 1
     await a.close()
     await b.close()
-

@@ -7,9 +7,9 @@ import uuid
 import grpc
 import pytest
 import redis
-from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
+from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from services.launcher.mesh import Mesh, MeshConfig
 from services.router.core import SINGLE_FLIGHT_LINGER_S
@@ -60,27 +60,44 @@ def test_purge_needs_an_admin_tenant_of_the_registry(mesh):
     with grpc.insecure_channel(mesh.address("cache")) as channel:
         stub = cache_pb2_grpc.CacheStub(channel)
         for metadata, code, complaint in (
-                ((("authorization", "Bearer anything"),), grpc.StatusCode.UNAUTHENTICATED, "bearer key is not known"),
-                ((), grpc.StatusCode.UNAUTHENTICATED, "needs an admin credential"),
-                (mesh.credentials("dev-vip"), grpc.StatusCode.PERMISSION_DENIED,
-                 "tenant 'dev-vip' may not purge model 'minilm': it has no admin rights")):
+            ((("authorization", "Bearer anything"),), grpc.StatusCode.UNAUTHENTICATED, "bearer key is not known"),
+            ((), grpc.StatusCode.UNAUTHENTICATED, "needs an admin credential"),
+            (
+                mesh.credentials("dev-vip"),
+                grpc.StatusCode.PERMISSION_DENIED,
+                "tenant 'dev-vip' may not purge model 'minilm': it has no admin rights",
+            ),
+        ):
             with pytest.raises(grpc.RpcError) as info:
                 stub.Purge(cache_pb2.PurgeRequest(model="minilm"), metadata=metadata, timeout=10)
             assert info.value.code() == code and complaint in info.value.details()
         # minilm-lite: no other test here counts on its cached entries
-        assert stub.Purge(cache_pb2.PurgeRequest(model="minilm-lite"), metadata=mesh.credentials("dev-admin"),
-                          timeout=10).generation >= 1
+        assert (
+            stub.Purge(
+                cache_pb2.PurgeRequest(model="minilm-lite"), metadata=mesh.credentials("dev-admin"), timeout=10
+            ).generation
+            >= 1
+        )
 
 
 def test_near_cache_then_bypass_for_unique_work_then_recovery(model_repository, tmp_path):
-    with Mesh(MeshConfig(models=model_repository, log_dir=tmp_path,
-              router_args=("--cache-bypass-window", "20", "--cache-min-hit-rate", "0.1"))) as m:
-        lookups = lambda: sum(metric(m.router_metrics, "infermesh_router_cache_lookups_total", result=r)  # noqa: E731
-                              for r in ("hit", "miss", "error"))
+    with Mesh(
+        MeshConfig(
+            models=model_repository,
+            log_dir=tmp_path,
+            router_args=("--cache-bypass-window", "20", "--cache-min-hit-rate", "0.1"),
+        )
+    ) as m:
+        lookups = lambda: sum(
+            metric(m.router_metrics, "infermesh_router_cache_lookups_total", result=r)  # noqa: E731
+            for r in ("hit", "miss", "error")
+        )
         gauge = lambda: metric(m.router_metrics, "infermesh_router_cache_bypassed", model="minilm")  # noqa: E731
         # What the cache service itself saw: lookups it answered, bytes it stored.
-        cache_traffic = lambda: (metric(m.metrics_url("cache"), "infermesh_cache_lookups_total"),  # noqa: E731
-                                 metric(m.metrics_url("cache"), "infermesh_cache_stored_bytes_total"))
+        cache_traffic = lambda: (
+            metric(m.metrics_url("cache"), "infermesh_cache_lookups_total"),  # noqa: E731
+            metric(m.metrics_url("cache"), "infermesh_cache_stored_bytes_total"),
+        )
         stored = redis.Redis.from_url(m.redis_url)
         results_in_redis = lambda: sum(1 for _ in stored.scan_iter("infermesh:v1:minilm:g*"))  # noqa: E731
         with grpc.insecure_channel(m.router) as channel:
@@ -91,11 +108,15 @@ def test_near_cache_then_bypass_for_unique_work_then_recovery(model_repository, 
             # Past single-flight's linger, a timer that a busy router may run late; well within
             # the near cache's 1 s. A wait for time itself: the linger is no state one can see.
             time.sleep(SINGLE_FLIGHT_LINGER_S + 0.25)
-            lookups_before, near_before = lookups(), metric(m.router_metrics, "infermesh_router_cache_lookups_total",
-                                                             result="near_hit")
+            lookups_before, near_before = (
+                lookups(),
+                metric(m.router_metrics, "infermesh_router_cache_lookups_total", result="near_hit"),
+            )
             assert stub.ModelInfer(repeat, timeout=30).raw_output_contents == first.raw_output_contents
             assert lookups() == lookups_before
-            assert metric(m.router_metrics, "infermesh_router_cache_lookups_total", result="near_hit") == near_before + 1
+            assert (
+                metric(m.router_metrics, "infermesh_router_cache_lookups_total", result="near_hit") == near_before + 1
+            )
             for i in range(19):  # with the repeat's miss above, 20 lookups: one window, one hit
                 stub.ModelInfer(text_request([f"unique {i} {uuid.uuid4().hex}"]), timeout=30)
             assert gauge() == 1
@@ -111,7 +132,9 @@ def test_near_cache_then_bypass_for_unique_work_then_recovery(model_repository, 
             deadline = time.monotonic() + 60
             while gauge() == 1 and time.monotonic() < deadline:
                 response = stub.ModelInfer(text_request(["the one popular question"]), timeout=30)
-                time.sleep(SINGLE_FLIGHT_LINGER_S + 0.01)  # past single-flight's linger, so each request is a new flight
+                time.sleep(
+                    SINGLE_FLIGHT_LINGER_S + 0.01
+                )  # past single-flight's linger, so each request is a new flight
             assert gauge() == 0
             stub.ModelInfer(text_request(["the one popular question"]), timeout=30)
             assert lookups() > before  # looking up again

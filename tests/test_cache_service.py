@@ -23,9 +23,22 @@ class CacheOnly:
     """redis-server and the cache service alone, restartable."""
 
     def __init__(self, tmp_path, ttl_s=1):
-        self.mesh = Mesh(MeshConfig(log_dir=tmp_path / "logs", l2_path=tmp_path / "l2",
-                         cache_args=("--ttl-s", str(ttl_s), "--admin-token", TOKEN, "--generation-poll-s", "0.2",
-                                     "--breaker-open-s", "0.5")))
+        self.mesh = Mesh(
+            MeshConfig(
+                log_dir=tmp_path / "logs",
+                l2_path=tmp_path / "l2",
+                cache_args=(
+                    "--ttl-s",
+                    str(ttl_s),
+                    "--admin-token",
+                    TOKEN,
+                    "--generation-poll-s",
+                    "0.2",
+                    "--breaker-open-s",
+                    "0.5",
+                ),
+            )
+        )
 
     def start(self):
         if "redis" not in self.mesh.processes:
@@ -44,12 +57,15 @@ class CacheOnly:
         return redis.Redis.from_url(self.mesh.redis_url)
 
     def store(self, model, digest, tensors):
-        summary = self.stub.Store(iter([cache_pb2.StoreRequest(model=model, digest=digest,
-                                                               outputs=tensors_to_proto(tensors))]), timeout=10)
+        summary = self.stub.Store(
+            iter([cache_pb2.StoreRequest(model=model, digest=digest, outputs=tensors_to_proto(tensors))]), timeout=10
+        )
         assert (summary.stored, summary.failed) == (1, 0)
 
     def lookup(self, model, digest):
-        (response,) = list(self.stub.Lookup(iter([cache_pb2.LookupRequest(id=7, model=model, digest=digest)]), timeout=10))
+        (response,) = list(
+            self.stub.Lookup(iter([cache_pb2.LookupRequest(id=7, model=model, digest=digest)]), timeout=10)
+        )
         assert response.id == 7
         return response
 
@@ -143,14 +159,17 @@ def test_purge_needs_the_token_and_forgets_every_level(cache):
     digest = b"\x08" * 16
     cache.store("minilm", digest, [EMBEDDING])
     cache.store("mlp", digest, [EMBEDDING])
-    for metadata, code in (((), grpc.StatusCode.UNAUTHENTICATED),
-                           ((("authorization", "Bearer wrong"),), grpc.StatusCode.UNAUTHENTICATED)):
+    for metadata, code in (
+        ((), grpc.StatusCode.UNAUTHENTICATED),
+        ((("authorization", "Bearer wrong"),), grpc.StatusCode.UNAUTHENTICATED),
+    ):
         with pytest.raises(grpc.RpcError) as info:
             cache.stub.Purge(cache_pb2.PurgeRequest(model="minilm"), metadata=metadata, timeout=10)
         assert info.value.code() == code and "Bearer" in info.value.details()
     assert cache.lookup("minilm", digest).hit
-    response = cache.stub.Purge(cache_pb2.PurgeRequest(model="minilm"),
-                                metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10)
+    response = cache.stub.Purge(
+        cache_pb2.PurgeRequest(model="minilm"), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10
+    )
     assert response.generation == 1 and response.l2_deleted == 1
     assert not cache.lookup("minilm", digest).hit
     assert cache.lookup("mlp", digest).hit  # other models keep theirs
@@ -163,15 +182,22 @@ def store_request(model="minilm", digest=b"\x09" * 16, outputs=(EMBEDDING,)):
     return cache_pb2.StoreRequest(model=model, digest=digest, outputs=tensors_to_proto(list(outputs)))
 
 
-@pytest.mark.parametrize("request_, message", [
-    (store_request(model=""), "StoreRequest 1 of this stream: model is empty"),
-    (store_request(model="a\x00b"), "model 'a\\x00b' is not a model name"),
-    (store_request(digest=b""), "digest of model 'minilm' is 0 bytes (empty); a request digest is 16"),
-    (store_request(digest=b"\x02" * 600), "digest of model 'minilm' is 600 bytes (0202020202020202)"),
-    (store_request(outputs=()), "outputs of model 'minilm': holds 0 tensors; 1 to 255 fit"),
-    (store_request(outputs=(EMBEDDING,) * 256), "holds 256 tensors; 1 to 255 fit"),
-    (store_request(outputs=(TensorData("EMBEDDING", "FP32", (1, 384), b"\0" * 6),)), "holds 6 bytes; FP32 of shape"),
-], ids=["empty-model", "nul-model", "empty-digest", "long-digest", "no-outputs", "256-outputs", "short-data"])
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (store_request(model=""), "StoreRequest 1 of this stream: model is empty"),
+        (store_request(model="a\x00b"), "model 'a\\x00b' is not a model name"),
+        (store_request(digest=b""), "digest of model 'minilm' is 0 bytes (empty); a request digest is 16"),
+        (store_request(digest=b"\x02" * 600), "digest of model 'minilm' is 600 bytes (0202020202020202)"),
+        (store_request(outputs=()), "outputs of model 'minilm': holds 0 tensors; 1 to 255 fit"),
+        (store_request(outputs=(EMBEDDING,) * 256), "holds 256 tensors; 1 to 255 fit"),
+        (
+            store_request(outputs=(TensorData("EMBEDDING", "FP32", (1, 384), b"\0" * 6),)),
+            "holds 6 bytes; FP32 of shape",
+        ),
+    ],
+    ids=["empty-model", "nul-model", "empty-digest", "long-digest", "no-outputs", "256-outputs", "short-data"],
+)
 def test_a_malformed_store_is_refused_naming_the_field_and_the_ones_before_it_are_kept(cache, request_, message):
     before = b"\x0a" * 16
     with pytest.raises(grpc.RpcError) as info:
@@ -181,16 +207,22 @@ def test_a_malformed_store_is_refused_naming_the_field_and_the_ones_before_it_ar
     assert cache.lookup("minilm", before).hit
 
 
-@pytest.mark.parametrize("model, digest, message", [
-    ("", b"\x01" * 16, "LookupRequest id 7: model is empty"),
-    ("minilm", b"", "LookupRequest id 7: digest of model 'minilm' is 0 bytes"),
-    ("minilm", b"\x01" * 20, "digest of model 'minilm' is 20 bytes"),
-], ids=["empty-model", "empty-digest", "long-digest"])
+@pytest.mark.parametrize(
+    "model, digest, message",
+    [
+        ("", b"\x01" * 16, "LookupRequest id 7: model is empty"),
+        ("minilm", b"", "LookupRequest id 7: digest of model 'minilm' is 0 bytes"),
+        ("minilm", b"\x01" * 20, "digest of model 'minilm' is 20 bytes"),
+    ],
+    ids=["empty-model", "empty-digest", "long-digest"],
+)
 def test_a_malformed_lookup_is_a_miss_naming_the_field_and_the_stream_goes_on(cache, model, digest, message):
     good = b"\x0c" * 16
     cache.store("minilm", good, [EMBEDDING])
-    lookups = [cache_pb2.LookupRequest(id=7, model=model, digest=digest),
-               cache_pb2.LookupRequest(id=8, model="minilm", digest=good)]
+    lookups = [
+        cache_pb2.LookupRequest(id=7, model=model, digest=digest),
+        cache_pb2.LookupRequest(id=8, model="minilm", digest=good),
+    ]
     answers = {r.id: r for r in cache.stub.Lookup(iter(lookups), timeout=10)}
     assert not answers[7].hit and message in answers[7].error
     assert answers[8].hit and not answers[8].error
@@ -217,8 +249,9 @@ def test_a_damaged_l2_file_is_moved_aside_and_the_service_starts_on_an_empty_one
 def test_a_store_with_the_generation_of_a_lookup_before_a_purge_is_stale(cache):
     digest = b"\x47" * 16
     assert cache.lookup("minilm", digest).generation == 0
-    purged = cache.stub.Purge(cache_pb2.PurgeRequest(model="minilm"), metadata=[("authorization", f"Bearer {TOKEN}")],
-                              timeout=10)
+    purged = cache.stub.Purge(
+        cache_pb2.PurgeRequest(model="minilm"), metadata=[("authorization", f"Bearer {TOKEN}")], timeout=10
+    )
     assert purged.generation == 1
     stale = cache_pb2.StoreRequest(model="minilm", digest=digest, outputs=tensors_to_proto([EMBEDDING]), generation=0)
     fresh = cache_pb2.StoreRequest(model="minilm", digest=b"\x48" * 16, outputs=tensors_to_proto([EMBEDDING]))

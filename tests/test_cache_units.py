@@ -56,12 +56,19 @@ def test_codec_fp16_halves_embeddings_within_cosine_budget():
     assert (np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min() > 0.99999
 
 
-@pytest.mark.parametrize("value", [
-    b"", b"IMC", b"pickle\x80\x04", b"IMC1\x00\x01", b"IMC1\x01\x01garbage-not-zstd",
-    codec.encode([embedding_tensor()])[:-7],                       # truncated data
-    codec.encode([embedding_tensor()]) + b"extra",                 # trailing bytes
-    b"IMC1\x00\x01" + struct.pack("<H", 1) + b"X" + b"\x04NOPE" + b"\x00" + struct.pack("<I", 0),  # bad dtype
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"",
+        b"IMC",
+        b"pickle\x80\x04",
+        b"IMC1\x00\x01",
+        b"IMC1\x01\x01garbage-not-zstd",
+        codec.encode([embedding_tensor()])[:-7],  # truncated data
+        codec.encode([embedding_tensor()]) + b"extra",  # trailing bytes
+        b"IMC1\x00\x01" + struct.pack("<H", 1) + b"X" + b"\x04NOPE" + b"\x00" + struct.pack("<I", 0),  # bad dtype
+    ],
+)
 def test_foreign_or_corrupt_values_are_rejected_never_executed(value):
     with pytest.raises(codec.CorruptValue):
         codec.decode(value)
@@ -179,8 +186,9 @@ def test_the_bound_holds_what_lmdb_really_uses_for_small_results(tmp_path):
     value = codec.encode([from_numpy("LABEL", np.array([[3]], np.int64))], compress=True)  # 48 bytes
     store = DiskStore(tmp_path, max_bytes=1 << 20)
     for batch in range(40):
-        store.put_many([(b"clf\x00" + bytes(8) + i.to_bytes(4, "big") + batch.to_bytes(12, "big"), value)
-                        for i in range(500)])
+        store.put_many(
+            [(b"clf\x00" + bytes(8) + i.to_bytes(4, "big") + batch.to_bytes(12, "big"), value) for i in range(500)]
+        )
     assert store.stored_bytes <= 1 << 20
     store.close()
     # Counting values alone held 20,000 of them, over 4 MiB of pages; page slack allows some excess.
@@ -205,7 +213,7 @@ def test_only_the_newest_damaged_l2_file_is_kept(tmp_path):
 def test_a_disk_store_whose_floor_record_is_damaged_gets_a_fresh_one(tmp_path):
     store = DiskStore(tmp_path / "l2", 64 << 20)
     assert store.generations() == {} and store.generation_floor() == 0
-    with store._env.begin(write=True, db=store._meta) as txn:  # noqa: SLF001
+    with store._env.begin(write=True, db=store._meta) as txn:
         txn.put(b"generation_floor", b"not a number")
     assert store.generation_floor() is None
     store.generations()

@@ -13,16 +13,21 @@ pytestmark = pytest.mark.e2e
 async def test_every_fault_of_the_schedule_leaves_every_request_answered_once(tmp_path):
     chaos = Chaos(tmp_path, RestartPolicy(base_delay_s=0.2), stop_s=2.0, delay_s=2.0, stall_s=1.0).start()
     try:
-        result = await run_schedule(chaos, list(FAULTS), gap_s=4.0, warm_s=3.0, config=LoadConfig(callers=6),
-                                    say=lambda line: None)
+        result = await run_schedule(
+            chaos, list(FAULTS), gap_s=4.0, warm_s=3.0, config=LoadConfig(callers=6), say=lambda line: None
+        )
     finally:
         chaos.stop()
     totals = result["totals"]
     assert totals["sent"] > 0 and totals["checked"] > 0
     assert {key: totals[key] for key in MUST_BE_ZERO} == dict.fromkeys(MUST_BE_ZERO, 0), result["faults"]
     # status_lost: on a stream that ended in error whose status the client library lost (grpc/grpc#36066).
-    answered = (sum(totals["by_status"].values()) + sum(totals["stream_failed"].values()) + totals["unsent"]
-                + totals["status_lost"])
+    answered = (
+        sum(totals["by_status"].values())
+        + sum(totals["stream_failed"].values())
+        + totals["unsent"]
+        + totals["status_lost"]
+    )
     assert answered == totals["sent"]
     assert [row["fault"] for row in result["faults"]] == list(FAULTS)
     for row in result["faults"]:  # each fault's stretch is accounted for on its own too

@@ -14,10 +14,20 @@ from tests.conftest import MODELS
 
 @pytest.mark.e2e
 async def test_a_healthy_mesh_answers_every_request_once_and_right(mesh):
-    config = LoadConfig(callers=4, stream_share=0.5, stream_window=4, vip_share=0.5, mlp_share=0.3,
-                        repeat_share=0.2, check_every=10, timeout_s=30, seed=7)
-    load = ChaosLoad(mesh.router, config, {"vip": mesh.credentials("dev-vip"),
-                                           "standard": mesh.credentials("dev-standard")})
+    config = LoadConfig(
+        callers=4,
+        stream_share=0.5,
+        stream_window=4,
+        vip_share=0.5,
+        mlp_share=0.3,
+        repeat_share=0.2,
+        check_every=10,
+        timeout_s=30,
+        seed=7,
+    )
+    load = ChaosLoad(
+        mesh.router, config, {"vip": mesh.credentials("dev-vip"), "standard": mesh.credentials("dev-standard")}
+    )
     result = await load.run(duration_s=10)
     totals = result.totals
     assert totals["sent"] > 50
@@ -54,8 +64,10 @@ def test_the_accounting_counts_a_duplicate_a_missing_answer_a_stream_error_and_a
     assert totals["unanswered"] == 1 and accounting.unanswered_ids() == ["r3"]
     assert totals["stream_failed"] == {"UNAVAILABLE": 1}
     assert totals["twice"] == 1 and totals["stray"] == 1
-    assert totals["sent"] == sum(totals["by_status"].values()) + sum(totals["stream_failed"].values()) \
-        + totals["unanswered"]
+    assert (
+        totals["sent"]
+        == sum(totals["by_status"].values()) + sum(totals["stream_failed"].values()) + totals["unanswered"]
+    )
     assert accounting.totals(sent_from=103.0)["sent"] == 3  # r3, r4, r5
     with pytest.raises(ValueError, match="'r0' was sent twice"):
         accounting.sent("r0", "minilm", "vip", "stream")
@@ -129,8 +141,9 @@ class Misbehaving(pb_grpc.GRPCInferenceServiceServicer):
 
     @staticmethod
     def answer(request, request_id=None):
-        response = pb.ModelInferResponse(model_name=request.model_name, model_version="1",
-                                         id=request.id if request_id is None else request_id)
+        response = pb.ModelInferResponse(
+            model_name=request.model_name, model_version="1", id=request.id if request_id is None else request_id
+        )
         response.outputs.add(name="OUTPUT0", datatype="FP32", shape=[1, 64])
         response.raw_output_contents.append(np.zeros(64, "<f4").tobytes())
         return response
@@ -166,11 +179,24 @@ async def test_the_load_counts_what_a_misbehaving_server_does():
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        config = LoadConfig(callers=4, stream_share=0.5, stream_window=3, mlp_share=1.0, repeat_share=0.2,
-                            check_every=1, timeout_s=1.0, answer_grace_s=0.2, reconnect_pause_s=0.01, seed=3)
-        load = ChaosLoad(f"127.0.0.1:{port}", config, {"vip": (("authorization", "Bearer v"),),
-                                                       "standard": (("authorization", "Bearer s"),)},
-                         reference=Reference(MODELS, threads=1))
+        config = LoadConfig(
+            callers=4,
+            stream_share=0.5,
+            stream_window=3,
+            mlp_share=1.0,
+            repeat_share=0.2,
+            check_every=1,
+            timeout_s=1.0,
+            answer_grace_s=0.2,
+            reconnect_pause_s=0.01,
+            seed=3,
+        )
+        load = ChaosLoad(
+            f"127.0.0.1:{port}",
+            config,
+            {"vip": (("authorization", "Bearer v"),), "standard": (("authorization", "Bearer s"),)},
+            reference=Reference(MODELS, threads=1),
+        )
         result = await load.run(duration_s=2)
     finally:
         await server.stop(None)

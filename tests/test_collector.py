@@ -21,7 +21,7 @@ def sample(name: str, **labels) -> float:
 def test_each_collection_is_timed_by_its_generation():
     collector.measure_pauses()
     collector.measure_pauses()  # once is enough: a second call adds no second timer
-    assert gc.callbacks.count(collector._observe) == 1  # noqa: SLF001
+    assert gc.callbacks.count(collector._observe) == 1
     full, young = (sample("infermesh_gc_pause_seconds_count", generation=g) for g in ("2", "0"))
     spent = sample("infermesh_gc_pause_seconds_sum", generation="2")
     gc.collect(2)

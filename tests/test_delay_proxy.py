@@ -23,14 +23,16 @@ ECHO = "/test.Echo/Echo"
 @contextlib.asynccontextmanager
 async def echo_server():
     """A grpc.aio server with the health service and an echo of raw bytes."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20),
-                                      ("grpc.max_send_message_length", 16 << 20)])
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20)]
+    )
 
     async def echo(request: bytes, context) -> bytes:
         return request
 
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "test.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})])
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("test.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})]
+    )
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -51,9 +53,14 @@ def proxy_in_front_of(upstream: str, tmp_path, **kwargs):
 
 def channel(address: str) -> grpc.aio.Channel:
     # A pool of its own: channels to one target would otherwise share one connection.
-    return grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1),
-                                                       ("grpc.max_receive_message_length", 16 << 20),
-                                                       ("grpc.max_send_message_length", 16 << 20)])
+    return grpc.aio.insecure_channel(
+        address,
+        options=[
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.max_receive_message_length", 16 << 20),
+            ("grpc.max_send_message_length", 16 << 20),
+        ],
+    )
 
 
 async def timed(call) -> float:
@@ -71,8 +78,9 @@ async def test_bytes_arrive_intact_over_many_connections(tmp_path):
                 payloads = [os.urandom(size) for size in (1, 1000, 70_000, 1 << 20, 5 << 20) for _ in range(4)]
                 answers = await asyncio.gather(*(echoes[i % 4](p, timeout=60) for i, p in enumerate(payloads)))
                 assert answers == payloads
-                checked = await health_pb2_grpc.HealthStub(channels[0]).Check(health_pb2.HealthCheckRequest(),
-                                                                              timeout=30)
+                checked = await health_pb2_grpc.HealthStub(channels[0]).Check(
+                    health_pb2.HealthCheckRequest(), timeout=30
+                )
                 assert checked.status == health_pb2.HealthCheckResponse.SERVING
             finally:
                 for c in channels:

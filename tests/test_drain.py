@@ -100,8 +100,9 @@ class Batcher(batcher_pb2_grpc.BatcherServicer):
                 if lose:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the batcher went away")
                 self.answered += 1
-                yield batcher_pb2.SubmitManyResponse(responses=[batcher_pb2.SubmitResponse(id=request.id,
-                                                                                           version=self.name)])
+                yield batcher_pb2.SubmitManyResponse(
+                    responses=[batcher_pb2.SubmitResponse(id=request.id, version=self.name)]
+                )
 
     async def ListModels(self, request, context):
         return batcher_pb2.ListModelsResponse()
@@ -166,8 +167,9 @@ class Draining(batcher_pb2_grpc.BatcherServicer):
             return batcher_pb2.SubmitResponse(id=request.id, version=self.name)
 
         try:
-            async for answer in answer_concurrently(request_iterator, handle, lambda r, e: None, 64, self.draining,
-                                                    FRAMING):
+            async for answer in answer_concurrently(
+                request_iterator, handle, lambda r, e: None, 64, self.draining, FRAMING
+            ):
                 yield answer
         except errors.InfermeshError as exc:  # as the services' error interceptor maps it
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -262,12 +264,22 @@ def test_with_two_batchers_one_drained_under_load_costs_no_request(model_reposit
 
 @pytest.mark.e2e
 def test_a_supervised_batcher_killed_under_load_costs_no_request(model_repository, tmp_path):
-    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path, supervise=True,
-              restart_policy=RestartPolicy(base_delay_s=0.2, probe_period_s=0.5))) as mesh:
+    with Mesh(
+        MeshConfig(
+            models=model_repository,
+            cache=False,
+            log_dir=tmp_path,
+            supervise=True,
+            restart_policy=RestartPolicy(base_delay_s=0.2, probe_period_s=0.5),
+        )
+    ) as mesh:
+
         def kill():
             os.kill(mesh.processes["batcher"].popen.pid, signal.SIGKILL)
-            wait_until(lambda: mesh.status()["batcher"]["restarts"] == 1 and mesh.status()["batcher"]["ready"],
-                       "the batcher restarted")
+            wait_until(
+                lambda: mesh.status()["batcher"]["restarts"] == 1 and mesh.status()["batcher"]["ready"],
+                "the batcher restarted",
+            )
 
         outcomes = load_while(mesh, kill)
     assert set(outcomes) == {"OK"} and outcomes["OK"] > 10, outcomes

@@ -18,8 +18,15 @@ from tests.oip import output_array, text_request
 
 @pytest.fixture
 def uncached_mesh(model_repository, tmp_path):
-    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path,
-              batcher_args=("--replica-poll-s", "0.2"), router_args=("--catalog-poll-s", "0.2"))) as mesh:
+    with Mesh(
+        MeshConfig(
+            models=model_repository,
+            cache=False,
+            log_dir=tmp_path,
+            batcher_args=("--replica-poll-s", "0.2"),
+            router_args=("--catalog-poll-s", "0.2"),
+        )
+    ) as mesh:
         yield mesh
 
 
@@ -44,7 +51,9 @@ def test_model_server_gone_means_unavailable_and_not_ready(uncached_mesh):
         # Kubernetes' probes: readiness ("") follows the models; liveness (the service's
         # own name) stays SERVING, so kubelet does not restart a router that waits for them.
         health = health_pb2_grpc.HealthStub(channel)
-        assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         alive = health.Check(health_pb2.HealthCheckRequest(service="inference.GRPCInferenceService"))
         assert alive.status == health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(grpc.RpcError) as again:
@@ -88,8 +97,14 @@ def test_a_batcher_too_busy_to_answer_a_catalog_poll_keeps_its_models_offered(un
 
 @pytest.fixture
 def tiny_queues(model_repository, tmp_path):
-    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path,
-              batcher_args=("--max-batch-size", "1", "--standard-max-queue-size", "2", "--vip-max-queue-size", "50"))) as mesh:
+    with Mesh(
+        MeshConfig(
+            models=model_repository,
+            cache=False,
+            log_dir=tmp_path,
+            batcher_args=("--max-batch-size", "1", "--standard-max-queue-size", "2", "--vip-max-queue-size", "50"),
+        )
+    ) as mesh:
         yield mesh
 
 
@@ -110,13 +125,16 @@ async def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint_and_vip
     assert rejected, "12 standard requests against a queue of 2 should overflow"
     for error in rejected:
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert ("the standard queue of model 'minilm' is full (2 requests waiting)" in error.details()
-                or "is refusing standard requests that cannot wait" in error.details())
+        assert (
+            "the standard queue of model 'minilm' is full (2 requests waiting)" in error.details()
+            or "is refusing standard requests that cannot wait" in error.details()
+        )
         assert int(dict(error.trailing_metadata())["retry-after-ms"]) >= 10
     assert all(isinstance(r, pb.ModelInferResponse) for r in results[12:]), "VIP has a queue of its own"
     # Refused by the batcher's full queue, or by the router itself while the batcher's hint lasted.
-    rejections = metric(tiny_queues.metrics_url("batcher"), "infermesh_batcher_rejections_total",
-                        tier="standard", reason="queue_full")
+    rejections = metric(
+        tiny_queues.metrics_url("batcher"), "infermesh_batcher_rejections_total", tier="standard", reason="queue_full"
+    )
     shed = metric(tiny_queues.router_metrics, "infermesh_router_shed_total", tier="standard")
     assert rejections >= 1 and rejections + shed == len(rejected)
 
@@ -127,6 +145,7 @@ def test_internal_hops_try_to_reconnect_at_least_every_two_seconds():
     down for 45 s served again only 24 s after the batcher was back (a scratch
     run in review). Every hop's channel caps it; with the cap, 2.2 s after 30 s down."""
     from services.common.serving import client_options
+
     assert dict(client_options())["grpc.max_reconnect_backoff_ms"] <= 2000
 
 
@@ -138,8 +157,13 @@ def test_servers_take_the_keepalive_pings_our_clients_send():
     a scratch pair of servers: cut after 90 s with the wrong name, open after
     240 s with this one)."""
     from services.common.serving import client_options, server_options
+
     server = dict(server_options(1 << 20))
     assert server["grpc.http2.min_ping_interval_without_data_ms"] < dict(client_options())["grpc.keepalive_time_ms"]
     # A connection with no call is idle and left to close (max_connection_idle_s): the
     # server takes no pings on one, so our clients send none.
-    assert server["grpc.keepalive_permit_without_calls"] == dict(client_options())["grpc.keepalive_permit_without_calls"] == 0
+    assert (
+        server["grpc.keepalive_permit_without_calls"]
+        == dict(client_options())["grpc.keepalive_permit_without_calls"]
+        == 0
+    )

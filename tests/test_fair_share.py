@@ -135,4 +135,3 @@ async def test_tenant_fields_from_a_caller_are_bounded():
         with pytest.raises(errors.InvalidArgument, match="field 'tenant_weight' must be in"):
             await batcher.submit("m", "1", row(1.0), [], tenant="t", weight=weight)
     await batcher.submit("m", "1", row(1.0), [], tenant="t", weight=0.0)  # 0 counts as 1
-

@@ -21,10 +21,26 @@ def transport(mesh) -> list[str]:
 
 def test_ghz_thousand_requests_without_errors(mesh, ghz_binary):
     run = subprocess.run(
-        [str(ghz_binary), *transport(mesh), "--call", "inference.GRPCInferenceService.ModelInfer",
-         "--data-file", str(ROOT / "bench" / "ghz" / "minilm-data.json"),
-         "--total", "1000", "--concurrency", "16", "--format", "json", mesh.router],
-        capture_output=True, text=True, timeout=300, check=True)
+        [
+            str(ghz_binary),
+            *transport(mesh),
+            "--call",
+            "inference.GRPCInferenceService.ModelInfer",
+            "--data-file",
+            str(ROOT / "bench" / "ghz" / "minilm-data.json"),
+            "--total",
+            "1000",
+            "--concurrency",
+            "16",
+            "--format",
+            "json",
+            mesh.router,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     report = json.loads(run.stdout)
     assert report["count"] == 1000
     assert report["statusCodeDistribution"] == {"OK": 1000}, report["statusCodeDistribution"]
@@ -33,9 +49,25 @@ def test_ghz_thousand_requests_without_errors(mesh, ghz_binary):
 
 def test_ghz_streams_through_model_stream_infer(mesh, ghz_binary):
     run = subprocess.run(
-        [str(ghz_binary), *transport(mesh), "--call", "inference.GRPCInferenceService.ModelStreamInfer",
-         "--data-file", str(ROOT / "bench" / "ghz" / "minilm-data.json"),
-         "--total", "50", "--concurrency", "5", "--format", "json", mesh.router],
-        capture_output=True, text=True, timeout=300, check=True)
+        [
+            str(ghz_binary),
+            *transport(mesh),
+            "--call",
+            "inference.GRPCInferenceService.ModelStreamInfer",
+            "--data-file",
+            str(ROOT / "bench" / "ghz" / "minilm-data.json"),
+            "--total",
+            "50",
+            "--concurrency",
+            "5",
+            "--format",
+            "json",
+            mesh.router,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     report = json.loads(run.stdout)
     assert report["statusCodeDistribution"] == {"OK": 50}, report

@@ -28,8 +28,9 @@ print(" ".join(sorted({{name for name in ("libcudnn.so.9", "libcufft.so", "libnv
 
 
 def probe(preload: str) -> str:
-    done = subprocess.run([sys.executable, "-c", PROBE.format(preload=preload)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.format(preload=preload)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().splitlines()
 
@@ -39,4 +40,3 @@ def test_the_cuda_provider_finds_all_its_libraries_but_the_driver():
     # On a GPU machine the driver is there too and the provider loads.
     assert found == "loaded" or found.startswith("libcuda.so.1:"), found
     assert opened == "libcudnn.so.9 libcufft.so libnvrtc.so"
-

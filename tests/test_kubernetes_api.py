@@ -45,8 +45,12 @@ def test_the_api_server_accepts_every_resource_of_every_overlay(kube, overlay):
     for doc in docs:
         if doc["kind"] == "Namespace":
             continue
-        created = _resource(api, doc).create(body=doc, namespace=doc["metadata"].get("namespace"), dry_run="All",
-                                             query_params=[("fieldValidation", "Strict")])
+        created = _resource(api, doc).create(
+            body=doc,
+            namespace=doc["metadata"].get("namespace"),
+            dry_run="All",
+            query_params=[("fieldValidation", "Strict")],
+        )
         assert created.metadata.name == doc["metadata"]["name"]
 
 
@@ -69,7 +73,9 @@ def test_the_api_server_validates_the_alert_rules_against_their_crd(kube):
     from kubernetes.dynamic.exceptions import UnprocessibleEntityError
 
     api = kube.client()
-    rules = yaml.safe_load((manifests.ROOT / "mesh" / "kubernetes" / "monitoring" / "infermesh-alerts.yaml").read_text())
+    rules = yaml.safe_load(
+        (manifests.ROOT / "mesh" / "kubernetes" / "monitoring" / "infermesh-alerts.yaml").read_text()
+    )
     broken = copy.deepcopy(rules)
     broken["spec"]["groups"][0]["rules"][0]["for"] = "5 minutes"
     with pytest.raises(UnprocessibleEntityError, match="for"):
@@ -83,7 +89,8 @@ def live(kube, tmp_path):
     api = kube.client()
     namespace = f"live-{tmp_path.name[-12:].lower().replace('_', '-')}".rstrip("-")
     api.resources.get(api_version="v1", kind="Namespace").create(
-        body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+        body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+    )
     for doc in yaml.safe_load_all(POLICY.read_text()):
         _resource(api, doc).create(body=doc, namespace=namespace)
     policy = tmp_path / "model-server-traffic.yaml"
@@ -92,14 +99,31 @@ def live(kube, tmp_path):
 
 
 def meshctl(kube, namespace, policy, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.meshctl", "--file", str(policy), "--apply",
-                           "--kubeconfig", str(kube.kubeconfig), "--namespace", namespace, *args],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.meshctl",
+            "--file",
+            str(policy),
+            "--apply",
+            "--kubeconfig",
+            str(kube.kubeconfig),
+            "--namespace",
+            namespace,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+    )
 
 
 def live_service(api, namespace):
-    return api.resources.get(api_version="networking.istio.io/v1", kind="VirtualService").get(
-        name="model-server", namespace=namespace).to_dict()
+    return (
+        api.resources.get(api_version="networking.istio.io/v1", kind="VirtualService")
+        .get(name="model-server", namespace=namespace)
+        .to_dict()
+    )
 
 
 @pytest.mark.e2e
@@ -123,8 +147,10 @@ def test_set_weights_and_rollback_change_the_live_virtual_service_and_the_file(k
         Cluster(namespace, kubeconfig=str(kube.kubeconfig)).set_weights("model-server", {"blue": 70, "green": 30})
         status = meshctl(kube, namespace, policy, "status", "model-server", "--metrics", url)
         assert status.returncode == 0
-        assert ("warning: the live VirtualService has {'blue': 70, 'green': 30}, the file {'blue': 100, 'green': 0}"
-                in status.stderr)
+        assert (
+            "warning: the live VirtualService has {'blue': 70, 'green': 30}, the file {'blue': 100, 'green': 0}"
+            in status.stderr
+        )
     status = meshctl(kube, namespace, policy, "status", "model-server", "--metrics", "http://127.0.0.1:1/metrics")
     assert status.returncode == 2 and "cannot read the batcher's metrics at http://127.0.0.1:1/metrics" in status.stderr
 
@@ -132,8 +158,9 @@ def test_set_weights_and_rollback_change_the_live_virtual_service_and_the_file(k
 @contextlib.contextmanager
 def metrics_page():
     """A /metrics page with nothing on it yet, as a batcher that just started has."""
-    server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1",
-                                                         registry=prometheus_client.CollectorRegistry())
+    server, thread = prometheus_client.start_http_server(
+        0, addr="127.0.0.1", registry=prometheus_client.CollectorRegistry()
+    )
     try:
         yield f"http://127.0.0.1:{server.server_port}/metrics"
     finally:
@@ -147,7 +174,8 @@ def test_a_live_change_that_fails_leaves_the_file_as_it_was(kube, live):
     service = live_service(api, namespace)
     service["spec"]["http"][1]["route"][1]["destination"]["subset"] = "canary"  # someone else's edit
     api.resources.get(api_version="networking.istio.io/v1", kind="VirtualService").replace(
-        body=service, namespace=namespace)
+        body=service, namespace=namespace
+    )
     before = policy.read_text()
     done = meshctl(kube, namespace, policy, "promote", "model-server", "green")
     assert done.returncode == 2 and "live route blue-green splits between ['blue', 'canary']" in done.stderr
@@ -162,8 +190,13 @@ def test_a_patch_computed_from_a_stale_copy_is_refused(kube, live):
     cluster.set_weights("model-server", {"blue": 50, "green": 50})  # a change since `stale` was read
     ops, _ = weight_patch(stale, {"blue": 0, "green": 100})
     with pytest.raises(MeshctlError, match="HTTP (409|422)"):
-        cluster._call("patching", cluster._api.patch_namespaced_custom_object, "model-server", ops,
-                      _content_type="application/json-patch+json")
+        cluster._call(
+            "patching",
+            cluster._api.patch_namespaced_custom_object,
+            "model-server",
+            ops,
+            _content_type="application/json-patch+json",
+        )
     assert cluster.weights("model-server") == {"blue": 50, "green": 50}
 
 
@@ -171,8 +204,23 @@ def test_a_patch_computed_from_a_stale_copy_is_refused(kube, live):
 def test_apply_without_a_cluster_says_so(tmp_path):
     policy = tmp_path / "p.yaml"
     shutil.copy(POLICY, policy)
-    done = subprocess.run([sys.executable, "-m", "services.meshctl", "--file", str(policy), "--apply", "--kubeconfig",
-                           str(tmp_path / "none"), "promote", "model-server", "green"], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.meshctl",
+            "--file",
+            str(policy),
+            "--apply",
+            "--kubeconfig",
+            str(tmp_path / "none"),
+            "promote",
+            "model-server",
+            "green",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and "no Kubernetes cluster to apply to" in done.stderr
     assert core.weights(policy, "model-server") == {"blue": 100, "green": 0}
 
@@ -214,15 +262,35 @@ def test_meshctl_in_a_pod_with_its_service_account_may_patch_weights_and_nothing
             subject["namespace"] = namespace
         _resource(api, doc).create(body=doc, namespace=namespace)
     admin = config.new_client_from_config(config_file=str(kube.kubeconfig))
-    token = client.CoreV1Api(admin).create_namespaced_service_account_token(
-        "infermesh-meshctl", namespace, {"spec": {"expirationSeconds": 600}}).status.token
+    token = (
+        client.CoreV1Api(admin)
+        .create_namespaced_service_account_token("infermesh-meshctl", namespace, {"spec": {"expirationSeconds": 600}})
+        .status.token
+    )
     as_meshctl = yaml.safe_load(kube.kubeconfig.read_text())
     as_meshctl["users"] = [{"name": "admin", "user": {"token": token}}]
     kubeconfig = tmp_path / "meshctl-kubeconfig"
     kubeconfig.write_text(yaml.safe_dump(as_meshctl))
-    done = subprocess.run([sys.executable, "-m", "services.meshctl", "--file", str(policy), "--apply", "--kubeconfig",
-                           str(kubeconfig), "--namespace", namespace, "set-weights", "model-server", "blue=80",
-                           "green=20"], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.meshctl",
+            "--file",
+            str(policy),
+            "--apply",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--namespace",
+            namespace,
+            "set-weights",
+            "model-server",
+            "blue=80",
+            "green=20",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert [r.get("weight") for r in live_service(api, namespace)["spec"]["http"][1]["route"]] == [80, 20]
     with pytest.raises(client.exceptions.ApiException) as refused:

@@ -50,10 +50,30 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
     port, metrics_port = free_port(), free_port()
     run_file = tmp_path / "mesh.json"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "services.launcher", "--models", str(model_repository), "--port", str(port),
-         "--metrics-port", str(metrics_port), "--log-dir", str(tmp_path), "--run-file", str(run_file),
-         "--l2-path", str(tmp_path / "l2"), "--tenants-file", str(tmp_path / "tenants.yaml")],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "INFERMESH_CACHE_ADMIN_TOKEN": "t0ken"})
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            "--models",
+            str(model_repository),
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--log-dir",
+            str(tmp_path),
+            "--run-file",
+            str(run_file),
+            "--l2-path",
+            str(tmp_path / "l2"),
+            "--tenants-file",
+            str(tmp_path / "tenants.yaml"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "INFERMESH_CACHE_ADMIN_TOKEN": "t0ken"},
+    )
     try:
         # No registry yet: the launcher makes one and shows its development keys, once, before it starts.
         shown = [launcher.stdout.readline() for _ in range(4)]
@@ -69,18 +89,54 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
         assert any("redis-server" in n for n in names)
 
         running = json.loads(run_file.read_text())
-        assert set(running) == {"router", "batcher", "cache", "model_server", "redis", "metrics", "launcher",
-                                "services"}
+        assert set(running) == {
+            "router",
+            "batcher",
+            "cache",
+            "model_server",
+            "redis",
+            "metrics",
+            "launcher",
+            "services",
+        }
         assert running["launcher"] == launcher.pid
         assert {s["pid"] for s in running["services"].values()} == children
         assert all(s["state"] == "running" and s["ready"] for s in running["services"].values()), running
         assert set(running["metrics"]) == {"router", "batcher", "cache", "model_server"}
         assert "infermesh_batcher_queue_length" in urllib.request.urlopen(running["metrics"]["batcher"]).read().decode()
-        purge = subprocess.run([sys.executable, "-m", "services.cache.admin", "purge", "minilm", "--run-file",
-                                str(run_file), "--token", "t0ken"], cwd=ROOT, capture_output=True, text=True)
+        purge = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.cache.admin",
+                "purge",
+                "minilm",
+                "--run-file",
+                str(run_file),
+                "--token",
+                "t0ken",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         assert purge.returncode == 0 and "purged model minilm: generation 1" in purge.stdout, purge.stderr
-        refused = subprocess.run([sys.executable, "-m", "services.cache.admin", "purge", "minilm", "--run-file",
-                                  str(run_file), "--token", "wrong"], cwd=ROOT, capture_output=True, text=True)
+        refused = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.cache.admin",
+                "purge",
+                "minilm",
+                "--run-file",
+                str(run_file),
+                "--token",
+                "wrong",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
 
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -90,8 +146,12 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
             for i in range(4):
                 stub.ModelInfer(text_request([f"status check {i}"]), timeout=60)
             # The batcher applies mesh/istio's traffic policy; meshctl reads it back from the running mesh.
-            status = subprocess.run([sys.executable, "-m", "services.meshctl", "status", "model-server", "--run-file",
-                                     str(run_file)], cwd=ROOT, capture_output=True, text=True)
+            status = subprocess.run(
+                [sys.executable, "-m", "services.meshctl", "status", "model-server", "--run-file", str(run_file)],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
             assert status.returncode == 0, status.stderr
             blue = next(line.split() for line in status.stdout.splitlines() if line.startswith("blue"))
             assert blue[1:3] == ["100", "1"] and int(blue[3]) >= 4 and blue[4] == "100.00%"
@@ -100,6 +160,7 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
             stream = stub.ModelStreamInfer(iter(outgoing.get, None), timeout=60)
             outgoing.put(text_request(["before the drain"], request_id="s1"))
             assert next(stream).infer_response.id == "s1"
+
             def read_to_the_end():
                 rest = []
                 try:
@@ -115,8 +176,10 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
             os.kill(model_server, signal.SIGSTOP)
             try:
                 in_flight = stub.ModelInfer.future(text_request([f"in flight {i}" for i in range(8)]), timeout=60)
-                wait_until(lambda: metric(running["metrics"]["batcher"], "infermesh_batcher_inflight_batches") >= 1,
-                           "the request's batch sent to the model server")
+                wait_until(
+                    lambda: metric(running["metrics"]["batcher"], "infermesh_batcher_inflight_batches") >= 1,
+                    "the request's batch sent to the model server",
+                )
                 launcher.send_signal(signal.SIGTERM)
                 signalled = time.monotonic()
             finally:

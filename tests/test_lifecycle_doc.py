@@ -15,8 +15,19 @@ SERVICES = ROOT / "services"
 # Not on a request's way: loading shard sets, the operator's CLI, the launcher, the domain errors themselves
 # (the model build is outside services/, in tools/build_models).
 ELSEWHERE = ("model_server/shards.py", "meshctl/", "launcher/", "common/errors.py")
-ERRORS = {"InvalidArgument", "DeadlineExceeded", "NotFound", "ResourceExhausted", "FailedPrecondition", "Internal",
-          "Unavailable", "PermissionDenied", "Unauthenticated", "Cancelled", "Unimplemented"}
+ERRORS = {
+    "InvalidArgument",
+    "DeadlineExceeded",
+    "NotFound",
+    "ResourceExhausted",
+    "FailedPrecondition",
+    "Internal",
+    "Unavailable",
+    "PermissionDenied",
+    "Unauthenticated",
+    "Cancelled",
+    "Unimplemented",
+}
 
 
 def _section() -> str:
@@ -58,8 +69,10 @@ def test_the_lifecycle_names_every_function_that_refuses_a_request():
     missing = []
     for relative, function in sorted(refusals()):
         name = function.rsplit(".", 1)[-1]
-        if not any(relative in line and re.search(rf"(?<![\w.]){re.escape(function)}\b|`{re.escape(name)}`", line)
-                   for line in _paragraphs(lines)):
+        if not any(
+            relative in line and re.search(rf"(?<![\w.]){re.escape(function)}\b|`{re.escape(name)}`", line)
+            for line in _paragraphs(lines)
+        ):
             missing.append(f"{relative}: {function}")
     assert not missing, "refusals the request lifecycle does not name:\n" + "\n".join(missing)
 

@@ -35,9 +35,19 @@ def production():
 def test_every_overlay_passes_every_check(overlay, istio):
     docs = manifests.render(overlay)
     kinds = {d["kind"] for d in docs}
-    assert {"Deployment", "Service", "VirtualService", "DestinationRule", "PeerAuthentication",
-            "RequestAuthentication", "AuthorizationPolicy", "HorizontalPodAutoscaler", "PodDisruptionBudget",
-            "ConfigMap", "PrometheusRule"} <= kinds
+    assert {
+        "Deployment",
+        "Service",
+        "VirtualService",
+        "DestinationRule",
+        "PeerAuthentication",
+        "RequestAuthentication",
+        "AuthorizationPolicy",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+        "ConfigMap",
+        "PrometheusRule",
+    } <= kinds
     assert manifests.problems(docs, istio) == []
 
 
@@ -89,126 +99,181 @@ def _break_dashboard(docs):
 MISTAKES = {
     "unknown Kubernetes field": (
         lambda d: _container(d, "router")["readinessProbe"].update(grpcService="x"),
-        "Additional properties are not allowed ('grpcService'"),
+        "Additional properties are not allowed ('grpcService'",
+    ),
     "wrong Kubernetes type": (
         lambda d: _find(d, "Deployment", "batcher")["spec"].update(replicas="two"),
-        "Deployment/batcher: spec.replicas: 'two' is not of type 'integer'"),
+        "Deployment/batcher: spec.replicas: 'two' is not of type 'integer'",
+    ),
     "unknown Istio field": (
         lambda d: _route(d, "model-server", "blue-green").update(retry={"attempts": 1}),
-        "VirtualService/model-server: spec.http.1: Additional properties are not allowed ('retry'"),
+        "VirtualService/model-server: spec.http.1: Additional properties are not allowed ('retry'",
+    ),
     "duration under 1ms (Istio's CEL rule and code)": (
         lambda d: _find(d, "DestinationRule", "model-server")["spec"]["trafficPolicy"]["outlierDetection"].update(
-            interval="0s"),
-        "outlierDetection.interval: '0s' is shorter than 1ms"),
+            interval="0s"
+        ),
+        "outlierDetection.interval: '0s' is shorter than 1ms",
+    ),
     "retryOn token Envoy does not know": (
         lambda d: _route(d, "model-server", "blue-green")["retries"].update(retryOn="unavailable,timeout"),
-        "'timeout' is not a valid retryOn policy"),
+        "'timeout' is not a valid retryOn policy",
+    ),
     "retry policy with retries off": (
         lambda d: _route(d, "cache", "lookups")["retries"].update(retryOn="connect-failure"),
-        "a retry policy with attempts 0 (retries off) must say nothing else"),
+        "a retry policy with attempts 0 (retries off) must say nothing else",
+    ),
     "route to an undefined subset": (
         lambda d: _route(d, "model-server", "vip")["route"][0]["destination"].update(subset="gold"),
-        "subset 'gold' of model-server is defined by no DestinationRule"),
+        "subset 'gold' of model-server is defined by no DestinationRule",
+    ),
     "route unreachable after a catch-all": (
         lambda d: _find(d, "VirtualService", "model-server")["spec"]["http"].reverse(),
-        "unreachable, route blue-green before it has no match"),
+        "unreachable, route blue-green before it has no match",
+    ),
     "timeout on a route of bidirectional streams": (
         lambda d: _route(d, "batcher", "request-streams").update(timeout="30s"),
-        "batcher carries bidirectional streams; a route timeout (30s) would cut every stream"),
+        "batcher carries bidirectional streams; a route timeout (30s) would cut every stream",
+    ),
     "Istio's default maxEjectionPercent with two replicas a subset": (
         lambda d: _find(d, "DestinationRule", "model-server")["spec"]["trafficPolicy"]["outlierDetection"].pop(
-            "maxEjectionPercent"),
-        "maxEjectionPercent 10 ejects nothing"),
+            "maxEjectionPercent"
+        ),
+        "maxEjectionPercent 10 ejects nothing",
+    ),
     "caller the AuthorizationPolicy does not allow": (
         lambda d: _find(d, "AuthorizationPolicy", "model-server")["spec"]["rules"][0]["from"][0]["source"].update(
-            principals=["cluster.local/ns/infermesh/sa/infermesh-router"]),
-        "no AuthorizationPolicy allows service account 'infermesh-batcher' to reach Deployment/model-server-blue"),
+            principals=["cluster.local/ns/infermesh/sa/infermesh-router"]
+        ),
+        "no AuthorizationPolicy allows service account 'infermesh-batcher' to reach Deployment/model-server-blue",
+    ),
     "principal of another namespace": (
         lambda d: _find(d, "AuthorizationPolicy", "cache")["spec"]["rules"][0]["from"][0]["source"].update(
-            principals=["cluster.local/ns/default/sa/infermesh-router"]),
-        "principal 'cluster.local/ns/default/sa/infermesh-router' is no service account of namespace 'infermesh'"),
+            principals=["cluster.local/ns/default/sa/infermesh-router"]
+        ),
+        "principal 'cluster.local/ns/default/sa/infermesh-router' is no service account of namespace 'infermesh'",
+    ),
     "environment variable that sets nothing": (
         lambda d: _env(d, "batcher", "INFERMESH_BATCHER_MAX_INFLIGHT_BATCHES_PER_REPLICA").update(
-            name="INFERMESH_BATCHER_MAX_INFLIGHT"),
-        "INFERMESH_BATCHER_MAX_INFLIGHT sets no field of services.batcher's config"),
+            name="INFERMESH_BATCHER_MAX_INFLIGHT"
+        ),
+        "INFERMESH_BATCHER_MAX_INFLIGHT sets no field of services.batcher's config",
+    ),
     "probe of a health service nobody registers": (
         lambda d: _container(d, "cache")["livenessProbe"]["grpc"].update(service="infermesh.cache.Cache"),
-        "livenessProbe asks health of 'infermesh.cache.Cache'"),
+        "livenessProbe asks health of 'infermesh.cache.Cache'",
+    ),
     "Service port with no protocol for Istio": (
         lambda d: _find(d, "Service", "batcher")["spec"]["ports"][0].update(name="batcher", appProtocol=None),
-        "Service/batcher: port 'batcher' names no protocol"),
+        "Service/batcher: port 'batcher' names no protocol",
+    ),
     "Service port that reaches no container port": (
         lambda d: _find(d, "Service", "cache")["spec"]["ports"][0].update(targetPort="gprc"),
-        "targetPort 'gprc' is no container port"),
+        "targetPort 'gprc' is no container port",
+    ),
     "autoscaler metric prometheus-adapter does not serve": (
-        lambda d: _find(d, "HorizontalPodAutoscaler", "model-server-blue")["spec"]["metrics"][0]["pods"]["metric"]
-        .update(name="infermesh_queue_length"),
-        "Pods metric 'infermesh_queue_length' is not served by prometheus-adapter"),
+        lambda d: _find(d, "HorizontalPodAutoscaler", "model-server-blue")["spec"]["metrics"][0]["pods"][
+            "metric"
+        ].update(name="infermesh_queue_length"),
+        "Pods metric 'infermesh_queue_length' is not served by prometheus-adapter",
+    ),
     "replica count an autoscaler owns": (
         lambda d: _find(d, "Deployment", "router")["spec"].update(replicas=2),
-        "Deployment/router: sets spec.replicas though HorizontalPodAutoscaler/router scales it"),
+        "Deployment/router: sets spec.replicas though HorizontalPodAutoscaler/router scales it",
+    ),
     "scale-down window that flaps": (
         lambda d: _find(d, "HorizontalPodAutoscaler", "router")["spec"]["behavior"]["scaleDown"].update(
-            stabilizationWindowSeconds=0),
-        "a scale-down window under 60 s lets the replica count flap"),
+            stabilizationWindowSeconds=0
+        ),
+        "a scale-down window under 60 s lets the replica count flap",
+    ),
     "a tenant header a caller can send without a JWT": (
         lambda d: d.remove(_find(d, "AuthorizationPolicy", "router-identity-headers")),
         "RequestAuthentication/router writes x-infermesh-jwt-tenant for Deployment/router from verified JWTs, but "
-        "no DENY AuthorizationPolicy refuses a request that carries it without one"),
+        "no DENY AuthorizationPolicy refuses a request that carries it without one",
+    ),
     "a DENY rule that refuses only callers with a JWT": (
         lambda d: _find(d, "AuthorizationPolicy", "router-identity-headers")["spec"]["rules"][0]["from"][0].update(
-            source={"requestPrincipals": ["*"]}),
-        "no DENY AuthorizationPolicy refuses a request that carries it without one"),
+            source={"requestPrincipals": ["*"]}
+        ),
+        "no DENY AuthorizationPolicy refuses a request that carries it without one",
+    ),
     "a DENY rule on another port than the router's": (
         lambda d: _find(d, "AuthorizationPolicy", "router-identity-headers")["spec"]["rules"][0]["to"][0].update(
-            operation={"ports": ["8002"]}),
-        "no DENY AuthorizationPolicy refuses a request that carries it without one"),
+            operation={"ports": ["8002"]}
+        ),
+        "no DENY AuthorizationPolicy refuses a request that carries it without one",
+    ),
     "a DENY rule of HTTP attributes without ports": (
         lambda d: _find(d, "AuthorizationPolicy", "router-identity-headers")["spec"]["rules"][0].pop("to"),
-        "a DENY rule of HTTP attributes without ports denies all TCP traffic"),
+        "a DENY rule of HTTP attributes without ports denies all TCP traffic",
+    ),
     "a condition on an attribute Istio does not know": (
         lambda d: _find(d, "AuthorizationPolicy", "router-identity-headers")["spec"]["rules"][0]["when"][0].update(
-            key="request.header[x-infermesh-jwt-tenant]"),
-        "unknown attribute: request.header[x-infermesh-jwt-tenant]"),
+            key="request.header[x-infermesh-jwt-tenant]"
+        ),
+        "unknown attribute: request.header[x-infermesh-jwt-tenant]",
+    ),
     "a client-sent x-forwarded-client-cert kept by the router's sidecar": (
-        lambda d: _find(d, "Deployment", "router")["spec"]["template"]["metadata"]["annotations"].update({
-            "proxy.istio.io/config": '{"holdApplicationUntilProxyStarts": true, "terminationDrainDuration": "15s"}'}),
+        lambda d: _find(d, "Deployment", "router")["spec"]["template"]["metadata"]["annotations"].update(
+            {"proxy.istio.io/config": '{"holdApplicationUntilProxyStarts": true, "terminationDrainDuration": "15s"}'}
+        ),
         "Deployment/router authenticates callers (RequestAuthentication/router) but its sidecar forwards "
-        "x-forwarded-client-cert as APPEND_FORWARD"),
+        "x-forwarded-client-cert as APPEND_FORWARD",
+    ),
     "a JWKS URI of a scheme Istio cannot fetch": (
         lambda d: _find(d, "RequestAuthentication", "router")["spec"]["jwtRules"][0].update(
-            jwksUri="ftp://issuer.example/keys"),
-        "URI scheme of 'ftp://issuer.example/keys' is not supported"),
+            jwksUri="ftp://issuer.example/keys"
+        ),
+        "URI scheme of 'ftp://issuer.example/keys' is not supported",
+    ),
     "a claim copied to a header Istio refuses to write": (
         lambda d: _find(d, "RequestAuthentication", "router")["spec"]["jwtRules"][0]["outputClaimToHeaders"][0].update(
-            header="x-infermesh:tenant"),
-        "header name x-infermesh:tenant is not a valid header name"),
+            header="x-infermesh:tenant"
+        ),
+        "header name x-infermesh:tenant is not a valid header name",
+    ),
     "pod memory limit below its service's budget and baseline": (
-        lambda d: (_container(d, "batcher")["resources"]["limits"].update(memory="512Mi"),
-                   _container(d, "batcher")["env"].append(
-                       {"name": "INFERMESH_BATCHER_REQUEST_BUDGET_BYTES", "value": str(192 << 20)})),
-        "Deployment/batcher: services.batcher's config from container batcher's environment is refused"),
+        lambda d: (
+            _container(d, "batcher")["resources"]["limits"].update(memory="512Mi"),
+            _container(d, "batcher")["env"].append(
+                {"name": "INFERMESH_BATCHER_REQUEST_BUDGET_BYTES", "value": str(192 << 20)}
+            ),
+        ),
+        "Deployment/batcher: services.batcher's config from container batcher's environment is refused",
+    ),
     "explicit byte budget the pod's limit does not cover": (
-        lambda d: _container(d, "router")["env"].extend([
-            {"name": "INFERMESH_ROUTER_MEMORY_LIMIT_BYTES", "value": str(4 << 30)},
-            {"name": "INFERMESH_ROUTER_REQUEST_BUDGET_BYTES", "value": str(512 << 20)}]),
-        "Deployment/router: container router's memory limit 1073741824 bytes is below what services.router may take"),
+        lambda d: _container(d, "router")["env"].extend(
+            [
+                {"name": "INFERMESH_ROUTER_MEMORY_LIMIT_BYTES", "value": str(4 << 30)},
+                {"name": "INFERMESH_ROUTER_REQUEST_BUDGET_BYTES", "value": str(512 << 20)},
+            ]
+        ),
+        "Deployment/router: container router's memory limit 1073741824 bytes is below what services.router may take",
+    ),
     "pod with no memory limit": (
         lambda d: _container(d, "cache")["resources"].pop("limits"),
-        "Deployment/cache: container cache has no memory limit"),
+        "Deployment/cache: container cache has no memory limit",
+    ),
     "a model-server pool without a disruption budget": (
         lambda d: d.remove(_find(d, "PodDisruptionBudget", "model-server-green")),
-        "Deployment/model-server-green: no PodDisruptionBudget selects its pods"),
+        "Deployment/model-server-green: no PodDisruptionBudget selects its pods",
+    ),
     "a budget that, at production's three routers, lets none go": (
         lambda d: _find(d, "PodDisruptionBudget", "router")["spec"].update(maxUnavailable=None, minAvailable=3),
-        "PodDisruptionBudget/router: minAvailable 3 with Deployment/router's 3 replica(s) allows no eviction"),
+        "PodDisruptionBudget/router: minAvailable 3 with Deployment/router's 3 replica(s) allows no eviction",
+    ),
     "dashboard query of a metric we do not export": (
-        _break_dashboard, "infermesh_router_answers_total is not a series our services export"),
+        _break_dashboard,
+        "infermesh_router_answers_total is not a series our services export",
+    ),
     "alert on a label value no service emits": (
         lambda d: _find(d, "PrometheusRule", "infermesh")["spec"]["groups"][0]["rules"][0].update(
-            expr='sum(rate(infermesh_router_requests_total{code="UNKNOWN"}[5m])) > 0'),
+            expr='sum(rate(infermesh_router_requests_total{code="UNKNOWN"}[5m])) > 0'
+        ),
         "PrometheusRule/infermesh: infermesh-router/InfermeshErrorRatioHigh: infermesh_router_requests_total"
-        '{code="UNKNOWN"}: code is never \'UNKNOWN\''),
+        "{code=\"UNKNOWN\"}: code is never 'UNKNOWN'",
+    ),
 }
 
 
@@ -236,8 +301,10 @@ def test_a_namespace_given_by_an_overlay_must_carry_its_principals_along(istio, 
     base = os.path.relpath(manifests.OVERLAYS / "dev", overlay)  # kustomize takes relative paths only
     (overlay / "kustomization.yaml").write_text(f"resources:\n- {base}\nnamespace: serving\n")
     found = manifests.problems(manifests.render(overlay), istio)
-    assert any("principal 'cluster.local/ns/infermesh/sa/infermesh-batcher' is no service account of namespace "
-               "'serving'" in p for p in found), found
+    assert any(
+        "principal 'cluster.local/ns/infermesh/sa/infermesh-batcher' is no service account of namespace 'serving'" in p
+        for p in found
+    ), found
 
 
 @pytest.mark.service
@@ -249,26 +316,43 @@ def test_a_release_goes_to_green_alone_then_to_blue_and_the_vip_pool(tmp_path):
 
     def images():
         docs = manifests.render(overlay)
-        return {d["metadata"]["name"]: _container(docs, d["metadata"]["name"])["image"]
-                for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] != "redis"}
+        return {
+            d["metadata"]["name"]: _container(docs, d["metadata"]["name"])["image"]
+            for d in docs
+            if d["kind"] == "Deployment" and d["metadata"]["name"] != "redis"
+        }
 
     def set_image(*pairs):
         subprocess.run([str(manifests.KUSTOMIZE), "edit", "set", "image", *pairs], cwd=overlay, check=True)
 
-    set_image(*(f"{name}=registry.example/infermesh:1.0" for name in
-                ("infermesh", "infermesh-model-server-blue", "infermesh-model-server-green",
-                 "infermesh-model-server-vip")))
+    set_image(
+        *(
+            f"{name}=registry.example/infermesh:1.0"
+            for name in (
+                "infermesh",
+                "infermesh-model-server-blue",
+                "infermesh-model-server-green",
+                "infermesh-model-server-vip",
+            )
+        )
+    )
     assert set(images().values()) == {"registry.example/infermesh:1.0"}
     set_image("infermesh-model-server-green=registry.example/infermesh:1.1")  # the canary
-    assert images() == {"router": "registry.example/infermesh:1.0", "batcher": "registry.example/infermesh:1.0",
-                        "cache": "registry.example/infermesh:1.0",
-                        "model-server-blue": "registry.example/infermesh:1.0",
-                        "model-server-green": "registry.example/infermesh:1.1",
-                        "model-server-vip": "registry.example/infermesh:1.0"}
-    set_image("infermesh-model-server-blue=registry.example/infermesh:1.1",
-              "infermesh-model-server-vip=registry.example/infermesh:1.1")  # promoted
+    assert images() == {
+        "router": "registry.example/infermesh:1.0",
+        "batcher": "registry.example/infermesh:1.0",
+        "cache": "registry.example/infermesh:1.0",
+        "model-server-blue": "registry.example/infermesh:1.0",
+        "model-server-green": "registry.example/infermesh:1.1",
+        "model-server-vip": "registry.example/infermesh:1.0",
+    }
+    set_image(
+        "infermesh-model-server-blue=registry.example/infermesh:1.1",
+        "infermesh-model-server-vip=registry.example/infermesh:1.1",
+    )  # promoted
     assert {name: image for name, image in images().items() if name.startswith("model-server")} == {
-        f"model-server-{pool}": "registry.example/infermesh:1.1" for pool in ("blue", "green", "vip")}
+        f"model-server-{pool}": "registry.example/infermesh:1.1" for pool in ("blue", "green", "vip")
+    }
 
 
 @pytest.mark.service
@@ -287,8 +371,10 @@ def test_a_router_that_keeps_failure_samples_keeps_them_redacted(overlay):
                 continue
             assert env.get("INFERMESH_ROUTER_FAILURE_SAMPLES_CONTENT") == "redacted", router["metadata"]["name"]
             # The file and its rotated copy fit the volume they are written to.
-            mount = max((m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")),
-                        key=lambda m: len(m["mountPath"]))
+            mount = max(
+                (m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")),
+                key=lambda m: len(m["mountPath"]),
+            )
             volume = next(v for v in router["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
             max_bytes = int(env["INFERMESH_ROUTER_FAILURE_SAMPLES_MAX_BYTES"])
             assert 2 * max_bytes <= _quantity_bytes(volume["emptyDir"]["sizeLimit"]), router["metadata"]["name"]
@@ -298,7 +384,7 @@ def _quantity_bytes(quantity: str) -> int:
     units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9}
     for unit, factor in units.items():
         if quantity.endswith(unit):
-            return int(quantity[:-len(unit)]) * factor
+            return int(quantity[: -len(unit)]) * factor
     return int(quantity)
 
 
@@ -308,8 +394,11 @@ def test_the_namespace_is_strict_mutual_tls_and_the_router_verifies_jwts(product
     per-service ALLOW policies kept, and the router's sidecar checking end users' JWTs."""
     (peer,) = [d for d in production if d["kind"] == "PeerAuthentication"]
     assert peer["spec"] == {"mtls": {"mode": "STRICT"}} and peer["metadata"]["namespace"] == "infermesh"
-    allowed = {d["metadata"]["name"] for d in production
-               if d["kind"] == "AuthorizationPolicy" and d["spec"].get("action") == "ALLOW"}
+    allowed = {
+        d["metadata"]["name"]
+        for d in production
+        if d["kind"] == "AuthorizationPolicy" and d["spec"].get("action") == "ALLOW"
+    }
     assert {"model-server", "batcher", "cache"} <= allowed
     (authentication,) = [d for d in production if d["kind"] == "RequestAuthentication"]
     assert authentication["spec"]["selector"] == {"matchLabels": {"app": "router"}}
@@ -323,8 +412,9 @@ BASE = manifests.ROOT / "mesh" / "kubernetes" / "base"
 def _base():
     """Every resource of the base as written: a unit test starts no kustomize, and
     the rules about stopping a pod read only what each Deployment's file says."""
-    return [d for path in sorted(BASE.rglob("*.yaml")) for d in yaml.safe_load_all(path.read_text())
-            if d and "kind" in d]
+    return [
+        d for path in sorted(BASE.rglob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d and "kind" in d
+    ]
 
 
 def _proxy_config(docs, deployment, **changes):
@@ -343,8 +433,9 @@ def _default_drain_grace_s(module):
     import importlib
 
     path, cls = manifests.SERVICES[module][0].split(":")
-    return next(f.default for f in dataclasses.fields(getattr(importlib.import_module(path), cls))
-                if f.name == "drain_grace_s")
+    return next(
+        f.default for f in dataclasses.fields(getattr(importlib.import_module(path), cls)) if f.name == "drain_grace_s"
+    )
 
 
 @pytest.mark.unit
@@ -360,75 +451,100 @@ def test_every_shipped_deployment_has_a_budget_and_stops_in_order():
 STOPPING_MISTAKES = {
     "a Deployment without a budget": (
         lambda d: d.remove(_find(d, "PodDisruptionBudget", "cache")),
-        "Deployment/cache: no PodDisruptionBudget selects its pods"),
+        "Deployment/cache: no PodDisruptionBudget selects its pods",
+    ),
     "a budget that selects other pods": (
         lambda d: _find(d, "PodDisruptionBudget", "router")["spec"]["selector"].update(matchLabels={"app": "routers"}),
-        "Deployment/router: no PodDisruptionBudget selects its pods"),
+        "Deployment/router: no PodDisruptionBudget selects its pods",
+    ),
     "two budgets for one Deployment": (
-        lambda d: d.append({**copy.deepcopy(_find(d, "PodDisruptionBudget", "batcher")),
-                            "metadata": {"name": "batcher-again"}}),
-        "Deployment/batcher: 2 PodDisruptionBudgets select its pods"),
+        lambda d: d.append(
+            {**copy.deepcopy(_find(d, "PodDisruptionBudget", "batcher")), "metadata": {"name": "batcher-again"}}
+        ),
+        "Deployment/batcher: 2 PodDisruptionBudgets select its pods",
+    ),
     "a budget that lets no pod go": (
         lambda d: _find(d, "PodDisruptionBudget", "router")["spec"].update(maxUnavailable=0),
-        "PodDisruptionBudget/router: maxUnavailable 0 with Deployment/router's 2 replica(s) allows no eviction"),
+        "PodDisruptionBudget/router: maxUnavailable 0 with Deployment/router's 2 replica(s) allows no eviction",
+    ),
     "a budget that keeps every replica of the autoscaler's fewest": (
-        lambda d: (_find(d, "PodDisruptionBudget", "batcher")["spec"].pop("maxUnavailable"),
-                   _find(d, "PodDisruptionBudget", "batcher")["spec"].update(minAvailable="100%")),
-        "PodDisruptionBudget/batcher: minAvailable 100% with Deployment/batcher's 2 replica(s) allows no eviction"),
+        lambda d: (
+            _find(d, "PodDisruptionBudget", "batcher")["spec"].pop("maxUnavailable"),
+            _find(d, "PodDisruptionBudget", "batcher")["spec"].update(minAvailable="100%"),
+        ),
+        "PodDisruptionBudget/batcher: minAvailable 100% with Deployment/batcher's 2 replica(s) allows no eviction",
+    ),
     "a budget that lets every pod go": (
         lambda d: _find(d, "PodDisruptionBudget", "model-server")["spec"].update(maxUnavailable="100%"),
         "PodDisruptionBudget/model-server: maxUnavailable 100% with Deployment/model-server's 2 replicas lets "
-        "every one be evicted at once"),
+        "every one be evicted at once",
+    ),
     "a grace period shorter than preStop + drain + margin": (
         lambda d: _find(d, "Deployment", "cache")["spec"]["template"]["spec"].update(terminationGracePeriodSeconds=15),
         "Deployment/cache: terminationGracePeriodSeconds 15 is below container cache's preStop 8 s + drain grace 5 s "
-        "(env INFERMESH_CACHE_DRAIN_GRACE_S) + margin 5 s = 18 s"),
+        "(env INFERMESH_CACHE_DRAIN_GRACE_S) + margin 5 s = 18 s",
+    ),
     "a longer drain grace in the environment the grace period does not follow": (
         lambda d: _set_env(d, "router", "INFERMESH_ROUTER_DRAIN_GRACE_S", "20"),
         "Deployment/router: terminationGracePeriodSeconds 30 is below container router's preStop 8 s + drain grace "
-        "20 s (env INFERMESH_ROUTER_DRAIN_GRACE_S) + margin 5 s = 33 s"),
+        "20 s (env INFERMESH_ROUTER_DRAIN_GRACE_S) + margin 5 s = 33 s",
+    ),
     "a drain grace in the args, which win over the environment": (
         lambda d: _container(d, "batcher")["args"].extend(["--drain-grace-s", "25"]),
         "Deployment/batcher: terminationGracePeriodSeconds 30 is below container batcher's preStop 8 s + drain grace "
-        "25 s (args --drain-grace-s) + margin 5 s = 38 s"),
+        "25 s (args --drain-grace-s) + margin 5 s = 38 s",
+    ),
     "no drain grace given: the config's default counts": (
-        lambda d: (_set_env(d, "model-server", "INFERMESH_MODEL_SERVER_DRAIN_GRACE_S", None),
-                   _find(d, "Deployment", "model-server")["spec"]["template"]["spec"].update(
-                       terminationGracePeriodSeconds=20)),
+        lambda d: (
+            _set_env(d, "model-server", "INFERMESH_MODEL_SERVER_DRAIN_GRACE_S", None),
+            _find(d, "Deployment", "model-server")["spec"]["template"]["spec"].update(terminationGracePeriodSeconds=20),
+        ),
         f"Deployment/model-server: terminationGracePeriodSeconds 20 is below container model-server's preStop 8 s + "
-        f"drain grace {_default_drain_grace_s('model_server'):g} s (services.model_server's default drain_grace_s)"),
+        f"drain grace {_default_drain_grace_s('model_server'):g} s (services.model_server's default drain_grace_s)",
+    ),
     "a drain grace that is no number": (
         lambda d: _set_env(d, "cache", "INFERMESH_CACHE_DRAIN_GRACE_S", "5s"),
-        "Deployment/cache: container cache's drain grace (env INFERMESH_CACHE_DRAIN_GRACE_S) is not a number"),
+        "Deployment/cache: container cache's drain grace (env INFERMESH_CACHE_DRAIN_GRACE_S) is not a number",
+    ),
     "a preStop hook that only sleeps": (
         lambda d: _container(d, "router")["lifecycle"]["preStop"]["exec"].update(command=["sh", "-c", "sleep 8"]),
-        "Deployment/router: container router's lifecycle.preStop does not withdraw services.router (kill -USR1 1)"),
+        "Deployment/router: container router's lifecycle.preStop does not withdraw services.router (kill -USR1 1)",
+    ),
     "no preStop hook: readiness cannot fail before the drain": (
         lambda d: _container(d, "batcher").pop("lifecycle"),
         "Deployment/batcher: container batcher's readinessProbe periodSeconds 2 x failureThreshold 2 + 3 s for "
-        "callers to learn it = 7 s is longer than lifecycle.preStop's delay 0 s"),
+        "callers to learn it = 7 s is longer than lifecycle.preStop's delay 0 s",
+    ),
     "a readiness probe too slow for the preStop delay": (
         lambda d: _container(d, "cache")["readinessProbe"].update(periodSeconds=5),
         "Deployment/cache: container cache's readinessProbe periodSeconds 5 x failureThreshold 2 + 3 s for callers to "
-        "learn it = 13 s is longer than lifecycle.preStop's delay 8 s"),
+        "learn it = 13 s is longer than lifecycle.preStop's delay 8 s",
+    ),
     "a readiness probe left to Kubernetes' defaults": (
-        lambda d: [_container(d, "model-server")["readinessProbe"].pop(k) for k in ("periodSeconds", "failureThreshold")],
-        "Deployment/model-server: container model-server's readinessProbe periodSeconds 10 x failureThreshold 3"),
+        lambda d: [
+            _container(d, "model-server")["readinessProbe"].pop(k) for k in ("periodSeconds", "failureThreshold")
+        ],
+        "Deployment/model-server: container model-server's readinessProbe periodSeconds 10 x failureThreshold 3",
+    ),
     "a readiness probe that cannot see NOT_SERVING": (
         lambda d: _container(d, "router").update(readinessProbe={"tcpSocket": {"port": 8001}, "periodSeconds": 2}),
-        "Deployment/router: container router's readinessProbe is no gRPC health probe"),
+        "Deployment/router: container router's readinessProbe is no gRPC health probe",
+    ),
     "a sidecar that stops carrying calls before preStop + drain are over": (
         lambda d: _proxy_config(d, "router", terminationDrainDuration="15s"),
         "Deployment/router: the sidecar's drain 15 s (proxy.istio.io/config terminationDrainDuration 15s) is shorter "
-        "than container router's preStop 8 s + drain grace 10 s (env INFERMESH_ROUTER_DRAIN_GRACE_S) = 18 s"),
+        "than container router's preStop 8 s + drain grace 10 s (env INFERMESH_ROUTER_DRAIN_GRACE_S) = 18 s",
+    ),
     "a sidecar left to Istio's default drain": (
         lambda d: _proxy_config(d, "cache", terminationDrainDuration=None),
         "Deployment/cache: the sidecar's drain 5 s (Istio's default terminationDrainDuration) is shorter than "
-        "container cache's preStop 8 s + drain grace 5 s"),
+        "container cache's preStop 8 s + drain grace 5 s",
+    ),
     "a sidecar drain the grace period cuts short": (
         lambda d: _proxy_config(d, "model-server", terminationDrainDuration="60s"),
         "Deployment/model-server: the sidecar's drain 60 s (proxy.istio.io/config terminationDrainDuration 60s) is "
-        "not within terminationGracePeriodSeconds 45"),
+        "not within terminationGracePeriodSeconds 45",
+    ),
 }
 
 
@@ -450,5 +566,7 @@ def test_a_pod_without_a_sidecar_or_one_that_waits_for_its_connections_has_no_dr
     _proxy_config(docs, "cache", proxyMetadata={"EXIT_ON_ZERO_ACTIVE_CONNECTIONS": "true"})
     assert manifests.stopping_problems(docs) == []
     _proxy_config(docs, "cache", proxyMetadata=None)
-    _find(docs, "Deployment", "cache")["spec"]["template"]["metadata"]["annotations"]["sidecar.istio.io/inject"] = "false"
+    _find(docs, "Deployment", "cache")["spec"]["template"]["metadata"]["annotations"]["sidecar.istio.io/inject"] = (
+        "false"
+    )
     assert manifests.stopping_problems(docs) == []

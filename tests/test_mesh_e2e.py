@@ -41,6 +41,7 @@ async def stub(mesh):
 async def answered_from_the_cache(stub, mesh, request) -> pb.ModelInferResponse:
     """Sends `request` until the router answers it from the cache (results are
     stored asynchronously, after the answer), and returns that answer."""
+
     def hits():
         return metric(mesh.router_metrics, "infermesh_router_cache_lookups_total", result="hit")
 
@@ -70,8 +71,13 @@ async def test_probes_and_metadata(stub):
 
 
 async def test_minilm_matches_sentence_transformers(stub, reference_embeddings):
-    texts = [unique("How do I reset my password?"), "", "Где находится ближайшая станция метро?",
-             "我想退货。", unique("token " * 400)]
+    texts = [
+        unique("How do I reset my password?"),
+        "",
+        "Где находится ближайшая станция метро?",
+        "我想退货。",
+        unique("token " * 400),
+    ]
     response = await stub.ModelInfer(text_request(texts, request_id="r-1"))
     assert (response.model_name, response.model_version, response.id) == ("minilm", "1", "r-1")
     embeddings = output_array(response, "EMBEDDING")
@@ -82,7 +88,9 @@ async def test_minilm_matches_sentence_transformers(stub, reference_embeddings):
 async def test_plain_tensor_model_matches_onnx_runtime(stub, model_repository):
     x = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
     response = await stub.ModelInfer(tensor_request(x))
-    session = ort.InferenceSession(str(model_repository / "mlp" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        str(model_repository / "mlp" / "1" / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
     (expected,) = session.run(["OUTPUT0"], {"INPUT0": x})
     np.testing.assert_allclose(output_array(response, "OUTPUT0"), expected, atol=1e-5)
 
@@ -135,26 +143,67 @@ def _extra_input(r):
 
 
 ERROR_ROWS = [
-    ("unknown model", lambda: text_request(["x"], model="gpt-9"), grpc.StatusCode.NOT_FOUND, "model 'gpt-9' is not served"),
+    (
+        "unknown model",
+        lambda: text_request(["x"], model="gpt-9"),
+        grpc.StatusCode.NOT_FOUND,
+        "model 'gpt-9' is not served",
+    ),
     ("unknown version", lambda: text_request(["x"], version="42"), grpc.StatusCode.NOT_FOUND, "has no version '42'"),
-    ("wrong datatype", lambda: tensor_request(np.zeros((1, 4), np.float32), model="minilm", name="TEXT"),
-     grpc.StatusCode.INVALID_ARGUMENT, "has datatype 'FP32'; expected BYTES"),
-    ("wrong shape", lambda: tensor_request(np.zeros((2, 63), np.float32)), grpc.StatusCode.INVALID_ARGUMENT,
-     "has shape [2, 63]; dimension 1 must be 64"),
-    ("negative dimension", lambda: _mutated(text_request(["x"]), _negative_dim), grpc.StatusCode.INVALID_ARGUMENT,
-     "shape [-1] with a negative dimension"),
-    ("raw length mismatch", lambda: _mutated(tensor_request(np.zeros((2, 64), np.float32)), _short_raw),
-     grpc.StatusCode.INVALID_ARGUMENT, "has 508 bytes of data but shape [2, 64] of FP32 needs 512"),
-    ("malformed BYTES prefix", lambda: _mutated(text_request(["x"]), _bad_prefix), grpc.StatusCode.INVALID_ARGUMENT,
-     "element 0 declares length 255"),
-    ("missing input", lambda: pb.ModelInferRequest(model_name="minilm"), grpc.StatusCode.INVALID_ARGUMENT,
-     "missing input(s) ['TEXT']"),
-    ("unexpected input", lambda: _mutated(text_request(["x"]), _extra_input), grpc.StatusCode.INVALID_ARGUMENT,
-     "unexpected input(s) ['EXTRA']"),
-    ("contents and raw contents", lambda: _mutated(text_request(["x"]), _both), grpc.StatusCode.INVALID_ARGUMENT,
-     "has both contents and raw_input_contents"),
-    ("over the size limit", lambda: tensor_request(np.zeros((200, 64 * 90), np.float32)),
-     grpc.StatusCode.RESOURCE_EXHAUSTED, str(MAX_REQUEST_BYTES)),
+    (
+        "wrong datatype",
+        lambda: tensor_request(np.zeros((1, 4), np.float32), model="minilm", name="TEXT"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "has datatype 'FP32'; expected BYTES",
+    ),
+    (
+        "wrong shape",
+        lambda: tensor_request(np.zeros((2, 63), np.float32)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "has shape [2, 63]; dimension 1 must be 64",
+    ),
+    (
+        "negative dimension",
+        lambda: _mutated(text_request(["x"]), _negative_dim),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "shape [-1] with a negative dimension",
+    ),
+    (
+        "raw length mismatch",
+        lambda: _mutated(tensor_request(np.zeros((2, 64), np.float32)), _short_raw),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "has 508 bytes of data but shape [2, 64] of FP32 needs 512",
+    ),
+    (
+        "malformed BYTES prefix",
+        lambda: _mutated(text_request(["x"]), _bad_prefix),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "element 0 declares length 255",
+    ),
+    (
+        "missing input",
+        lambda: pb.ModelInferRequest(model_name="minilm"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "missing input(s) ['TEXT']",
+    ),
+    (
+        "unexpected input",
+        lambda: _mutated(text_request(["x"]), _extra_input),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unexpected input(s) ['EXTRA']",
+    ),
+    (
+        "contents and raw contents",
+        lambda: _mutated(text_request(["x"]), _both),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "has both contents and raw_input_contents",
+    ),
+    (
+        "over the size limit",
+        lambda: tensor_request(np.zeros((200, 64 * 90), np.float32)),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        str(MAX_REQUEST_BYTES),
+    ),
 ]
 
 
@@ -200,16 +249,22 @@ async def _a_hurried_request_behind_a_flood(stub, mesh):
     batcher_metrics = mesh.metrics_url("batcher")
 
     def refused():
-        return {reason: metric(batcher_metrics, "infermesh_batcher_rejections_total", reason=reason)
-                for reason in ("deadline", "would_miss_deadline", "no_time_left")}
+        return {
+            reason: metric(batcher_metrics, "infermesh_batcher_rejections_total", reason=reason)
+            for reason in ("deadline", "would_miss_deadline", "no_time_left")
+        }
 
     before = refused()
     # Keep the model busy with long texts, then send a request that cannot wait that long.
     flood = [stub.ModelInfer(text_request([unique("long " * 250)] * 8)) for _ in range(16)]
     flood_tasks = [asyncio.ensure_future(c) for c in flood]
-    await until(lambda: metric(batcher_metrics, "infermesh_batcher_inflight_batches") >= 1
-                and metric(batcher_metrics, "infermesh_batcher_queue_length", model="minilm") >= 1,
-                "the model busy with the flood and more of it waiting")
+    await until(
+        lambda: (
+            metric(batcher_metrics, "infermesh_batcher_inflight_batches") >= 1
+            and metric(batcher_metrics, "infermesh_batcher_queue_length", model="minilm") >= 1
+        ),
+        "the model busy with the flood and more of it waiting",
+    )
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.ModelInfer(text_request([unique("in a hurry")]), timeout=1.0)
     # The flood is only the load; on a slow machine some of it may be refused too.
@@ -217,8 +272,10 @@ async def _a_hurried_request_behind_a_flood(stub, mesh):
     after = refused()
     if info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "it was not run" in info.value.details():
         # It waited until too little time was left for its batch (seen on a busy machine).
-        assert re.search(r"waited \d+ ms in the standard queue and has \d+ ms left, less than its batch would take",
-                         info.value.details())
+        assert re.search(
+            r"waited \d+ ms in the standard queue and has \d+ ms left, less than its batch would take",
+            info.value.details(),
+        )
         assert after["no_time_left"] >= before["no_time_left"] + 1
     elif info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
         # The limit is a share of the time left, or what is left after the request's own batch.
@@ -246,8 +303,10 @@ async def test_every_service_serves_health_reflection_and_metrics(mesh, service)
         services = ProtoReflectionDescriptorDatabase(channel).get_services()
     assert "grpc.health.v1.Health" in services
     expected_service = {
-        "router": "inference.GRPCInferenceService", "batcher": "infermesh.batcher.v1.Batcher",
-        "model_server": "infermesh.model_server.v1.ModelServer", "cache": "infermesh.cache.v1.Cache",
+        "router": "inference.GRPCInferenceService",
+        "batcher": "infermesh.batcher.v1.Batcher",
+        "model_server": "infermesh.model_server.v1.ModelServer",
+        "cache": "infermesh.cache.v1.Cache",
     }[service]
     assert expected_service in services
     url = mesh.router_metrics if service == "router" else mesh.metrics_url(service)
@@ -267,8 +326,11 @@ async def test_metrics_cover_requests_latency_queue_batches_and_cache(stub, mesh
         "answer times": (router, "infermesh_router_request_duration_seconds_count", {"model": "minilm", "code": "OK"}),
         "refusal times": (router, "infermesh_router_request_duration_seconds_count", {"code": "INVALID_ARGUMENT"}),
         "batches": (batcher, "infermesh_batcher_batch_size_count", {"model": "minilm"}),
-        "model runs": (mesh.metrics_url("model_server"), "infermesh_model_inference_duration_seconds_count",
-                       {"model": "minilm"}),
+        "model runs": (
+            mesh.metrics_url("model_server"),
+            "infermesh_model_inference_duration_seconds_count",
+            {"model": "minilm"},
+        ),
         "cache misses": (cache, "infermesh_cache_lookups_total", {"result": "miss"}),
         "cache hits": (cache, "infermesh_cache_lookups_total", {"result": "hit"}),
     }
@@ -340,9 +402,11 @@ async def test_what_the_router_does_not_serve_it_says_so(stub):
     rather than making the status itself too large to send."""
     assert not (await stub.ModelReady(pb.ModelReadyRequest(name="gpt-9"))).ready
     assert not (await stub.ModelReady(pb.ModelReadyRequest(name="minilm", version="42"))).ready
-    for call, request in ((stub.RepositoryIndex, pb.RepositoryIndexRequest()),
-                          (stub.RepositoryModelLoad, pb.RepositoryModelLoadRequest(model_name="minilm")),
-                          (stub.RepositoryModelUnload, pb.RepositoryModelUnloadRequest(model_name="minilm"))):
+    for call, request in (
+        (stub.RepositoryIndex, pb.RepositoryIndexRequest()),
+        (stub.RepositoryModelLoad, pb.RepositoryModelLoadRequest(model_name="minilm")),
+        (stub.RepositoryModelUnload, pb.RepositoryModelUnloadRequest(model_name="minilm")),
+    ):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await call(request)
         assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -424,16 +488,29 @@ async def test_the_batcher_answers_one_request_a_message_and_several_alike(mesh)
     rows = np.arange(3 * 64, dtype="<f4").reshape(3, 64) / 100
 
     def request(i):
-        return batcher_pb2.SubmitRequest(id=i, model="mlp", timeout_ms=10_000, inputs=[
-            Tensor(name="INPUT0", datatype="FP32", shape=[1, 64], data=rows[i - 1].tobytes())])
+        return batcher_pb2.SubmitRequest(
+            id=i,
+            model="mlp",
+            timeout_ms=10_000,
+            inputs=[Tensor(name="INPUT0", datatype="FP32", shape=[1, 64], data=rows[i - 1].tobytes())],
+        )
 
     async with grpc.aio.insecure_channel(mesh.address("batcher")) as channel:
         batcher = batcher_pb2_grpc.BatcherStub(channel)
         singles = {r.id: r for r in [r async for r in batcher.Submit(iter([request(i) for i in (1, 2, 3)]))]}
-        frames = [f async for f in batcher.SubmitMany(iter([
-            batcher_pb2.SubmitManyRequest(requests=[request(1), request(2)]),
-            batcher_pb2.SubmitManyRequest(requests=[request(3), batcher_pb2.SubmitRequest(id=4, model="no-such")]),
-        ]))]
+        frames = [
+            f
+            async for f in batcher.SubmitMany(
+                iter(
+                    [
+                        batcher_pb2.SubmitManyRequest(requests=[request(1), request(2)]),
+                        batcher_pb2.SubmitManyRequest(
+                            requests=[request(3), batcher_pb2.SubmitRequest(id=4, model="no-such")]
+                        ),
+                    ]
+                )
+            )
+        ]
     many = {r.id: r for frame in frames for r in frame.responses}
     assert sorted(singles) == [1, 2, 3] and sorted(many) == [1, 2, 3, 4]
     for i in (1, 2, 3):
@@ -455,23 +532,36 @@ async def test_internal_messages_built_to_be_slow_to_parse_are_refused_unparsed(
     tensors = b"\x1a\x00" * 1_000_000  # ExecuteRequest.inputs, a million empty tensors
     options = [("grpc.max_send_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(mesh.address("batcher"), options=options) as channel:
-        many = channel.stream_stream("/infermesh.batcher.v1.Batcher/SubmitMany", request_serializer=None,
-                                     response_deserializer=batcher_pb2.SubmitManyResponse.FromString)
+        many = channel.stream_stream(
+            "/infermesh.batcher.v1.Batcher/SubmitMany",
+            request_serializer=None,
+            response_deserializer=batcher_pb2.SubmitManyResponse.FromString,
+        )
         with pytest.raises(grpc.aio.AioRpcError) as info:
             [f async for f in many(iter([frame]))]
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "SubmitMany message of 2000000 bytes holds more than 131072 protobuf fields" in info.value.details()
-        request = batcher_pb2.SubmitRequest(id=1, model="mlp", timeout_ms=10_000, inputs=[
-            Tensor(name="INPUT0", datatype="FP32", shape=[1, 64], data=bytes(256))])
+        request = batcher_pb2.SubmitRequest(
+            id=1,
+            model="mlp",
+            timeout_ms=10_000,
+            inputs=[Tensor(name="INPUT0", datatype="FP32", shape=[1, 64], data=bytes(256))],
+        )
         (answer,) = [r async for r in batcher_pb2_grpc.BatcherStub(channel).Submit(iter([request]))]
         assert not answer.HasField("error")
     async with grpc.aio.insecure_channel(mesh.address("model_server"), options=options) as channel:
-        execute = channel.unary_unary("/infermesh.model_server.v1.ModelServer/Execute", request_serializer=None,
-                                      response_deserializer=model_server_pb2.ExecuteResponse.FromString)
+        execute = channel.unary_unary(
+            "/infermesh.model_server.v1.ModelServer/Execute",
+            request_serializer=None,
+            response_deserializer=model_server_pb2.ExecuteResponse.FromString,
+        )
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await execute(b"\x0a\x03mlp" + tensors)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "Execute message of 2000005 bytes holds more than 131072 protobuf fields" in info.value.details()
-        ok = await model_server_pb2_grpc.ModelServerStub(channel).Execute(model_server_pb2.ExecuteRequest(
-            model="mlp", inputs=[Tensor(name="INPUT0", datatype="FP32", shape=[1, 64], data=bytes(256))]))
+        ok = await model_server_pb2_grpc.ModelServerStub(channel).Execute(
+            model_server_pb2.ExecuteRequest(
+                model="mlp", inputs=[Tensor(name="INPUT0", datatype="FP32", shape=[1, 64], data=bytes(256))]
+            )
+        )
         assert ok.outputs

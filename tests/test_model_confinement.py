@@ -14,8 +14,13 @@ import pytest
 from inference import grpc_predict_v2_pb2 as oip
 
 from services.model_server.core import MAX_OVERRIDES_BYTES
-from services.model_server.repository import (MAX_GOLDEN_BYTES, MAX_TOKENIZER_BYTES, ConfigError, load_config,
-                                              read_bounded)
+from services.model_server.repository import (
+    MAX_GOLDEN_BYTES,
+    MAX_TOKENIZER_BYTES,
+    ConfigError,
+    load_config,
+    read_bounded,
+)
 from tests.test_model_repository import ADMIN, model_server, repo  # noqa: F401 - the mlp repository fixture
 
 ATTACK_TIMEOUT_S = 20  # a load that waits on a FIFO would wait forever: this bounds the test instead
@@ -44,9 +49,14 @@ def _golden(file: str) -> dict:
 
 async def _refused(server, overrides: dict, *complaints: str) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as raised:
-        await server.oip.RepositoryModelLoad(oip.RepositoryModelLoadRequest(model_name="mlp", parameters={
-            "config": oip.ModelRepositoryParameter(string_param=json.dumps(overrides))}), timeout=ATTACK_TIMEOUT_S,
-            metadata=ADMIN)
+        await server.oip.RepositoryModelLoad(
+            oip.RepositoryModelLoadRequest(
+                model_name="mlp",
+                parameters={"config": oip.ModelRepositoryParameter(string_param=json.dumps(overrides))},
+            ),
+            timeout=ATTACK_TIMEOUT_S,
+            metadata=ADMIN,
+        )
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
     for complaint in complaints:
         assert complaint in raised.value.details()
@@ -62,19 +72,27 @@ async def test_an_override_naming_a_fifo_outside_the_folder_is_refused_and_later
     (model_dir / "zero.json").symlink_to("/dev/zero")
     with fifos(outside, inside):
         async with model_server(repo) as server:
-            await _refused(server, _golden(str(outside)), "field 'golden_probe.file'", str(outside),
-                           "is an absolute path")
-            await _refused(server, _golden("../outside.fifo"), "field 'golden_probe.file'", "'../outside.fifo'",
-                           "contains '..'")
-            await _refused(server, _golden("escape.json"), "field 'golden_probe.file'", "'escape.json'",
-                           f"resolves to {outside}, outside")
+            await _refused(
+                server, _golden(str(outside)), "field 'golden_probe.file'", str(outside), "is an absolute path"
+            )
+            await _refused(
+                server, _golden("../outside.fifo"), "field 'golden_probe.file'", "'../outside.fifo'", "contains '..'"
+            )
+            await _refused(
+                server,
+                _golden("escape.json"),
+                "field 'golden_probe.file'",
+                "'escape.json'",
+                f"resolves to {outside}, outside",
+            )
             await _refused(server, _golden("inside.fifo"), "'inside.fifo'", "is a FIFO", "not a regular file")
             await _refused(server, _golden("/dev/zero"), "'/dev/zero'", "is an absolute path")
             await _refused(server, _golden("zero.json"), "'zero.json'", "resolves to /dev/zero, outside")
             await _refused(server, _golden("1"), "'1'", "is a directory")
             # The model's lock was never held past a refusal: the next load goes through at once.
-            await server.oip.RepositoryModelLoad(oip.RepositoryModelLoadRequest(model_name="mlp"),
-                                                 timeout=ATTACK_TIMEOUT_S, metadata=ADMIN)
+            await server.oip.RepositoryModelLoad(
+                oip.RepositoryModelLoadRequest(model_name="mlp"), timeout=ATTACK_TIMEOUT_S, metadata=ADMIN
+            )
             assert await server.ready()
             assert (await server.execute())[0] == "1"
 
@@ -89,9 +107,8 @@ async def test_a_fifo_planted_as_the_golden_file_or_the_config_fails_the_load_wi
             await _refused(server, {}, "field 'golden_probe.file'", "is a FIFO")
     config = (model_dir / "config.json").read_text()
     (model_dir / "config.json").unlink()
-    with fifos(model_dir / "config.json"):
-        with pytest.raises(ConfigError, match="the model's config is a FIFO"):
-            load_config(model_dir)
+    with fifos(model_dir / "config.json"), pytest.raises(ConfigError, match="the model's config is a FIFO"):
+        load_config(model_dir)
     (model_dir / "config.json").write_text(config)
 
 
@@ -99,18 +116,32 @@ def _text_model(repo: pathlib.Path, tokenizer_file: str) -> pathlib.Path:
     """A text model's config (nothing is loaded: the checks come first)."""
     model_dir = repo / "text"
     (model_dir / "1").mkdir(parents=True)
-    (model_dir / "config.json").write_text(json.dumps({
-        "name": "text", "platform": "onnxruntime_onnx", "max_batch_size": 8,
-        "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [-1]}],
-        "outputs": [{"name": "EMBEDDING", "datatype": "FP32", "shape": [-1, 4]}],
-        "preprocess": {"kind": "text_tokenizer", "tokenizer_file": tokenizer_file, "max_length": 16}}))
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "name": "text",
+                "platform": "onnxruntime_onnx",
+                "max_batch_size": 8,
+                "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [-1]}],
+                "outputs": [{"name": "EMBEDDING", "datatype": "FP32", "shape": [-1, 4]}],
+                "preprocess": {"kind": "text_tokenizer", "tokenizer_file": tokenizer_file, "max_length": 16},
+            }
+        )
+    )
     return model_dir
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("name, complaint", [
-    ("/etc/passwd", "is an absolute path"), ("../../tokenizer.json", "contains '..'"),
-    ("sub/../../x.json", "contains '..'"), ("", "is empty"), ("a\x00b", "holds a NUL character")])
+@pytest.mark.parametrize(
+    "name, complaint",
+    [
+        ("/etc/passwd", "is an absolute path"),
+        ("../../tokenizer.json", "contains '..'"),
+        ("sub/../../x.json", "contains '..'"),
+        ("", "is empty"),
+        ("a\x00b", "holds a NUL character"),
+    ],
+)
 def test_a_tokenizer_file_outside_the_version_folder_is_refused_by_name(tmp_path, name, complaint):
     with pytest.raises(ConfigError) as raised:
         load_config(_text_model(tmp_path, name))
@@ -154,18 +185,23 @@ async def test_a_golden_file_too_large_is_refused_before_it_is_read(repo):
 
 
 @pytest.mark.service
-@pytest.mark.parametrize("fields, complaint", [
-    ({"warmup": {"batch_sizes": [1, 2, 3, 4, 5, 6, 7, 8, 9]}}, "expected 1 to 8 sizes in 1..max_batch_size"),
-    ({"warmup": {"batch_sizes": []}}, "expected 1 to 8 sizes"),
-    ({"max_batch_size": 4097}, "field 'max_batch_size' must be 1..4096, got 4097"),
-    ({"max_batch_size": 10**12, "warmup": {"batch_sizes": [10**12]}}, "field 'max_batch_size' must be 1..4096"),
-    ({"tp_degree": 1000}, "field 'tp_degree' must be 1..64, got 1000"),
-    ({"instances": {"count": 65}}, "field 'count' must be 1..64, got 65"),
-    ({"instances": {"gpus": list(range(65))}}, "expected a list of 1..64 device ids"),
-    ({"preprocess": {"kind": "text_tokenizer", "tokenizer_file": "t.json", "max_length": 32769}},
-     "field 'max_length' must be 2..32768, got 32769"),
-    ({"fallback": "../elsewhere"}, "field 'fallback' is '../elsewhere'; name another model"),
-])
+@pytest.mark.parametrize(
+    "fields, complaint",
+    [
+        ({"warmup": {"batch_sizes": [1, 2, 3, 4, 5, 6, 7, 8, 9]}}, "expected 1 to 8 sizes in 1..max_batch_size"),
+        ({"warmup": {"batch_sizes": []}}, "expected 1 to 8 sizes"),
+        ({"max_batch_size": 4097}, "field 'max_batch_size' must be 1..4096, got 4097"),
+        ({"max_batch_size": 10**12, "warmup": {"batch_sizes": [10**12]}}, "field 'max_batch_size' must be 1..4096"),
+        ({"tp_degree": 1000}, "field 'tp_degree' must be 1..64, got 1000"),
+        ({"instances": {"count": 65}}, "field 'count' must be 1..64, got 65"),
+        ({"instances": {"gpus": list(range(65))}}, "expected a list of 1..64 device ids"),
+        (
+            {"preprocess": {"kind": "text_tokenizer", "tokenizer_file": "t.json", "max_length": 32769}},
+            "field 'max_length' must be 2..32768, got 32769",
+        ),
+        ({"fallback": "../elsewhere"}, "field 'fallback' is '../elsewhere'; name another model"),
+    ],
+)
 async def test_sizes_an_override_asks_for_are_bounded(repo, fields, complaint):
     async with model_server(repo) as server:
         await _refused(server, fields, complaint)
@@ -183,6 +219,5 @@ async def test_an_overrides_document_past_its_bound_is_refused_before_it_is_pars
 def test_reading_a_checked_file_never_waits_on_a_fifo_put_in_its_place(tmp_path):
     """Between the check and the read a file may be swapped for a FIFO: the
     read opens it without blocking and refuses it once open."""
-    with fifos(tmp_path / "swapped.json"):
-        with pytest.raises(ConfigError, match="is a FIFO"):
-            read_bounded(tmp_path / "swapped.json", 1024, "golden_probe.file")
+    with fifos(tmp_path / "swapped.json"), pytest.raises(ConfigError, match="is a FIFO"):
+        read_bounded(tmp_path / "swapped.json", 1024, "golden_probe.file")

@@ -23,15 +23,14 @@ from inference import grpc_predict_v2_pb2_grpc as oip_grpc
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
 from services.common import errors, identity
-from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.latency import LatencyProfile
+from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.tensors import TensorData, from_numpy, to_numpy
 from services.model_server import execution, metrics
 from services.model_server.config import ModelServerConfig
 from services.model_server.core import ControlMode, ManagerConfig, ModelManager
 from services.model_server.repository import LEND_RESERVED_AFTER_S, ConfigError, load_config
 from services.model_server.server import Readiness, build_server
-
 from tests.conftest import MODELS, settle, until
 
 ADMIN_KEY, APP_KEY = identity.new_key(), identity.new_key()
@@ -45,17 +44,31 @@ def _mlp_outputs(model_file: pathlib.Path, x: np.ndarray) -> np.ndarray:
 
 
 def _write_golden(model_dir: pathlib.Path, expected: np.ndarray) -> None:
-    (model_dir / "golden.json").write_text(json.dumps({
-        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": list(ROWS.shape), "data": ROWS.ravel().tolist()}],
-        "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": list(expected.shape),
-                     "data": expected.ravel().tolist()}],
-    }))
+    (model_dir / "golden.json").write_text(
+        json.dumps(
+            {
+                "inputs": [
+                    {"name": "INPUT0", "datatype": "FP32", "shape": list(ROWS.shape), "data": ROWS.ravel().tolist()}
+                ],
+                "outputs": [
+                    {
+                        "name": "OUTPUT0",
+                        "datatype": "FP32",
+                        "shape": list(expected.shape),
+                        "data": expected.ravel().tolist(),
+                    }
+                ],
+            }
+        )
+    )
 
 
 def _config(model_dir: pathlib.Path, **fields) -> None:
     doc = json.loads((MODELS / "mlp" / "config.json").read_text())
-    doc.update({"version_policy": {"latest": {"num_versions": 1}},
-                "golden_probe": {"file": "golden.json", "max_abs": 1e-4}}, **fields)
+    doc.update(
+        {"version_policy": {"latest": {"num_versions": 1}}, "golden_probe": {"file": "golden.json", "max_abs": 1e-4}},
+        **fields,
+    )
     (model_dir / "config.json").write_text(json.dumps(doc))
 
 
@@ -90,10 +103,14 @@ async def test_repository_rpcs_need_an_admin_tenant(repo):
     async with model_server(repo) as ms:
         request = oip.RepositoryModelUnloadRequest(model_name="mlp")
         for metadata, code, complaint in (
-                ((), grpc.StatusCode.UNAUTHENTICATED, "unload model 'mlp' needs an admin credential"),
-                (identity.bearer_metadata("imk_guessed"), grpc.StatusCode.UNAUTHENTICATED, "bearer key is not known"),
-                (identity.bearer_metadata(APP_KEY), grpc.StatusCode.PERMISSION_DENIED,
-                 "tenant 'app' may not unload model 'mlp': it has no admin rights")):
+            ((), grpc.StatusCode.UNAUTHENTICATED, "unload model 'mlp' needs an admin credential"),
+            (identity.bearer_metadata("imk_guessed"), grpc.StatusCode.UNAUTHENTICATED, "bearer key is not known"),
+            (
+                identity.bearer_metadata(APP_KEY),
+                grpc.StatusCode.PERMISSION_DENIED,
+                "tenant 'app' may not unload model 'mlp': it has no admin rights",
+            ),
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await ms.oip.RepositoryModelUnload(request, metadata=metadata, timeout=10)
             assert refused.value.code() == code and complaint in refused.value.details()
@@ -111,7 +128,8 @@ async def test_without_a_registry_repository_rpcs_are_refused(repo):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await oip_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(
-                    oip.RepositoryModelLoadRequest(model_name="mlp"), metadata=ADMIN, timeout=10)
+                    oip.RepositoryModelLoadRequest(model_name="mlp"), metadata=ADMIN, timeout=10
+                )
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "has no tenant registry to check one against" in refused.value.details()
     finally:
@@ -128,15 +146,17 @@ class Running:
         self.health = health_pb2_grpc.HealthStub(channel)
 
     async def execute(self, version: str = "", rows: np.ndarray = ROWS) -> tuple[str, np.ndarray]:
-        request = model_server_pb2.ExecuteRequest(model="mlp", version=version,
-                                                  inputs=tensors_to_proto([from_numpy("INPUT0", rows, "FP32")]))
+        request = model_server_pb2.ExecuteRequest(
+            model="mlp", version=version, inputs=tensors_to_proto([from_numpy("INPUT0", rows, "FP32")])
+        )
         response = await self.models.Execute(request, timeout=30)
         return response.version, to_numpy(tensors_from_proto(response.outputs)[0])
 
     async def load(self, model: str = "mlp", config: dict | None = None):
         parameters = {} if config is None else {"config": oip.ModelRepositoryParameter(string_param=json.dumps(config))}
         return await self.oip.RepositoryModelLoad(
-            oip.RepositoryModelLoadRequest(model_name=model, parameters=parameters), timeout=120, metadata=ADMIN)
+            oip.RepositoryModelLoadRequest(model_name=model, parameters=parameters), timeout=120, metadata=ADMIN
+        )
 
     async def index(self) -> list[tuple[str, str, str, str]]:
         response = await self.oip.RepositoryIndex(oip.RepositoryIndexRequest(), timeout=10)
@@ -156,9 +176,16 @@ async def model_server(repository: pathlib.Path, **options):
     manager = ModelManager(ManagerConfig(str(repository), "cpu", 1, **options), on_readiness=readiness)
     await manager.start()
     tenants = repository.parent / "tenants.yaml"  # its repository RPCs are an admin's (ADMIN_KEY)
-    identity.write_registry(tenants, {"tenants": {
-        "ops": {"admin": True, "keys": [identity.hash_key(ADMIN_KEY)]},
-        "app": {"keys": [identity.hash_key(APP_KEY)]}}}, replace=True)
+    identity.write_registry(
+        tenants,
+        {
+            "tenants": {
+                "ops": {"admin": True, "keys": [identity.hash_key(ADMIN_KEY)]},
+                "app": {"keys": [identity.hash_key(APP_KEY)]},
+            }
+        },
+        replace=True,
+    )
     config = ModelServerConfig(model_repository=str(repository), tenants_file=str(tenants))
     server, port, _ = await build_server(config, manager, port=0, readiness=readiness)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -171,62 +198,108 @@ async def model_server(repository: pathlib.Path, **options):
 
 
 def _loads(outcome: str) -> float:
-    return metrics.LOADS.labels("mlp", outcome)._value.get()  # noqa: SLF001
+    return metrics.LOADS.labels("mlp", outcome)._value.get()
 
 
 # ---------------------------------------------------------------- configs
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("fields, complaint", [
-    ({"versoin_policy": {}}, "unknown field(s) ['versoin_policy']"),
-    # An unknown field is an error at every level, so a typo cannot pass silently.
-    ({"version_policy": {"latest": {"num_versions": 1, "num_version": 2}}},
-     "version_policy.latest: unknown field(s) ['num_version']; known: ['num_versions']"),
-    ({"version_policy": {"all": {"num_versions": 2}}}, "version_policy.all: unknown field(s) ['num_versions']; known: []"),
-    ({"version_policy": {"specific": {"version": [1]}}},
-     "version_policy.specific: unknown field(s) ['version']; known: ['versions']"),
-    ({"golden_probe": {"file": "golden.json", "max_abs": 1e-4, "min_cosin": 0.9999}},
-     "golden_probe: unknown field(s) ['min_cosin']; known: ['file', 'min_cosine', 'max_abs']"),
-    ({"warmup": {"batch_size": [1, 256]}}, "warmup: unknown field(s) ['batch_size']; known: ['batch_sizes']"),
-    ({"preprocess": {"kind": "text_tokenizer", "tokenizer_file": "tokenizer.json", "max_length": 256,
-                     "max_lenght": 64}},
-     "preprocess: unknown field(s) ['max_lenght']; known: ['kind', 'tokenizer_file', 'max_length', 'max_text_tokens']"),
-    ({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, 64], "dims": [64]}]},
-     "inputs[0]: unknown field(s) ['dims']; known: ['name', 'datatype', 'shape']"),
-    ({"instances": {"count": 1, "gpu": [1]}},
-     "instances: unknown field(s) ['gpu']; known: ['count', 'gpus', 'reserved_for_vip', 'lend_reserved_after_s']"),
-    ({"execution": {"intra_threads": 2}}, "execution: unknown field(s) ['intra_threads']; known: ['providers', "),
-    ({"version_policy": {"newest": {}}}, "version_policy is {'newest': {}}"),
-    ({"version_policy": {"latest": {"num_versions": 0}}}, "'num_versions' must be >= 1, got 0"),
-    ({"version_policy": {"specific": {"versions": ["2"]}}}, "field 'versions' is ['2']"),
-    ({"golden_probe": {"file": "golden.json"}}, "give a tolerance"),
-    ({"golden_probe": {"file": "golden.json", "min_cosine": 2}}, "'min_cosine' must be in [-1, 1], got 2"),
-    ({"instances": {"count": 0}}, "instances: field 'count' must be 1..64, got 0"),
-    ({"instances": {"count": 2, "reserved_for_vip": 2}}, "field 'reserved_for_vip' must be 0..count-1 (1), got 2"),
-    ({"instances": {"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": -1}},
-     "field 'lend_reserved_after_s' must be a finite number of seconds >= 0, or null (never lend), got -1"),
-    ({"instances": {"lend_reserved_after_s": float("nan")}}, "or null (never lend), got nan"),
-    ({"instances": {"lend_reserved_after_s": "10s"}}, "field 'lend_reserved_after_s' must be int or float, got '10s'"),
-    ({"instances": {"lend_reserved_after_s": True}}, "field 'lend_reserved_after_s' must be int or float, got True"),
-    ({"golden_probe": {"file": "golden.json", "max_abs": True}}, "field 'max_abs' must be int or float, got True"),
-    # Numbers too large for what reads them: named, never an OverflowError or a TypeError from ORT.
-    ({"instances": {"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": 10**400}},
-     "field 'lend_reserved_after_s' is an integer of 1329 bits, too large"),
-    ({"golden_probe": {"file": "golden.json", "max_abs": 10**400}}, "field 'max_abs' is an integer of 1329 bits"),
-    ({"execution": {"intra_op_threads": 2**40}},
-     "intra_op_threads must be 0..1024 and inter_op_threads 1..1024, got 1099511627776 and 1"),
-    ({"preprocess": {"kind": "text_tokenizer", "tokenizer_file": "tokenizer.json", "max_length": 2**70}},
-     "field 'max_length' must be 2..32768, got 1180591620717411303424"),
-    ({"preprocess": {"kind": "text_tokenizer", "tokenizer_file": "tokenizer.json", "max_length": 256,
-                     "max_text_tokens": 100}},
-     "field 'max_text_tokens' must be 256 (max_length)..32768, got 100"),
-    ({"execution": {"providers": ["tpu"]}}, "field 'providers' is ['tpu']"),
-    ({"tp_degree": 0}, "field 'tp_degree' must be 1..64, got 0"),
-    ({"warmup": {"batch_sizes": [512]}}, "field 'batch_sizes' is [512]"),
-    ({"max_batch_size": "8"}, "field 'max_batch_size' must be int, got '8'"),
-    ({"fallback": "mlp"}, "field 'fallback' names the model itself"),
-])
+@pytest.mark.parametrize(
+    "fields, complaint",
+    [
+        ({"versoin_policy": {}}, "unknown field(s) ['versoin_policy']"),
+        # An unknown field is an error at every level, so a typo cannot pass silently.
+        (
+            {"version_policy": {"latest": {"num_versions": 1, "num_version": 2}}},
+            "version_policy.latest: unknown field(s) ['num_version']; known: ['num_versions']",
+        ),
+        (
+            {"version_policy": {"all": {"num_versions": 2}}},
+            "version_policy.all: unknown field(s) ['num_versions']; known: []",
+        ),
+        (
+            {"version_policy": {"specific": {"version": [1]}}},
+            "version_policy.specific: unknown field(s) ['version']; known: ['versions']",
+        ),
+        (
+            {"golden_probe": {"file": "golden.json", "max_abs": 1e-4, "min_cosin": 0.9999}},
+            "golden_probe: unknown field(s) ['min_cosin']; known: ['file', 'min_cosine', 'max_abs']",
+        ),
+        ({"warmup": {"batch_size": [1, 256]}}, "warmup: unknown field(s) ['batch_size']; known: ['batch_sizes']"),
+        (
+            {
+                "preprocess": {
+                    "kind": "text_tokenizer",
+                    "tokenizer_file": "tokenizer.json",
+                    "max_length": 256,
+                    "max_lenght": 64,
+                }
+            },
+            "preprocess: unknown field(s) ['max_lenght']; known: ['kind', 'tokenizer_file', 'max_length', 'max_text_tokens']",
+        ),
+        (
+            {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, 64], "dims": [64]}]},
+            "inputs[0]: unknown field(s) ['dims']; known: ['name', 'datatype', 'shape']",
+        ),
+        (
+            {"instances": {"count": 1, "gpu": [1]}},
+            "instances: unknown field(s) ['gpu']; known: ['count', 'gpus', 'reserved_for_vip', 'lend_reserved_after_s']",
+        ),
+        ({"execution": {"intra_threads": 2}}, "execution: unknown field(s) ['intra_threads']; known: ['providers', "),
+        ({"version_policy": {"newest": {}}}, "version_policy is {'newest': {}}"),
+        ({"version_policy": {"latest": {"num_versions": 0}}}, "'num_versions' must be >= 1, got 0"),
+        ({"version_policy": {"specific": {"versions": ["2"]}}}, "field 'versions' is ['2']"),
+        ({"golden_probe": {"file": "golden.json"}}, "give a tolerance"),
+        ({"golden_probe": {"file": "golden.json", "min_cosine": 2}}, "'min_cosine' must be in [-1, 1], got 2"),
+        ({"instances": {"count": 0}}, "instances: field 'count' must be 1..64, got 0"),
+        ({"instances": {"count": 2, "reserved_for_vip": 2}}, "field 'reserved_for_vip' must be 0..count-1 (1), got 2"),
+        (
+            {"instances": {"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": -1}},
+            "field 'lend_reserved_after_s' must be a finite number of seconds >= 0, or null (never lend), got -1",
+        ),
+        ({"instances": {"lend_reserved_after_s": float("nan")}}, "or null (never lend), got nan"),
+        (
+            {"instances": {"lend_reserved_after_s": "10s"}},
+            "field 'lend_reserved_after_s' must be int or float, got '10s'",
+        ),
+        (
+            {"instances": {"lend_reserved_after_s": True}},
+            "field 'lend_reserved_after_s' must be int or float, got True",
+        ),
+        ({"golden_probe": {"file": "golden.json", "max_abs": True}}, "field 'max_abs' must be int or float, got True"),
+        # Numbers too large for what reads them: named, never an OverflowError or a TypeError from ORT.
+        (
+            {"instances": {"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": 10**400}},
+            "field 'lend_reserved_after_s' is an integer of 1329 bits, too large",
+        ),
+        ({"golden_probe": {"file": "golden.json", "max_abs": 10**400}}, "field 'max_abs' is an integer of 1329 bits"),
+        (
+            {"execution": {"intra_op_threads": 2**40}},
+            "intra_op_threads must be 0..1024 and inter_op_threads 1..1024, got 1099511627776 and 1",
+        ),
+        (
+            {"preprocess": {"kind": "text_tokenizer", "tokenizer_file": "tokenizer.json", "max_length": 2**70}},
+            "field 'max_length' must be 2..32768, got 1180591620717411303424",
+        ),
+        (
+            {
+                "preprocess": {
+                    "kind": "text_tokenizer",
+                    "tokenizer_file": "tokenizer.json",
+                    "max_length": 256,
+                    "max_text_tokens": 100,
+                }
+            },
+            "field 'max_text_tokens' must be 256 (max_length)..32768, got 100",
+        ),
+        ({"execution": {"providers": ["tpu"]}}, "field 'providers' is ['tpu']"),
+        ({"tp_degree": 0}, "field 'tp_degree' must be 1..64, got 0"),
+        ({"warmup": {"batch_sizes": [512]}}, "field 'batch_sizes' is [512]"),
+        ({"max_batch_size": "8"}, "field 'max_batch_size' must be int, got '8'"),
+        ({"fallback": "mlp"}, "field 'fallback' names the model itself"),
+    ],
+)
 def test_every_malformed_config_field_is_named(repo, fields, complaint):
     _config(repo / "mlp", **fields)
     with pytest.raises(ConfigError) as raised:
@@ -239,8 +312,11 @@ def test_every_malformed_config_field_is_named(repo, fields, complaint):
 def test_version_policies_pick_versions(repo):
     for version in (2, 3):
         _add_version(repo / "mlp", version)
-    for policy, expected in (({"latest": {"num_versions": 2}}, ["3", "2"]), ({"all": {}}, ["3", "2", "1"]),
-                             ({"specific": {"versions": [1, 3]}}, ["3", "1"])):
+    for policy, expected in (
+        ({"latest": {"num_versions": 2}}, ["3", "2"]),
+        ({"all": {}}, ["3", "2", "1"]),
+        ({"specific": {"versions": [1, 3]}}, ["3", "1"]),
+    ):
         _config(repo / "mlp", version_policy=policy)
         assert load_config(repo / "mlp").versions() == expected
 
@@ -314,15 +390,22 @@ async def test_a_version_that_fails_verification_never_gets_traffic(repo):
 
 
 @pytest.mark.service
-@pytest.mark.parametrize("damage, code, complaint", [
-    ("corrupt", grpc.StatusCode.FAILED_PRECONDITION, "ONNX Runtime cannot load it"),
-    ("missing", grpc.StatusCode.FAILED_PRECONDITION, "missing model.onnx"),
-    ("bad-config", grpc.StatusCode.INVALID_ARGUMENT, "field 'max_batch_size' must be 1..4096, got 0"),
-    ("bad-override", grpc.StatusCode.INVALID_ARGUMENT, "parameter 'config' is not valid JSON"),
-    ("no-version", grpc.StatusCode.INVALID_ARGUMENT, "selects none of the version folders"),
-    ("bad-golden", grpc.StatusCode.INVALID_ARGUMENT, "golden.json: inputs[0]: the model has no input named 'X'"),
-    ("huge-golden", grpc.StatusCode.INVALID_ARGUMENT, "golden.json: inputs[0]: field 'data' does not hold [4, 64] FP32"),
-])
+@pytest.mark.parametrize(
+    "damage, code, complaint",
+    [
+        ("corrupt", grpc.StatusCode.FAILED_PRECONDITION, "ONNX Runtime cannot load it"),
+        ("missing", grpc.StatusCode.FAILED_PRECONDITION, "missing model.onnx"),
+        ("bad-config", grpc.StatusCode.INVALID_ARGUMENT, "field 'max_batch_size' must be 1..4096, got 0"),
+        ("bad-override", grpc.StatusCode.INVALID_ARGUMENT, "parameter 'config' is not valid JSON"),
+        ("no-version", grpc.StatusCode.INVALID_ARGUMENT, "selects none of the version folders"),
+        ("bad-golden", grpc.StatusCode.INVALID_ARGUMENT, "golden.json: inputs[0]: the model has no input named 'X'"),
+        (
+            "huge-golden",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "golden.json: inputs[0]: field 'data' does not hold [4, 64] FP32",
+        ),
+    ],
+)
 async def test_a_failed_load_is_reported_and_the_old_version_keeps_serving(repo, damage, code, complaint):
     async with model_server(repo) as ms:
         model_dir = repo / "mlp"
@@ -346,8 +429,12 @@ async def test_a_failed_load_is_reported_and_the_old_version_keeps_serving(repo,
             (model_dir / "golden.json").write_text(json.dumps(golden))
         try:
             if damage == "bad-override":
-                await ms.oip.RepositoryModelLoad(oip.RepositoryModelLoadRequest(
-                    model_name="mlp", parameters={"config": oip.ModelRepositoryParameter(string_param="{nope")}), metadata=ADMIN)
+                await ms.oip.RepositoryModelLoad(
+                    oip.RepositoryModelLoadRequest(
+                        model_name="mlp", parameters={"config": oip.ModelRepositoryParameter(string_param="{nope")}
+                    ),
+                    metadata=ADMIN,
+                )
             else:
                 await ms.load(config=config)
             pytest.fail("the load should have failed")
@@ -369,25 +456,42 @@ def _shard_set(folder: pathlib.Path) -> dict:
             name = f"shard{index}/{segment}.onnx"
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
             (folder / name).write_bytes(name.encode())
-            files.append({"segment": segment, "file": name, "bytes": len(name),
-                          "sha256": hashlib.sha256(name.encode()).hexdigest()})
+            files.append(
+                {
+                    "segment": segment,
+                    "file": name,
+                    "bytes": len(name),
+                    "sha256": hashlib.sha256(name.encode()).hexdigest(),
+                }
+            )
         shards.append({"index": index, "files": files, "bytes": sum(f["bytes"] for f in files)})
-    return {"format": "infermesh-tp/1", "degree": 2, "shape": {"hidden": 64}, "segments": ["embed", "pool"],
-            "shards": shards}
+    return {
+        "format": "infermesh-tp/1",
+        "degree": 2,
+        "shape": {"hidden": 64},
+        "segments": ["embed", "pool"],
+        "shards": shards,
+    }
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("damage, complaint", [
-    (lambda m: m.pop("shards"), "missing field 'shards'"),
-    (lambda m: m.update(shards={"0": {}, "1": {}}), "field 'shards' must be list"),
-    (lambda m: m.pop("shape"), "missing field 'shape'"),
-    (lambda m: m.update(segments=["embed"]), "field 'segments' is ['embed']; expected two or more"),
-    (lambda m: m["shards"][1].update(index=0), "shards[1] must be an object with 'index' 1"),
-    (lambda m: m["shards"][0].pop("bytes"), "shards[0]: missing field 'bytes'"),
-    (lambda m: m["shards"][0]["files"][0].pop("sha256"), "shards[0].files[0]: missing field 'sha256'"),
-    (lambda m: m["shards"][0]["files"][1].update(segment="head"), "field 'segment' is 'head', not one of 'segments'"),
-    (lambda m: m["shards"][0]["files"].pop(), "shards[0] has no file for segment(s) ['pool']"),
-])
+@pytest.mark.parametrize(
+    "damage, complaint",
+    [
+        (lambda m: m.pop("shards"), "missing field 'shards'"),
+        (lambda m: m.update(shards={"0": {}, "1": {}}), "field 'shards' must be list"),
+        (lambda m: m.pop("shape"), "missing field 'shape'"),
+        (lambda m: m.update(segments=["embed"]), "field 'segments' is ['embed']; expected two or more"),
+        (lambda m: m["shards"][1].update(index=0), "shards[1] must be an object with 'index' 1"),
+        (lambda m: m["shards"][0].pop("bytes"), "shards[0]: missing field 'bytes'"),
+        (lambda m: m["shards"][0]["files"][0].pop("sha256"), "shards[0].files[0]: missing field 'sha256'"),
+        (
+            lambda m: m["shards"][0]["files"][1].update(segment="head"),
+            "field 'segment' is 'head', not one of 'segments'",
+        ),
+        (lambda m: m["shards"][0]["files"].pop(), "shards[0] has no file for segment(s) ['pool']"),
+    ],
+)
 def test_a_damaged_shard_manifest_is_refused_by_field(tmp_path, damage, complaint):
     from services.model_server.shards import ShardError, read_manifest
 
@@ -466,7 +570,8 @@ async def test_a_version_replaced_in_place_gets_a_new_revision(repo):
 
 @pytest.mark.service
 async def test_a_reload_that_changes_the_answers_changes_the_revision_and_one_that_does_not_keeps_it(
-        tmp_path, model_repository):
+    tmp_path, model_repository
+):
     """The router keys its cache by the revision: a config-only reload that
     changes what a version computes (the tokenizer's max_length) must change it,
     or callers get answers cached under the old config; one that changes only how
@@ -477,10 +582,12 @@ async def test_a_reload_that_changes_the_answers_changes_the_revision_and_one_th
     long_text = np.array([b"The parcel was due on Monday and never arrived. " * 8], dtype=object)
 
     async with model_server(repo) as ms:
+
         async def revision_and_answer() -> tuple[str, np.ndarray]:
             listed = await ms.models.ListModels(model_server_pb2.ListModelsRequest())
-            request = model_server_pb2.ExecuteRequest(model="minilm-lite",
-                                                      inputs=tensors_to_proto([from_numpy("TEXT", long_text, "BYTES")]))
+            request = model_server_pb2.ExecuteRequest(
+                model="minilm-lite", inputs=tensors_to_proto([from_numpy("TEXT", long_text, "BYTES")])
+            )
             response = await ms.models.Execute(request, timeout=30)
             return dict(listed.models[0].revisions)["1"], to_numpy(tensors_from_proto(response.outputs)[0])
 
@@ -502,8 +609,12 @@ async def test_unknown_models_and_parameters_are_refused(repo):
             await ms.load(model="nope")
         assert raised.value.code() == grpc.StatusCode.NOT_FOUND and "no model folder 'nope'" in raised.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await ms.oip.RepositoryModelLoad(oip.RepositoryModelLoadRequest(
-                model_name="mlp", parameters={"file:1/model.onnx": oip.ModelRepositoryParameter(bytes_param=b"x")}), metadata=ADMIN)
+            await ms.oip.RepositoryModelLoad(
+                oip.RepositoryModelLoadRequest(
+                    model_name="mlp", parameters={"file:1/model.onnx": oip.ModelRepositoryParameter(bytes_param=b"x")}
+                ),
+                metadata=ADMIN,
+            )
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "'file:1/model.onnx' is not supported" in raised.value.details()
 
@@ -546,7 +657,9 @@ async def test_the_correctness_probe_withdraws_readiness_on_drift(repo):
         assert not await ms.ready()
         assert await ms.health_of("mlp") == health_pb2.HealthCheckResponse.NOT_SERVING
         assert not (await ms.oip.ServerReady(oip.ServerReadyRequest())).ready
-        assert any(e[:3] == ("mlp", "1", "UNAVAILABLE") and "correctness probe failed" in e[3] for e in await ms.index())
+        assert any(
+            e[:3] == ("mlp", "1", "UNAVAILABLE") and "correctness probe failed" in e[3] for e in await ms.index()
+        )
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await ms.execute()
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -631,7 +744,10 @@ async def test_poll_mode_follows_the_repository_and_refuses_rpc_control(repo):
 @pytest.mark.service
 async def test_control_mode_none_refuses_changes(repo):
     async with model_server(repo, control_mode=ControlMode.NONE) as ms:
-        for call in (ms.load(), ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="mlp"), metadata=ADMIN)):
+        for call in (
+            ms.load(),
+            ms.oip.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="mlp"), metadata=ADMIN),
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await call
             assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -656,8 +772,13 @@ async def test_tritonclient_drives_the_repository_rpcs(repo):
     async with model_server(repo) as ms:
         address = ms.address
         process = await asyncio.create_subprocess_exec(
-            sys.executable, str(pathlib.Path(__file__).parent / "triton_repository_run.py"), address, ADMIN_KEY,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            sys.executable,
+            str(pathlib.Path(__file__).parent / "triton_repository_run.py"),
+            address,
+            ADMIN_KEY,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         out, err = await asyncio.wait_for(process.communicate(), timeout=120)
         assert process.returncode == 0, err.decode()
         seen = json.loads(out)
@@ -719,8 +840,10 @@ async def test_a_batch_that_would_wait_past_its_deadline_is_refused_before_it(re
     monkeypatch.setattr(errors, "REFUSAL_MARGIN_S", 0.2)
     async with model_server(repo) as running:
         loaded = running.manager.resolve("mlp", "")
-        shed_before = metrics.SHED.labels("mlp")._value.get()  # noqa: SLF001
-        request = model_server_pb2.ExecuteRequest(model="mlp", inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")]))
+        shed_before = metrics.SHED.labels("mlp")._value.get()
+        request = model_server_pb2.ExecuteRequest(
+            model="mlp", inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")])
+        )
         async with loaded.gate.turn(0):  # the only instance is busy for as long as this holds
             started = asyncio.get_running_loop().time()
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -729,7 +852,7 @@ async def test_a_batch_that_would_wait_past_its_deadline_is_refused_before_it(re
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "would not finish before its deadline" in refused.value.details()
         assert 0.5 < waited < 1.0  # it waited while it still could finish, then said so in time
-        assert metrics.SHED.labels("mlp")._value.get() == shed_before + 1  # noqa: SLF001
+        assert metrics.SHED.labels("mlp")._value.get() == shed_before + 1
         assert loaded.gate.waiting == 0
         assert (await running.execute())[0] == "1"  # the gate is free and serving again
 
@@ -753,7 +876,9 @@ async def test_a_large_batch_is_judged_by_its_own_size_not_by_the_average_batch(
         loaded = running.manager.resolve("mlp", "")
         for rows, seconds in ((1, 0.01), (len(ROWS), 0.5)):
             loaded.profile.observe(rows, seconds)
-        request = model_server_pb2.ExecuteRequest(model="mlp", inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")]))
+        request = model_server_pb2.ExecuteRequest(
+            model="mlp", inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")])
+        )
         async with loaded.gate.turn(0):  # a batch of unknown size runs: assumed as large as this one
             started = asyncio.get_running_loop().time()
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -770,7 +895,7 @@ async def test_a_batch_is_refused_at_its_turn_when_batches_now_take_longer_than_
     one that arrives with less time than its run now takes."""
     async with model_server(repo) as ms:
         loaded = _learned(ms.manager.resolve("mlp", ""), (4, 0.1))
-        shed_before = metrics.SHED.labels("mlp")._value.get()  # noqa: SLF001
+        shed_before = metrics.SHED.labels("mlp")._value.get()
         order, _, release = _recording_runs(loaded, monkeypatch)
         release.set()
         async with loaded.gate.turn(0):  # the batch ahead: about 100 ms, as far as anyone knows
@@ -786,7 +911,7 @@ async def test_a_batch_is_refused_at_its_turn_when_batches_now_take_longer_than_
         with pytest.raises(errors.ResourceExhausted):
             await ms.manager.execute("mlp", "", _mlp(2.0, 4), [], timeout_s=5.0)  # the gate is free
         assert order == []  # neither ran
-        assert metrics.SHED.labels("mlp")._value.get() == shed_before + 2  # noqa: SLF001
+        assert metrics.SHED.labels("mlp")._value.get() == shed_before + 2
         assert loaded.gate.waiting == 0 and loaded.gate.in_use() == 0
         assert (await ms.manager.execute("mlp", "", _mlp(3.0, 4), []))[0] == "1"  # no deadline: it runs
         assert order == [(3.0, 4)]
@@ -797,16 +922,16 @@ async def test_a_batch_that_finishes_after_its_deadline_is_counted_late(repo, mo
     """The estimates behind the deadline checks were too optimistic: operators see it."""
     async with model_server(repo) as ms:
         loaded = _learned(ms.manager.resolve("mlp", ""), (4, 0.001))
-        late_before = metrics.LATE.labels("mlp")._value.get()  # noqa: SLF001
+        late_before = metrics.LATE.labels("mlp")._value.get()
         order, first_running, release = _recording_runs(loaded, monkeypatch)
         running = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(1.0, 4), [], timeout_s=0.1))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
         await asyncio.sleep(0.15)  # the run outlasts the batch's deadline
         release.set()
         assert (await running)[0] == "1"
-        assert metrics.LATE.labels("mlp")._value.get() == late_before + 1  # noqa: SLF001
+        assert metrics.LATE.labels("mlp")._value.get() == late_before + 1
         assert (await ms.manager.execute("mlp", "", _mlp(2.0, 4), [], timeout_s=5.0))[0] == "1"
-        assert metrics.LATE.labels("mlp")._value.get() == late_before + 1  # noqa: SLF001
+        assert metrics.LATE.labels("mlp")._value.get() == late_before + 1
 
 
 @pytest.mark.service
@@ -814,7 +939,9 @@ async def test_a_batch_with_no_time_for_the_queue_ahead_is_refused_at_once(repo)
     async with model_server(repo) as running:
         loaded = running.manager.resolve("mlp", "")
         loaded.run_s = 0.4  # as if each batch took 400 ms
-        request = model_server_pb2.ExecuteRequest(model="mlp", inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")]))
+        request = model_server_pb2.ExecuteRequest(
+            model="mlp", inputs=tensors_to_proto([from_numpy("INPUT0", ROWS, "FP32")])
+        )
         async with loaded.gate.turn(0):  # one batch running: about 400 ms more before this one could start
             started = asyncio.get_running_loop().time()
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -835,8 +962,8 @@ async def test_while_vip_batches_come_a_standard_batch_runs_in_slices_and_a_vip_
         whole = (await ms.manager.execute("mlp", "", _mlp(3.0, 4), []))[1][0]  # no VIP yet: one run of 4
         _learned(loaded, (2, 0.02), (4, 0.04))  # slices of 2 rows fit in 25 ms, 4 rows do not
         await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], tier=1)  # VIP traffic, lately
-        sliced_before = metrics.SLICED.labels("mlp")._value.get()  # noqa: SLF001
-        aside_before = metrics.STEPPED_ASIDE.labels("mlp")._value.get()  # noqa: SLF001
+        sliced_before = metrics.SLICED.labels("mlp")._value.get()
+        aside_before = metrics.STEPPED_ASIDE.labels("mlp")._value.get()
         order, first_running, release = _recording_runs(loaded, monkeypatch)
         standard = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), []))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
@@ -848,8 +975,8 @@ async def test_while_vip_batches_come_a_standard_batch_runs_in_slices_and_a_vip_
         (_, outputs), _, _ = await asyncio.gather(standard, later, vip)
         assert order == [(3.0, 2), (9.0, 1), (3.0, 2), (5.0, 2), (5.0, 2)]
         np.testing.assert_allclose(to_numpy(outputs[0]), to_numpy(whole), rtol=1e-6)
-        assert metrics.SLICED.labels("mlp")._value.get() == sliced_before + 2  # noqa: SLF001
-        assert metrics.STEPPED_ASIDE.labels("mlp")._value.get() == aside_before + 1  # noqa: SLF001
+        assert metrics.SLICED.labels("mlp")._value.get() == sliced_before + 2
+        assert metrics.STEPPED_ASIDE.labels("mlp")._value.get() == aside_before + 1
 
 
 @pytest.mark.service
@@ -861,7 +988,7 @@ async def test_a_sliced_batch_whose_rest_could_not_finish_in_time_is_refused_bef
         loaded = ms.manager.resolve("mlp", "")
         await ms.manager.execute("mlp", "", _mlp(9.0, 1), [], tier=1)  # VIP traffic, lately: slices of 2
         _learned(loaded, (2, 0.02), (4, 0.04))
-        shed_before = metrics.SHED.labels("mlp")._value.get()  # noqa: SLF001
+        shed_before = metrics.SHED.labels("mlp")._value.get()
         order, first_running, release = _recording_runs(loaded, monkeypatch)
         standard = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), [], timeout_s=0.25))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
@@ -872,7 +999,7 @@ async def test_a_sliced_batch_whose_rest_could_not_finish_in_time_is_refused_bef
             await standard
         assert asyncio.get_running_loop().time() - started < 0.25
         assert order == [(3.0, 2)]  # the second slice never ran
-        assert metrics.SHED.labels("mlp")._value.get() == shed_before + 1  # noqa: SLF001
+        assert metrics.SHED.labels("mlp")._value.get() == shed_before + 1
 
 
 @pytest.mark.service
@@ -935,13 +1062,13 @@ async def test_a_reserved_instance_is_lent_to_standard_batches_when_the_config_s
     assert load_config(repo / "mlp").instances.lend_reserved_after_s == 0
     async with model_server(repo) as ms:
         loaded = ms.manager.resolve("mlp", "")
-        lent_before = metrics.LENT.labels("mlp")._value.get()  # noqa: SLF001
+        lent_before = metrics.LENT.labels("mlp")._value.get()
         order, first_running, release = _recording_runs(loaded, monkeypatch)
         first = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(3.0, 4), []))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
         await ms.manager.execute("mlp", "", _mlp(5.0, 4), [])  # on the reserved instance, while the first still runs
         assert order == [(3.0, 4), (5.0, 4)] and not first.done()
-        assert metrics.LENT.labels("mlp")._value.get() == lent_before + 1  # noqa: SLF001
+        assert metrics.LENT.labels("mlp")._value.get() == lent_before + 1
         release.set()
         await first
     _config(repo / "mlp", instances={"count": 2, "reserved_for_vip": 1, "lend_reserved_after_s": None})
@@ -988,6 +1115,7 @@ class _SlowHandOff(concurrent.futures.ThreadPoolExecutor):
         def late():
             time.sleep(self._delay_s)
             return fn(*args, **kwargs)
+
         return super().submit(late)
 
 
@@ -1038,6 +1166,8 @@ async def test_a_direct_caller_whose_data_does_not_fit_its_shape_is_refused_nami
                 await ms.models.Execute(request, timeout=60)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
             assert fragment in info.value.details(), info.value.details()
-        good = model_server_pb2.ExecuteRequest(model="minilm-lite", inputs=tensors_to_proto([
-            from_numpy("TEXT", np.array([b"still served"], dtype=object), "BYTES")]))
+        good = model_server_pb2.ExecuteRequest(
+            model="minilm-lite",
+            inputs=tensors_to_proto([from_numpy("TEXT", np.array([b"still served"], dtype=object), "BYTES")]),
+        )
         assert (await ms.models.Execute(good, timeout=30)).outputs

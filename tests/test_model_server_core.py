@@ -24,8 +24,10 @@ async def test_waiting_batches_run_vip_first_then_in_order():
 
     first = asyncio.create_task(batch("running", 0, hold))
     await asyncio.sleep(0)
-    waiting = [asyncio.create_task(batch(name, tier)) for name, tier in
-               (("std-1", 0), ("vip-1", 1), ("std-2", 0), ("vip-2", 1))]
+    waiting = [
+        asyncio.create_task(batch(name, tier))
+        for name, tier in (("std-1", 0), ("vip-1", 1), ("std-2", 0), ("vip-2", 1))
+    ]
     await asyncio.sleep(0)
     assert gate.waiting == 4  # the queue the autoscaler reads
     hold.set()
@@ -95,10 +97,10 @@ async def test_two_loads_of_one_version_add_to_one_queue_gauge():
 
     tasks = [asyncio.create_task(batch(gate)) for gate in (old, old, old, new, new)]
     await asyncio.sleep(0)
-    assert (old.waiting, new.waiting, queued._value.get()) == (2, 1, 3)  # noqa: SLF001
+    assert (old.waiting, new.waiting, queued._value.get()) == (2, 1, 3)
     hold.set()
     await asyncio.gather(*tasks)
-    assert queued._value.get() == 0  # noqa: SLF001
+    assert queued._value.get() == 0
 
 
 class Clock:

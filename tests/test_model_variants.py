@@ -17,8 +17,12 @@ from tools.build_models.repository import EMBED_DIM, REQUIRED_FILES
 pytestmark = pytest.mark.unit
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TEXTS = ["Can I change the delivery address of order 4411?", "", "Das Paket ist beschädigt angekommen.",
-         "battery drains fast after the update " * 40]
+TEXTS = [
+    "Can I change the delivery address of order 4411?",
+    "",
+    "Das Paket ist beschädigt angekommen.",
+    "battery drains fast after the update " * 40,
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +45,9 @@ def _golden(repo, model):
 @pytest.mark.parametrize("model_dir", ["minilm/1", "minilm/2", "minilm-lite/1"])
 def test_text_models_give_unit_length_embeddings(repo, model_dir):
     d = repo / model_dir
-    got = variants.embed(variants.session(d / "model.onnx"),
-                         variants.tokenizer(d / "tokenizer.json"), TEXTS, batch=len(TEXTS))
+    got = variants.embed(
+        variants.session(d / "model.onnx"), variants.tokenizer(d / "tokenizer.json"), TEXTS, batch=len(TEXTS)
+    )
     assert got.shape == (len(TEXTS), EMBED_DIM) and got.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-4)
 
@@ -126,4 +131,7 @@ def test_lite_has_at_most_15_percent_of_minilms_parameters(repo):
     full = variants.parameter_count(repo / "minilm" / "1" / "model.onnx")
     assert lite <= 0.15 * full, (lite, full)
     assert {i.name for i in variants.session(repo / "minilm-lite" / "1" / "model.onnx").get_inputs()} <= {
-        "input_ids", "attention_mask", "token_type_ids"}
+        "input_ids",
+        "attention_mask",
+        "token_type_ids",
+    }

@@ -36,9 +36,14 @@ def test_the_alert_rules_name_only_what_the_services_export_and_each_has_a_runbo
     assert monitoring.rule_problems(doc) == []
     selected = set().union(*(monitoring.series_of(rule["expr"]) for rule in _alerts(doc)))
     # What issue 32 asks the alerts to watch: errors, the breaker, queue refusals, p99, readiness, restarts.
-    assert {"infermesh_router_requests_total", "infermesh_router_breaker_state", "infermesh_batcher_rejections_total",
-            "infermesh_router_request_duration_seconds_bucket", "infermesh_model_versions",
-            "kube_pod_container_status_restarts_total"} <= selected
+    assert {
+        "infermesh_router_requests_total",
+        "infermesh_router_breaker_state",
+        "infermesh_batcher_rejections_total",
+        "infermesh_router_request_duration_seconds_bucket",
+        "infermesh_model_versions",
+        "kube_pod_container_status_restarts_total",
+    } <= selected
 
 
 @pytest.mark.unit
@@ -46,9 +51,13 @@ def test_series_names_are_the_ones_prometheus_client_exposes():
     """The suffixes the check gives each type (_total, _bucket, _sum, _count) are the client's own."""
     exposed = set(prometheus_client.REGISTRY._names_to_collectors)
     assert set(monitoring.exported()) <= exposed
-    assert {"infermesh_router_requests_total", "infermesh_router_request_duration_seconds_bucket",
-            "infermesh_router_request_duration_seconds_count", "infermesh_router_breaker_state",
-            "infermesh_gc_pause_seconds_sum"} <= set(monitoring.exported())
+    assert {
+        "infermesh_router_requests_total",
+        "infermesh_router_request_duration_seconds_bucket",
+        "infermesh_router_request_duration_seconds_count",
+        "infermesh_router_breaker_state",
+        "infermesh_gc_pause_seconds_sum",
+    } <= set(monitoring.exported())
     assert "infermesh_router_requests" not in monitoring.exported()
 
 
@@ -57,7 +66,8 @@ def test_label_values_are_read_where_the_code_sets_them():
     values = monitoring.label_values()
     assert values["services.router.metrics.REQUESTS", "tier"].known == {tier.label for tier in Tier}
     assert values["services.router.metrics.REQUESTS", "code"].known == (
-        {"OK"} | {cls.code_name for cls in errors.BY_CODE.values()})
+        {"OK"} | {cls.code_name for cls in errors.BY_CODE.values()}
+    )
     # The reasons the metric's help text promises are the ones the batcher sets.
     reasons = values["services.batcher.metrics.REJECTIONS", "reason"]
     assert reasons.known == {"queue_full", "would_miss_deadline", "no_time_left", "deadline", "cancelled"}
@@ -68,75 +78,107 @@ def test_label_values_are_read_where_the_code_sets_them():
 def _set(alert: str, **fields):
     def change(doc):
         next(r for r in _alerts(doc) if r.get("alert") == alert).update(fields)
+
     return change
 
 
 def _drop(alert: str, field: str):
     def change(doc):
         next(r for r in _alerts(doc) if r.get("alert") == alert).pop(field)
+
     return change
 
 
 MISTAKES = {
     "a series no service exports": (
         _set("InfermeshBreakerOpen", expr="max by (namespace, model) (infermesh_router_breaker_open) > 0"),
-        "infermesh-router/InfermeshBreakerOpen: infermesh_router_breaker_open is not a series our services export"),
+        "infermesh-router/InfermeshBreakerOpen: infermesh_router_breaker_open is not a series our services export",
+    ),
     "a counter without its _total": (
         _set("InfermeshErrorRatioHigh", expr="sum(rate(infermesh_router_requests[5m])) > 0"),
-        "infermesh_router_requests is not a series our services export"),
+        "infermesh_router_requests is not a series our services export",
+    ),
     "another exporter's series the check does not know": (
         _set("InfermeshServiceRestarting", expr="up == 0"),
-        "up is not a series our services export (nor one of the other exporters' series"),
+        "up is not a series our services export (nor one of the other exporters' series",
+    ),
     "a status code the router never sets": (
-        _set("InfermeshErrorRatioHigh", expr='sum(rate(infermesh_router_requests_total{code=~"INTERNAL|UNKNOWN"}[5m])) > 0'),
-        "code is never 'UNKNOWN'"),
+        _set(
+            "InfermeshErrorRatioHigh",
+            expr='sum(rate(infermesh_router_requests_total{code=~"INTERNAL|UNKNOWN"}[5m])) > 0',
+        ),
+        "code is never 'UNKNOWN'",
+    ),
     "a tier that does not exist": (
-        _set("InfermeshLatencyP99OverObjective", expr=(
-            'histogram_quantile(0.99, sum by (le) (rate(infermesh_router_request_duration_seconds_bucket{tier="gold"}'
-            '[5m]))) > 0.5')),
-        "tier is never 'gold'; its values are ['standard', 'vip']"),
+        _set(
+            "InfermeshLatencyP99OverObjective",
+            expr=(
+                'histogram_quantile(0.99, sum by (le) (rate(infermesh_router_request_duration_seconds_bucket{tier="gold"}'
+                "[5m]))) > 0.5"
+            ),
+        ),
+        "tier is never 'gold'; its values are ['standard', 'vip']",
+    ),
     "a refusal reason the batcher never gives": (
         _set("InfermeshQueueRefusals", expr='sum(rate(infermesh_batcher_rejections_total{reason="too_busy"}[5m])) > 0'),
-        "reason is never 'too_busy'"),
+        "reason is never 'too_busy'",
+    ),
     "a version state the model server never sets": (
         _set("InfermeshModelNotReady", expr='count(infermesh_model_versions{state="loaded"}) > 0'),
-        "state is never 'loaded'; its values are ['serving', 'standby', 'unready']"),
+        "state is never 'loaded'; its values are ['serving', 'standby', 'unready']",
+    ),
     "a value the check cannot find in the code": (
         _set("InfermeshBreakerOpen", expr='infermesh_router_breaker_state{model="minilm"} > 0'),
-        "cannot tell whether model is ever 'minilm'"),
+        "cannot tell whether model is ever 'minilm'",
+    ),
     "a regex that is not an alternation of values": (
         _set("InfermeshErrorRatioHigh", expr='sum(rate(infermesh_router_requests_total{code=~"5.."}[5m])) > 0'),
-        "a regex the check cannot read"),
+        "a regex the check cannot read",
+    ),
     "grouping by a label the series lacks": (
         _set("InfermeshErrorRatioHigh", expr="sum by (reason) (rate(infermesh_router_requests_total[5m])) > 0"),
-        "groups or matches by 'reason', which no series under it has"),
+        "groups or matches by 'reason', which no series under it has",
+    ),
     "matching on a label the series lacks": (
         _set("InfermeshBreakerOpen", expr='infermesh_router_breaker_state{tier="vip"} > 0'),
-        "infermesh_router_breaker_state has no label 'tier'"),
+        "infermesh_router_breaker_state has no label 'tier'",
+    ),
     "rate() of a gauge": (
         _set("InfermeshBreakerOpen", expr="rate(infermesh_router_breaker_state[5m]) > 0"),
-        "rate() of infermesh_router_breaker_state, a gauge"),
+        "rate() of infermesh_router_breaker_state, a gauge",
+    ),
     "an expression that does not parse": (
         _set("InfermeshBreakerOpen", expr="max by (model) (infermesh_router_breaker_state > 0"),
-        "does not parse as PromQL"),
+        "does not parse as PromQL",
+    ),
     "a function PromQL does not have": (
         _set("InfermeshBreakerOpen", expr="maximum(infermesh_router_breaker_state) > 0"),
-        "does not parse as PromQL: unknown function"),
+        "does not parse as PromQL: unknown function",
+    ),
     "a container that is not ours": (
-        _set("InfermeshServiceRestarting",
-             expr='increase(kube_pod_container_status_restarts_total{container=~"router|routr"}[15m]) > 2'),
-        "container is never 'routr'"),
+        _set(
+            "InfermeshServiceRestarting",
+            expr='increase(kube_pod_container_status_restarts_total{container=~"router|routr"}[15m]) > 2',
+        ),
+        "container is never 'routr'",
+    ),
     "an alert without `for`": (_drop("InfermeshQueueRefusals", "for"), "InfermeshQueueRefusals: no `for`"),
     "an alert without a severity": (
-        _set("InfermeshQueueRefusals", labels={"severity": "page"}), "severity 'page' is not one of"),
-    "an alert without a summary": (_set("InfermeshQueueRefusals", annotations={"description": "docs/alerts.md#alerts"}),
-                                   "no summary annotation"),
+        _set("InfermeshQueueRefusals", labels={"severity": "page"}),
+        "severity 'page' is not one of",
+    ),
+    "an alert without a summary": (
+        _set("InfermeshQueueRefusals", annotations={"description": "docs/alerts.md#alerts"}),
+        "no summary annotation",
+    ),
     "a description that names no runbook": (
         _set("InfermeshModelNotReady", annotations={"summary": "s", "description": "the model is not ready"}),
-        "its description names no section of docs/"),
+        "its description names no section of docs/",
+    ),
     "a runbook section that does not exist": (
         _set("InfermeshModelNotReady", annotations={"summary": "s", "description": "docs/alerts.md#model-down"}),
-        "docs/alerts.md has no section #model-down"),
+        "docs/alerts.md has no section #model-down",
+    ),
 }
 
 

@@ -37,14 +37,21 @@ from tests.conftest import metric, until
 from tests.oip import output_array, text_request
 from tests.test_model_repository import _config, repo  # noqa: F401 - the mlp repository fixture
 
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
 def two_replicas(model_repository, tmp_path):
-    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2, model_server_nice=(0, 3),
-              batcher_args=("--replica-poll-s", "0.2", "--max-batch-size", "4"))) as mesh:
+    with Mesh(
+        MeshConfig(
+            models=model_repository,
+            cache=False,
+            log_dir=tmp_path,
+            model_servers=2,
+            model_server_nice=(0, 3),
+            batcher_args=("--replica-poll-s", "0.2", "--max-batch-size", "4"),
+        )
+    ) as mesh:
         yield mesh
 
 
@@ -52,18 +59,22 @@ def two_replicas(model_repository, tmp_path):
 def test_each_replica_runs_at_its_own_cpu_priority(two_replicas):
     """The launcher's per-replica niceness (bench/batching.py runs a standard pool
     at a lower priority than the VIP pool this way)."""
-    priorities = [os.getpriority(os.PRIO_PROCESS, two_replicas.processes[f"model_server-{i}"].popen.pid)
-                  for i in range(2)]
+    priorities = [
+        os.getpriority(os.PRIO_PROCESS, two_replicas.processes[f"model_server-{i}"].popen.pid) for i in range(2)
+    ]
     assert [p - os.getpriority(os.PRIO_PROCESS, 0) for p in priorities] == [0, 3]
     if os.path.exists("/proc/self/autogroup"):  # the kernel schedules sessions as groups: theirs counts
-        groups = [pathlib.Path(f"/proc/{two_replicas.processes[f'model_server-{i}'].popen.pid}/autogroup").read_text()
-                  for i in range(2)]
+        groups = [
+            pathlib.Path(f"/proc/{two_replicas.processes[f'model_server-{i}'].popen.pid}/autogroup").read_text()
+            for i in range(2)
+        ]
         assert [int(g.split("nice")[1]) for g in groups] == [0, 3]
 
 
 @pytest.mark.e2e
 def test_by_default_the_model_server_runs_below_the_router_and_the_batcher(mesh):
     """The light hops in front of the model get a core first when they need one."""
+
     def niceness(name: str) -> int:
         return os.getpriority(os.PRIO_PROCESS, mesh.processes[name].popen.pid) - os.getpriority(os.PRIO_PROCESS, 0)
 
@@ -93,17 +104,27 @@ async def test_both_replicas_get_work_and_one_dying_loses_nothing(two_replicas):
     mesh = two_replicas
     async with grpc.aio.insecure_channel(mesh.router) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        warm = await asyncio.gather(*(stub.ModelInfer(text_request([f"warm {i} {uuid.uuid4().hex}"]), timeout=60)
-                                      for i in range(32)))
+        warm = await asyncio.gather(
+            *(stub.ModelInfer(text_request([f"warm {i} {uuid.uuid4().hex}"]), timeout=60) for i in range(32))
+        )
         assert all(output_array(r, "EMBEDDING").shape == (1, 384) for r in warm)
         assert batches_run(mesh, "model_server-0") > 0 and batches_run(mesh, "model_server-1") > 0
 
         # Long texts keep both replicas busy; then one of them dies mid-batch.
-        calls = [asyncio.ensure_future(stub.ModelInfer(text_request([f"{uuid.uuid4().hex} " + "long words " * 120] * 2),
-                                                       timeout=120)) for _ in range(40)]
+        calls = [
+            asyncio.ensure_future(
+                stub.ModelInfer(text_request([f"{uuid.uuid4().hex} " + "long words " * 120] * 2), timeout=120)
+            )
+            for _ in range(40)
+        ]
         victim = mesh.processes["model_server-1"]
-        await until(lambda: metric(mesh.metrics_url("batcher"), "infermesh_batcher_inflight_batches",
-                                   replica=victim.info["grpc"]) >= 1, "a batch in flight on the replica to kill")
+        await until(
+            lambda: (
+                metric(mesh.metrics_url("batcher"), "infermesh_batcher_inflight_batches", replica=victim.info["grpc"])
+                >= 1
+            ),
+            "a batch in flight on the replica to kill",
+        )
         victim = victim.popen
         victim.send_signal(signal.SIGKILL)
         victim.wait()
@@ -166,7 +187,7 @@ async def test_a_busy_replicas_refusal_goes_once_elsewhere_else_reaches_the_call
         retries = metric_value("infermesh_batcher_retries_total", code="RESOURCE_EXHAUSTED")
         assert (await pair.execute("mlp", "", mlp_batch(), [], 2.0))[0] == "1"  # the busy one (first) refused
         assert metric_value("infermesh_batcher_retries_total", code="RESOURCE_EXHAUSTED") == retries + 1
-        assert all(r.ready for r in pair._replicas)  # noqa: SLF001 - busy is not down
+        assert all(r.ready for r in pair._replicas)
         await alone.close()
         await pair.close()
 
@@ -184,11 +205,12 @@ async def test_grpcs_own_resource_exhausted_is_not_a_busy_replica_and_is_not_ret
         await replicas.start()
         retries = metric_value("infermesh_batcher_retries_total", code="RESOURCE_EXHAUSTED")
         with pytest.raises(errors.ResourceExhausted) as refused:
-            await replicas.execute("mlp", "", [from_numpy("INPUT0", np.ones((32, 64), dtype=np.float32), "FP32")], [],
-                                   10.0)
+            await replicas.execute(
+                "mlp", "", [from_numpy("INPUT0", np.ones((32, 64), dtype=np.float32), "FP32")], [], 10.0
+            )
         assert refused.value.retry_after_ms == 0
         assert metric_value("infermesh_batcher_retries_total", code="RESOURCE_EXHAUSTED") == retries
-        assert all(r.ready for r in replicas._replicas)  # noqa: SLF001
+        assert all(r.ready for r in replicas._replicas)
     finally:
         await replicas.close()
         for server, _, _ in servers:
@@ -206,18 +228,23 @@ async def test_with_a_traffic_policy_each_replica_still_holds_at_most_its_bound_
     await manager.start()
     config = ModelServerConfig(model_repository=str(repo), labels="version=blue,pool=vip")  # both tiers here
     server, port, _ = await build_server(config, manager, port=0)
-    replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24), policy)  # one batch in flight per replica
+    replicas = ReplicaSet(
+        ReplicaConfig((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24), policy
+    )  # one batch in flight per replica
     try:
         await replicas.start()
-        (replica,) = replicas._replicas  # noqa: SLF001
+        (replica,) = replicas._replicas
         loaded = manager.resolve("mlp", "")
         async with loaded.gate.turn(0):  # the model is busy: the first batch waits at the server
             first = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0))
             second = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0))
-            await until(lambda: replicas.routing._room_waiters, "a batch waiting for room", timeout_s=10)  # noqa: SLF001
+            await until(lambda: replicas.routing._room_waiters, "a batch waiting for room", timeout_s=10)
             assert replica.inflight == 1  # the second waits here, not in the server's queue
-            with pytest.raises(errors.ResourceExhausted, match=r"had as many batches in flight as it may \(1\) until this "
-                                                               "batch could no longer finish before its deadline"):
+            with pytest.raises(
+                errors.ResourceExhausted,
+                match=r"had as many batches in flight as it may \(1\) until this "
+                "batch could no longer finish before its deadline",
+            ):
                 await replicas.execute("mlp", "", mlp_batch(), [], 0.2)
             # A VIP batch has a slot of its own: it goes to the server's VIP-first gate.
             vip = asyncio.ensure_future(replicas.execute("mlp", "", mlp_batch(), [], 30.0, tier=1))
@@ -241,8 +268,10 @@ async def test_under_a_traffic_policy_each_tier_counts_the_slots_its_route_reach
     policy = traffic.PolicyFiles([policy_file], "model-server")
     manager = ModelManager(ManagerConfig(str(repo), "cpu", 1, probe_interval_s=0))
     await manager.start()
-    servers = [await build_server(ModelServerConfig(model_repository=str(repo), labels=labels), manager, port=0)
-               for labels in ("version=blue", "version=blue", "version=green", "pool=vip")]
+    servers = [
+        await build_server(ModelServerConfig(model_repository=str(repo), labels=labels), manager, port=0)
+        for labels in ("version=blue", "version=blue", "version=green", "pool=vip")
+    ]
     addresses = tuple(f"127.0.0.1:{port}" for _, port, _ in servers)
     replicas = ReplicaSet(ReplicaConfig(addresses, 1, 60.0, 1 << 24), policy)
     try:
@@ -253,17 +282,19 @@ async def test_under_a_traffic_policy_each_tier_counts_the_slots_its_route_reach
         await without_policy.poll_once()
         assert without_policy.slots("mlp") == (4, 4, 4)  # every replica, for either tier
         await without_policy.close()
-        blue = replicas.routing._detectors["blue"]  # noqa: SLF001
+        blue = replicas.routing._detectors["blue"]
         now = asyncio.get_running_loop().time()
         assert [blue.record(addresses[0], "UNAVAILABLE", now) for _ in range(3)][-1]  # ejected
         assert replicas.slots("mlp") == (1, 2, 0)
-        policy_file.write_text(policy_file.read_text().replace("weight: 100", "weight: 50").replace("weight: 0", "weight: 50"))
+        policy_file.write_text(
+            policy_file.read_text().replace("weight: 100", "weight: 50").replace("weight: 0", "weight: 50")
+        )
         await replicas.poll_once()  # reloads the policy: green comes in, the ejected blue stays out
-        assert replicas.routing._detectors["blue"] is blue and blue.ejected() == [addresses[0]]  # noqa: SLF001
+        assert replicas.routing._detectors["blue"] is blue and blue.ejected() == [addresses[0]]
         assert replicas.slots("mlp") == (2, 2, 0)
         policy_file.write_text(policy_file.read_text().replace("consecutive5xxErrors: 3", "consecutive5xxErrors: 10"))
         await replicas.poll_once()  # a new outlierDetection: Envoy's new cluster has no ejections
-        assert replicas.routing._detectors["blue"].ejected() == []  # noqa: SLF001
+        assert replicas.routing._detectors["blue"].ejected() == []
         assert replicas.slots("mlp") == (3, 2, 0)
     finally:
         await replicas.close()
@@ -278,8 +309,9 @@ def subset_policy(blue_5xx_errors: int) -> str:
     docs = list(yaml.safe_load_all((ROOT / "mesh" / "istio" / "model-server-traffic.yaml").read_text()))
     rule = next(d for d in docs if d["kind"] == "DestinationRule")
     blue = next(s for s in rule["spec"]["subsets"] if s["name"] == "blue")
-    blue["trafficPolicy"] = {"outlierDetection": {"consecutive5xxErrors": blue_5xx_errors, "maxEjectionPercent": 100,
-                                                  "minHealthPercent": 50}}
+    blue["trafficPolicy"] = {
+        "outlierDetection": {"consecutive5xxErrors": blue_5xx_errors, "maxEjectionPercent": 100, "minHealthPercent": 50}
+    }
     return yaml.safe_dump_all(docs)
 
 
@@ -293,13 +325,15 @@ async def test_a_subsets_own_outlier_detection_and_its_panic_threshold_apply_to_
     policy = traffic.PolicyFiles([policy_file], "model-server")
     manager = ModelManager(ManagerConfig(str(repo), "cpu", 1, probe_interval_s=0))
     await manager.start()
-    servers = [await build_server(ModelServerConfig(model_repository=str(repo), labels=labels), manager, port=0)
-               for labels in ("version=blue", "version=blue", "version=green")]
+    servers = [
+        await build_server(ModelServerConfig(model_repository=str(repo), labels=labels), manager, port=0)
+        for labels in ("version=blue", "version=blue", "version=green")
+    ]
     addresses = tuple(f"127.0.0.1:{port}" for _, port, _ in servers)
     replicas = ReplicaSet(ReplicaConfig(addresses, 1, 60.0, 1 << 24), policy)
     try:
         await replicas.start()
-        blue, green = replicas.routing._detectors["blue"], replicas.routing._detectors["green"]  # noqa: SLF001
+        blue, green = replicas.routing._detectors["blue"], replicas.routing._detectors["green"]
         assert blue.policy.consecutive_5xx == 1 and green.policy.consecutive_5xx == 3
         now = asyncio.get_running_loop().time()
         assert blue.record(addresses[0], "INTERNAL", now)  # one failure is enough in blue
@@ -310,8 +344,8 @@ async def test_a_subsets_own_outlier_detection_and_its_panic_threshold_apply_to_
         assert (await replicas.execute("mlp", "", mlp_batch(), [], 30.0))[0] == "1"
         policy_file.write_text(subset_policy(12))
         await replicas.poll_once()
-        assert replicas.routing._detectors["blue"] is not blue and replicas.routing._detectors["green"] is green  # noqa: SLF001
-        assert replicas.routing._detectors["blue"].ejected() == []  # noqa: SLF001
+        assert replicas.routing._detectors["blue"] is not blue and replicas.routing._detectors["green"] is green
+        assert replicas.routing._detectors["blue"].ejected() == []
     finally:
         await replicas.close()
         for server, _, _ in servers:
@@ -332,7 +366,7 @@ async def test_a_replica_is_sent_as_many_batches_as_its_instances_can_start(repo
     batcher = Batcher(replicas, BatchingConfig(max_batch_size=1, max_queue_delay_ms=0))
     try:
         await replicas.start()
-        (replica,) = replicas._replicas  # noqa: SLF001
+        (replica,) = replicas._replicas
         info = replica.models["mlp"]
         assert (info.instances, info.reserved_instances, info.lending) == (3, 1, False)
         assert replicas.slots("mlp") == (2, 2, 2)
@@ -367,7 +401,7 @@ async def test_while_the_vip_instance_is_lent_out_standard_batches_may_use_it_un
     replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 1, 60.0, 1 << 24))
     try:
         await replicas.start()
-        assert replicas._replicas[0].models["mlp"].lending  # noqa: SLF001
+        assert replicas._replicas[0].models["mlp"].lending
         assert replicas.slots("mlp") == (2, 1, 2)
         await replicas.execute("mlp", "", mlp_batch(), [], 30.0, tier=Tier.VIP)
         assert replicas.slots("mlp") == (1, 2, 1)
@@ -391,13 +425,15 @@ def metric_value(name: str, **labels) -> float:
 @pytest.mark.parametrize("behind_mesh", [True, False], ids=["behind a mesh", "own replicas"])
 async def test_a_failed_batch_marks_the_address_unready_only_when_the_batcher_balances_itself(repo, behind_mesh):
     async with mlp_server(repo) as port:
-        replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24, behind_mesh=behind_mesh))  # no poll in the test
+        replicas = ReplicaSet(
+            ReplicaConfig((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24, behind_mesh=behind_mesh)
+        )  # no poll in the test
         await replicas.start()
         assert (await replicas.execute("mlp", "", mlp_batch(), [], 10.0))[0] == "1"
     with pytest.raises(errors.Unavailable):  # the address answers no more (behind a mesh: a 503 from the sidecar)
         await replicas.execute("mlp", "", mlp_batch(), [], 10.0)
     async with mlp_server(repo, port):  # another pod answers at the same address
-        await asyncio.wait_for(replicas._replicas[0].channel.channel_ready(), 30)  # noqa: SLF001 - reconnected
+        await asyncio.wait_for(replicas._replicas[0].channel.channel_ready(), 30)
         if behind_mesh:
             assert (await replicas.execute("mlp", "", mlp_batch(), [], 10.0))[0] == "1"
         else:  # its own replica stays out until the next poll says it is back
@@ -426,18 +462,18 @@ async def test_a_models_own_unavailable_goes_once_elsewhere_else_reaches_the_cal
         await alone.start()
         await pair.start()
         assert [m.name for m in alone.models()] == ["mlp", "twin"]
-        managers[0].versions.models["mlp"].drifted["1"] = "correctness probe failed"  # noqa: SLF001 - since the poll
+        managers[0].versions.models["mlp"].drifted["1"] = "correctness probe failed"
         with pytest.raises(errors.Unavailable, match="model 'mlp' has no ready version: .*correctness probe failed"):
             await alone.execute("mlp", "", mlp_batch(), [], 10.0)
-        assert alone._replicas[0].ready  # noqa: SLF001
+        assert alone._replicas[0].ready
         assert (await alone.execute("twin", "", mlp_batch(), [], 10.0))[0] == "1"
         with pytest.raises(grpc.aio.AioRpcError) as sent:  # marked as the model server's own status
-            await alone._replicas[0].stub.Execute(model_server_pb2.ExecuteRequest(model="mlp"), timeout=10)  # noqa: SLF001
+            await alone._replicas[0].stub.Execute(model_server_pb2.ExecuteRequest(model="mlp"), timeout=10)
         assert errors.is_server_status(sent.value.trailing_metadata())
         retries = metric_value("infermesh_batcher_retries_total", code="UNAVAILABLE")
         assert (await pair.execute("mlp", "", mlp_batch(), [], 10.0))[0] == "1"  # the drifted one (first) failed it
         assert metric_value("infermesh_batcher_retries_total", code="UNAVAILABLE") == retries + 1
-        assert all(r.ready for r in pair._replicas)  # noqa: SLF001
+        assert all(r.ready for r in pair._replicas)
     finally:
         await alone.close()
         await pair.close()
@@ -450,8 +486,9 @@ async def test_a_models_own_unavailable_goes_once_elsewhere_else_reaches_the_cal
 @pytest.mark.unit
 def test_a_status_our_server_sent_is_no_transport_failure_whatever_its_message_quotes():
     def unavailable(details: str, *trailers) -> grpc.aio.AioRpcError:
-        return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers),
-                                    details=details)
+        return grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers), details=details
+        )
 
     lost_shard = "model 'mlp' version 1 lost a tensor-parallel shard (RuntimeError: Connection reset by peer)"
     assert not _transport_failure(unavailable(lost_shard, (errors.ERROR_METADATA, "UNAVAILABLE")))
@@ -463,14 +500,16 @@ def test_a_status_our_server_sent_is_no_transport_failure_whatever_its_message_q
 @pytest.mark.parametrize("behind_mesh", [True, False], ids=["behind a mesh", "own replicas"])
 async def test_behind_a_mesh_the_catalog_outlives_a_missed_poll_but_not_a_run_of_them(repo, behind_mesh):
     async with mlp_server(repo) as port:
-        replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24, behind_mesh=behind_mesh))  # polled by hand
+        replicas = ReplicaSet(
+            ReplicaConfig((f"127.0.0.1:{port}",), 4, 60.0, 1 << 24, behind_mesh=behind_mesh)
+        )  # polled by hand
         await replicas.poll_once()
         assert [m.name for m in replicas.models()] == ["mlp"]
     for missed in range(1, FAILED_POLLS + 1):
         await replicas.poll_once()
         standing = behind_mesh and missed < FAILED_POLLS
         assert [m.name for m in replicas.models()] == (["mlp"] if standing else []), missed
-    assert not replicas._replicas[0].history  # noqa: SLF001 - a pod seen again starts a fresh catalog
+    assert not replicas._replicas[0].history
     await replicas.close()
 
 
@@ -480,8 +519,22 @@ async def test_a_replica_too_busy_to_answer_its_poll_stays_in_service(repo, tmp_
     starved process looks from outside) is not dead: it keeps its place and
     its batches until several polls in a row fail, so one slow moment under
     overload does not answer every request with "no ready replica"."""
-    server = Process("model_server", [sys.executable, "-m", "services.model_server", "--host", "127.0.0.1",
-                                      "--metrics-port", "0", "--model-repository", str(repo)], tmp_path, dict(os.environ))
+    server = Process(
+        "model_server",
+        [
+            sys.executable,
+            "-m",
+            "services.model_server",
+            "--host",
+            "127.0.0.1",
+            "--metrics-port",
+            "0",
+            "--model-repository",
+            str(repo),
+        ],
+        tmp_path,
+        dict(os.environ),
+    )
     try:
         address = server.wait_ready(60)["grpc"]
         replicas = ReplicaSet(ReplicaConfig((address,), 4, 1.0, 1 << 24))  # polled by hand; each poll waits 1 s
@@ -532,8 +585,11 @@ def test_behind_a_mesh_the_batcher_applies_no_traffic_policy_of_its_own():
     from services.batcher.config import BatcherConfig
 
     with pytest.raises(ValueError, match="model_servers_behind_mesh and traffic_policy exclude each other"):
-        BatcherConfig(model_servers=("model-server:8011",), model_servers_behind_mesh=True,
-                      traffic_policy="mesh/istio/model-server-traffic.yaml")
+        BatcherConfig(
+            model_servers=("model-server:8011",),
+            model_servers_behind_mesh=True,
+            traffic_policy="mesh/istio/model-server-traffic.yaml",
+        )
 
 
 @pytest.mark.service
@@ -545,13 +601,13 @@ async def test_behind_a_mesh_vip_batches_have_room_of_their_own(repo):
         replicas = ReplicaSet(ReplicaConfig((f"127.0.0.1:{port}",), 2, 60.0, 1 << 24, behind_mesh=True))
         await replicas.start()
         await replicas.poll_once()
-        (replica,) = replicas._replicas  # noqa: SLF001
+        (replica,) = replicas._replicas
         replica.running[("mlp", Tier.STANDARD)] = 2  # the standard bound is full
         assert replicas.slots("mlp") == (2, 2, 0)  # standard's two; VIP's own two, none shared
-        assert not replicas.routing._has_room(replica, "mlp", Tier.STANDARD)  # noqa: SLF001
-        assert replicas.routing._has_room(replica, "mlp", Tier.VIP)  # noqa: SLF001
+        assert not replicas.routing._has_room(replica, "mlp", Tier.STANDARD)
+        assert replicas.routing._has_room(replica, "mlp", Tier.VIP)
         replica.running[("mlp", Tier.VIP)] = 2
-        assert not replicas.routing._has_room(replica, "mlp", Tier.VIP)  # noqa: SLF001
+        assert not replicas.routing._has_room(replica, "mlp", Tier.VIP)
         replica.running.clear()
         await replicas.close()
 

@@ -63,7 +63,7 @@ def test_the_wire_walk_costs_the_limits_not_the_message(attacks):
                 precheck.check_request(attack.raw, LIMITS)
             except errors.InvalidArgument:
                 assert attack.kind in ("empty_bytes_typed", "many_inputs"), attack.kind
-            (reader, budget), = readers
+            ((reader, budget),) = readers
             assert budget - reader.budget <= 4 * (LIMITS.max_inputs + 1) + 8, (attack.kind, budget - reader.budget)
     finally:
         Reader.__init__ = original
@@ -77,12 +77,15 @@ def test_a_request_of_more_fields_than_any_within_the_limits_is_refused_unparsed
     assert "request holds more than" in refusal(raw)
 
 
-@pytest.mark.parametrize("build, fragment", [
-    (lambda r, n: [r.inputs.add(name=f"I{i}", datatype="FP32", shape=[1]) for i in range(n)], "inputs"),
-    (lambda r, n: [r.outputs.add(name=f"O{i}") for i in range(n)], "requested outputs"),
-    (lambda r, n: [r.parameters[f"p{i}"].__setattr__("int64_param", i) for i in range(n)], "parameters"),
-    (lambda r, n: r.raw_input_contents.extend([b""] * n), "raw_input_contents entries"),
-])
+@pytest.mark.parametrize(
+    "build, fragment",
+    [
+        (lambda r, n: [r.inputs.add(name=f"I{i}", datatype="FP32", shape=[1]) for i in range(n)], "inputs"),
+        (lambda r, n: [r.outputs.add(name=f"O{i}") for i in range(n)], "requested outputs"),
+        (lambda r, n: [r.parameters[f"p{i}"].__setattr__("int64_param", i) for i in range(n)], "parameters"),
+        (lambda r, n: r.raw_input_contents.extend([b""] * n), "raw_input_contents entries"),
+    ],
+)
 def test_counts_at_the_limit_pass_and_one_more_is_refused_on_the_wire_and_parsed(build, fragment):
     """precheck (wire, for large messages) and check_counts (parsed) hold the same rules."""
     limits = RequestLimits(max_inputs=8, max_outputs=8, max_parameters=8)
@@ -116,8 +119,9 @@ def test_packed_varints_are_counted_on_the_wire_one_per_value():
 def test_typed_elements_past_the_shape_or_the_limit_are_refused_before_conversion():
     request = pb.ModelInferRequest(model_name="mlp")
     request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 64]).contents.fp32_contents.extend([0.0] * 65)
-    assert "input 'INPUT0' carries more than 64 fp32_contents elements; its shape [1, 64] holds 64" in \
-        refusal(request.SerializeToString())
+    assert "input 'INPUT0' carries more than 64 fp32_contents elements; its shape [1, 64] holds 64" in refusal(
+        request.SerializeToString()
+    )
     big = pb.ModelInferRequest(model_name="mlp")
     big.inputs.add(name="INPUT0", datatype="FP32", shape=[1100, 64]).contents.fp32_contents.extend([0.0] * 70_400)
     assert "more than 65536 typed contents elements" in refusal(big.SerializeToString())
@@ -207,8 +211,9 @@ def test_fields_are_counted_through_submessages_and_packed_elements():
 
     from services.common import wire
 
-    request = batcher_pb2.SubmitRequest(id=1, model="mlp", inputs=[
-        Tensor(name="INPUT0", datatype="FP32", shape=[2, 64], data=bytes(512))])
+    request = batcher_pb2.SubmitRequest(
+        id=1, model="mlp", inputs=[Tensor(name="INPUT0", datatype="FP32", shape=[2, 64], data=bytes(512))]
+    )
     frame = batcher_pb2.SubmitManyRequest(requests=[request] * 3).SerializeToString()
     # per request: itself, its id, model and inputs, the tensor's name, datatype, shape (the field and 2 elements), data
     assert wire.count_fields(frame, batcher_pb2.SubmitManyRequest.DESCRIPTOR, 100) == 3 * (1 + 3 + 6)

@@ -37,25 +37,39 @@ def blue_green(request, model_repository, tmp_path):
     shutil.copy(POLICY, policy)
     if getattr(request, "param", "") == "faulty":
         model_repository = faulty_repository(model_repository, tmp_path / "models")
-    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2,
-              model_server_labels=("version=blue,pool=vip", "version=green"),
-              batcher_args=("--replica-poll-s", "0.2", "--traffic-policy", str(policy)),
-              router_args=("--catalog-poll-s", "0.2"))) as mesh:
+    with Mesh(
+        MeshConfig(
+            models=model_repository,
+            cache=False,
+            log_dir=tmp_path,
+            model_servers=2,
+            model_server_labels=("version=blue,pool=vip", "version=green"),
+            batcher_args=("--replica-poll-s", "0.2", "--traffic-policy", str(policy)),
+            router_args=("--catalog-poll-s", "0.2"),
+        )
+    ) as mesh:
         yield mesh, policy
 
 
 def follows(mesh, policy) -> bool:
     """Whether the batcher's latest applied policy (it logs each) has the file's weights now."""
-    applied = [line for line in (mesh.log_dir / "batcher.log").read_text().splitlines()
-               if "traffic policy for model-server:" in line]
+    applied = [
+        line
+        for line in (mesh.log_dir / "batcher.log").read_text().splitlines()
+        if "traffic policy for model-server:" in line
+    ]
     weights = core.weights(policy, "model-server")
-    return bool(applied) and all(re.search(rf"\b{subset}={weight}\b", applied[-1]) for subset, weight in weights.items())
+    return bool(applied) and all(
+        re.search(rf"\b{subset}={weight}\b", applied[-1]) for subset, weight in weights.items()
+    )
 
 
 def rollout_text() -> str:
-    return (f"rollout {uuid.uuid4().hex}: where is my parcel? It was due on Monday, the tracking page has "
-            "said 'in transit' for a week, and nobody answers the phone or the emails I have sent. "
-            "Could you tell me where it is, when it will arrive, and whom I should ask about a refund?")
+    return (
+        f"rollout {uuid.uuid4().hex}: where is my parcel? It was due on Monday, the tracking page has "
+        "said 'in transit' for a week, and nobody answers the phone or the emails I have sent. "
+        "Could you tell me where it is, when it will arrive, and whom I should ask about a refund?"
+    )
 
 
 async def rollout_under_load(mesh, policy, step: int) -> tuple[int, list, list]:
@@ -74,9 +88,26 @@ async def rollout_under_load(mesh, policy, step: int) -> tuple[int, list, list]:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         callers = [asyncio.create_task(caller(stub)) for _ in range(8)]
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.meshctl", "--file", str(policy), "rollout", "model-server", "green",
-            "--step", str(step), "--max-weight", "50", "--interval-s", INTERVAL_S, "--max-p99-ms", "5000",
-            "--metrics", mesh.metrics_url("batcher"), stdout=asyncio.subprocess.PIPE)
+            sys.executable,
+            "-m",
+            "services.meshctl",
+            "--file",
+            str(policy),
+            "rollout",
+            "model-server",
+            "green",
+            "--step",
+            str(step),
+            "--max-weight",
+            "50",
+            "--interval-s",
+            INTERVAL_S,
+            "--max-p99-ms",
+            "5000",
+            "--metrics",
+            mesh.metrics_url("batcher"),
+            stdout=asyncio.subprocess.PIPE,
+        )
         out, _ = await process.communicate()
         await until(lambda: follows(mesh, policy), "the batcher applying the file meshctl left")
         stop.set()
@@ -93,9 +124,13 @@ async def serve_version_2_on_green(mesh) -> None:
     async with grpc.aio.insecure_channel(mesh.processes["model_server-1"].info["grpc"]) as channel:
         control = pb_grpc.GRPCInferenceServiceStub(channel)
         override = json.dumps({"version_policy": {"specific": {"versions": [2]}}})
-        await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(
-            model_name="minilm", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}), timeout=120,
-                metadata=mesh.credentials("dev-admin"))
+        await control.RepositoryModelLoad(
+            pb.RepositoryModelLoadRequest(
+                model_name="minilm", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}
+            ),
+            timeout=120,
+            metadata=mesh.credentials("dev-admin"),
+        )
 
 
 async def test_a_healthy_version_2_is_rolled_out_and_promoted(blue_green):
@@ -118,8 +153,9 @@ async def test_a_green_that_cannot_serve_is_rolled_back_by_itself(blue_green):
 
     async with grpc.aio.insecure_channel(mesh.processes["model_server-1"].info["grpc"]) as channel:
         control = pb_grpc.GRPCInferenceServiceStub(channel)
-        await control.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="minilm"), timeout=30,
-            metadata=mesh.credentials("dev-admin"))
+        await control.RepositoryModelUnload(
+            pb.RepositoryModelUnloadRequest(model_name="minilm"), timeout=30, metadata=mesh.credentials("dev-admin")
+        )
     # The batcher knows: it has polled green since (two answers, so the first has surely been read).
     polled = polls_of_green()
     await until(lambda: polls_of_green() >= polled + 2, "the batcher polling green after the unload")
@@ -139,8 +175,12 @@ async def test_a_faulty_version_2_is_rolled_back_by_itself(blue_green):
     assert code == 1
     assert core.weights(policy, "model-server") == {"blue": 100, "green": 0}
     # Green's batches did fail inside ONNX Runtime ...
-    assert metric(mesh.metrics_url("batcher"), "infermesh_batcher_upstream_requests_total",
-                  subset="green", code="INTERNAL") >= 1
+    assert (
+        metric(
+            mesh.metrics_url("batcher"), "infermesh_batcher_upstream_requests_total", subset="green", code="INTERNAL"
+        )
+        >= 1
+    )
     # ... but callers saw few errors: green took 10% of the batches for one interval,
     # the batcher retried a failed batch's requests one by one (each weighed again),
     # and once minilm failed often enough the router's breaker answered from its

@@ -162,8 +162,11 @@ async def test_after_a_full_queue_the_router_refuses_that_tier_itself_for_the_hi
     router = make_router(batcher)
     with pytest.raises(errors.ResourceExhausted, match="is full"):
         await router.infer(distinct_request(1))
-    with pytest.raises(errors.ResourceExhausted, match=r"refusing standard requests of 1 row\(s\) or more that "
-                                                       r"cannot wait .*: the standard queue of model 'mlp' is full") as info:
+    with pytest.raises(
+        errors.ResourceExhausted,
+        match=r"refusing standard requests of 1 row\(s\) or more that "
+        r"cannot wait .*: the standard queue of model 'mlp' is full",
+    ) as info:
         await router.infer(distinct_request(2))
     assert 10 <= info.value.retry_after_ms <= 300
     assert batcher.calls == [0]  # the second never reached the batcher

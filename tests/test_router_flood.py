@@ -53,12 +53,20 @@ async def test_health_checks_are_answered_while_pathological_requests_are_refuse
     attacks = pathological.all_attacks()
     options = [("grpc.max_send_message_length", 64 << 20)]
     with Mesh(MeshConfig(models=model_repository, log_dir=tmp_path, cache=False)) as mesh:
-        async with grpc.aio.insecure_channel(mesh.router, options=options) as flood, \
-                grpc.aio.insecure_channel(mesh.router) as probes:
-            infer = flood.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
-                                      response_deserializer=pb.ModelInferResponse.FromString)
-            stream = flood.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer", request_serializer=None,
-                                         response_deserializer=pb.ModelStreamInferResponse.FromString)
+        async with (
+            grpc.aio.insecure_channel(mesh.router, options=options) as flood,
+            grpc.aio.insecure_channel(mesh.router) as probes,
+        ):
+            infer = flood.unary_unary(
+                "/inference.GRPCInferenceService/ModelInfer",
+                request_serializer=None,
+                response_deserializer=pb.ModelInferResponse.FromString,
+            )
+            stream = flood.stream_stream(
+                "/inference.GRPCInferenceService/ModelStreamInfer",
+                request_serializer=None,
+                response_deserializer=pb.ModelStreamInferResponse.FromString,
+            )
             pinger = Pinger(probes)
             pinging = asyncio.create_task(pinger.run())
             answered_during = {}
@@ -85,4 +93,3 @@ async def test_health_checks_are_answered_while_pathological_requests_are_refuse
             ok = await pb_grpc.GRPCInferenceServiceStub(probes).ModelInfer(tensor_request(np.ones((1, 64), "f4")))
             assert output_array(ok, "OUTPUT0").shape == (1, 64)
         assert not mesh.dead()
-

@@ -16,10 +16,24 @@ from tests.oip import pack_texts, tensor_request, text_request
 
 pytestmark = pytest.mark.unit
 
-MINILM = ModelSignature("minilm", ("1",), ("1",), "onnxruntime_onnx", (Spec("TEXT", "BYTES", (-1,)),),
-                        (Spec("EMBEDDING", "FP32", (-1, 384)),), 64)
-MLP = ModelSignature("mlp", ("2", "1"), ("2", "1"), "onnxruntime_onnx", (Spec("INPUT0", "FP32", (-1, 64)),),
-                     (Spec("OUTPUT0", "FP32", (-1, 64)),), 256)
+MINILM = ModelSignature(
+    "minilm",
+    ("1",),
+    ("1",),
+    "onnxruntime_onnx",
+    (Spec("TEXT", "BYTES", (-1,)),),
+    (Spec("EMBEDDING", "FP32", (-1, 384)),),
+    64,
+)
+MLP = ModelSignature(
+    "mlp",
+    ("2", "1"),
+    ("2", "1"),
+    "onnxruntime_onnx",
+    (Spec("INPUT0", "FP32", (-1, 64)),),
+    (Spec("OUTPUT0", "FP32", (-1, 64)),),
+    256,
+)
 
 
 def convert(message: pb.ModelInferRequest, metadata=None) -> InferRequest:
@@ -48,7 +62,10 @@ def test_typed_contents_are_accepted_like_raw_contents():
 @pytest.mark.parametrize(
     "mutate, fragment",
     [
-        (lambda m: setattr(m.inputs[0], "datatype", "FP64"), "input 'INPUT0' of model 'mlp' has datatype 'FP64'; expected FP32"),
+        (
+            lambda m: setattr(m.inputs[0], "datatype", "FP64"),
+            "input 'INPUT0' of model 'mlp' has datatype 'FP64'; expected FP32",
+        ),
         (lambda m: m.inputs[0].shape.__setitem__(1, 65), "has shape [2, 65]; dimension 1 must be 64"),
         (lambda m: m.inputs[0].shape.append(1), "has shape [2, 64, 1]; expected 2 dimension(s)"),
         (lambda m: m.inputs[0].shape.__setitem__(0, -2), "has shape [-2, 64] with a negative dimension"),
@@ -151,9 +168,19 @@ def test_digest_depends_on_every_input_byte_version_and_outputs():
     base = request_digest("m", "1", a, [])
     assert len(base) == 16
     assert base == request_digest("m", "1", list(a), [])
-    assert len({base, request_digest("m", "1", b, []), request_digest("m", "2", a, []),
-                request_digest("m", "1", a, ["Y"]), request_digest("n", "1", a, []),
-                request_digest("m", "1", a, [], revision="5e1f")}) == 6  # a version replaced in place
+    assert (
+        len(
+            {
+                base,
+                request_digest("m", "1", b, []),
+                request_digest("m", "2", a, []),
+                request_digest("m", "1", a, ["Y"]),
+                request_digest("n", "1", a, []),
+                request_digest("m", "1", a, [], revision="5e1f"),
+            }
+        )
+        == 6
+    )  # a version replaced in place
 
 
 def test_typed_contents_out_of_range_for_the_datatype():
@@ -200,12 +227,15 @@ def _sequence(message):
     message.parameters["sequence_id"].int64_param = 42
 
 
-@pytest.mark.parametrize("mutate, fragment", [
-    (_classification, "requested output 'OUTPUT0' has parameter 'classification': classification outputs"),
-    (_shared_memory_input, "input 'INPUT0' has parameter 'shared_memory_region': shared-memory tensors"),
-    (_shared_memory_output, "requested output 'OUTPUT0' has parameter 'shared_memory_byte_size'"),
-    (_sequence, "parameter 'sequence_id' is set: sequence batching"),
-])
+@pytest.mark.parametrize(
+    "mutate, fragment",
+    [
+        (_classification, "requested output 'OUTPUT0' has parameter 'classification': classification outputs"),
+        (_shared_memory_input, "input 'INPUT0' has parameter 'shared_memory_region': shared-memory tensors"),
+        (_shared_memory_output, "requested output 'OUTPUT0' has parameter 'shared_memory_byte_size'"),
+        (_sequence, "parameter 'sequence_id' is set: sequence batching"),
+    ],
+)
 def test_a_feature_this_server_lacks_is_refused_not_ignored(mutate, fragment):
     """tritonclient asks for these (class_count, shared memory, sequences);
     answering as if it had not would hand the caller something else."""
@@ -232,8 +262,10 @@ def test_values_echoed_in_messages_are_cut_short():
 
 def test_a_refusal_on_a_stream_carries_its_retry_hint_and_the_request_id():
     """A unary refusal's hint is a trailer; a stream has one per message, so it travels as a parameter."""
-    response = _stream_error(text_request(["x"], request_id="r-9"),
-                             errors.ResourceExhausted("the standard queue is full", retry_after_ms=120))
+    response = _stream_error(
+        text_request(["x"], request_id="r-9"),
+        errors.ResourceExhausted("the standard queue is full", retry_after_ms=120),
+    )
     assert response.error_message == "RESOURCE_EXHAUSTED: the standard queue is full"
     assert response.infer_response.id == "r-9"
     assert response.infer_response.parameters["grpc_status"].string_param == "RESOURCE_EXHAUSTED"

@@ -27,7 +27,8 @@ def ask_on_new_connections(address: str, count: int) -> None:
     for i in range(count):
         with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
             response = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
-                tensor_request(np.full((1, 64), i, dtype=np.float32)), timeout=30)
+                tensor_request(np.full((1, 64), i, dtype=np.float32)), timeout=30
+            )
             assert output_array(response, "OUTPUT0").shape == (1, 64)
 
 
@@ -51,9 +52,23 @@ def test_a_router_without_reuse_port_cannot_take_a_port_in_use(model_repository,
     router's port without --reuse-port fails instead of splitting its callers."""
     with Mesh(MeshConfig(models=model_repository, log_dir=tmp_path, cache=False)) as mesh:
         second = subprocess.run(
-            [sys.executable, "-m", "services.router", "--batcher", mesh.address("batcher"), "--port",
-             mesh.router.rsplit(":", 1)[1], "--metrics-port", "0"],
-            cwd=ROOT, capture_output=True, text=True, timeout=60)
+            [
+                sys.executable,
+                "-m",
+                "services.router",
+                "--batcher",
+                mesh.address("batcher"),
+                "--port",
+                mesh.router.rsplit(":", 1)[1],
+                "--metrics-port",
+                "0",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert second.returncode != 0
-        assert "Failed to bind" in second.stderr or "address already in use" in second.stderr.lower(), \
-            second.stderr[-2000:]
+        assert "Failed to bind" in second.stderr or "address already in use" in second.stderr.lower(), second.stderr[
+            -2000:
+        ]

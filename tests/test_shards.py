@@ -55,9 +55,11 @@ def feeds(version_dir) -> dict[str, np.ndarray]:
     tokenizer.enable_truncation(max_length=256)
     tokenizer.enable_padding()  # a padded batch: the short texts carry hundreds of pad tokens
     encodings = tokenizer.encode_batch(TEXTS)
-    return {"input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
-            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
-            "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64)}
+    return {
+        "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+        "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+        "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
+    }
 
 
 @pytest.mark.unit
@@ -78,8 +80,9 @@ def test_shards_equal_the_whole_model_on_a_padded_batch(version_dir, feeds, degr
     sharded = ShardedSession(version_dir / f"tp{degree}", degree, _session, [None] * degree)
     try:
         (split,) = sharded.run(["sentence_embedding"], feeds)
-        (one,) = sharded.run(["sentence_embedding"], {k: v[2:3, :int(v[2:3].astype(bool).sum()) or 1]
-                                                      for k, v in feeds.items()})
+        (one,) = sharded.run(
+            ["sentence_embedding"], {k: v[2:3, : int(v[2:3].astype(bool).sum()) or 1] for k, v in feeds.items()}
+        )
     finally:
         sharded.close()
     assert split.shape == (len(TEXTS), 384)
@@ -94,7 +97,7 @@ def test_the_bound_loop_gives_what_the_host_loop_gives(version_dir, feeds, degre
     sharded = ShardedSession(version_dir / f"tp{degree}", degree, _session, [None] * degree)
     try:
         (host,) = sharded.run(["sentence_embedding"], feeds)
-        (bound,) = sharded._run_bound(["sentence_embedding"], feeds)  # noqa: SLF001
+        (bound,) = sharded._run_bound(["sentence_embedding"], feeds)
     finally:
         sharded.close()
     assert bound.shape == host.shape == (len(TEXTS), 384)
@@ -111,14 +114,16 @@ def test_the_all_reduce_graph_is_the_onnx_sum_model_it_claims():
     def tensor(name):
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", "seq", "hidden"])
 
-    graph = helper.make_graph([helper.make_node("Sum", names, ["sum"])], "all_reduce",
-                              [tensor(n) for n in names], [tensor("sum")])
+    graph = helper.make_graph(
+        [helper.make_node("Sum", names, ["sum"])], "all_reduce", [tensor(n) for n in names], [tensor("sum")]
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
     assert _sum_graph(3) == model.SerializeToString()
     onnx.checker.check_model(onnx.load_from_string(_sum_graph(3)), full_check=True)
     partials = [np.random.default_rng(i).standard_normal((2, 5, 384), dtype=np.float32) for i in range(3)]
     (got,) = ort.InferenceSession(_sum_graph(3), providers=["CPUExecutionProvider"]).run(
-        None, dict(zip(names, partials)))
+        None, dict(zip(names, partials))
+    )
     np.testing.assert_array_equal(got, partials[0] + partials[1] + partials[2])
 
 
@@ -169,7 +174,8 @@ def _minilm_repo(tmp_path: pathlib.Path, model_repository: pathlib.Path, **field
 
 @pytest.mark.service
 async def test_the_model_server_runs_a_sharded_version_and_withdraws_it_when_a_shard_fails(
-        tmp_path, model_repository, version_dir, feeds):
+    tmp_path, model_repository, version_dir, feeds
+):
     from infermesh.model_server.v1 import model_server_pb2
 
     from services.common.protoconv import tensors_from_proto, tensors_to_proto
@@ -181,14 +187,15 @@ async def test_the_model_server_runs_a_sharded_version_and_withdraws_it_when_a_s
         loaded = ms.manager.resolve("minilm", "")
         assert isinstance(loaded.instances[0].session, ShardedSession)
         texts = np.array([t.encode() for t in TEXTS], dtype=object)
-        request = model_server_pb2.ExecuteRequest(model="minilm",
-                                                  inputs=tensors_to_proto([from_numpy("TEXT", texts, "BYTES")]))
+        request = model_server_pb2.ExecuteRequest(
+            model="minilm", inputs=tensors_to_proto([from_numpy("TEXT", texts, "BYTES")])
+        )
         response = await ms.models.Execute(request, timeout=60)
         assert np.abs(to_numpy(tensors_from_proto(response.outputs)[0]) - whole).max() <= 1e-4
 
         # Shard 1 loses its attention segment of layer 3 (as a device fault would):
         sharded = loaded.instances[0].session
-        name, sessions, takes = sharded._segments[7]  # noqa: SLF001
+        name, sessions, takes = sharded._segments[7]
         sessions[1] = _session(version_dir / "tp2" / "shard1" / "00_embed.onnx")  # wrong graph: it fails to run
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await ms.models.Execute(request, timeout=60)

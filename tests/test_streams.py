@@ -50,8 +50,12 @@ async def test_a_stream_past_its_age_takes_no_new_requests_and_ends_once_it_has_
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        mux = StreamMux("echo", batcher_pb2_grpc.BatcherStub(channel).Submit,
-                        lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True), max_age_s=0.2)
+        mux = StreamMux(
+            "echo",
+            batcher_pb2_grpc.BatcherStub(channel).Submit,
+            lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True),
+            max_age_s=0.2,
+        )
 
         def submit(model):
             return mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model=model), timeout_s=10)
@@ -96,8 +100,9 @@ async def test_a_request_waiting_to_be_sent_is_built_then_and_dropped_if_its_cal
     await server.start()
     options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-        mux = StreamMux("held", batcher_pb2_grpc.BatcherStub(channel).Submit,
-                        lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True))
+        mux = StreamMux(
+            "held", batcher_pb2_grpc.BatcherStub(channel).Submit, lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True)
+        )
         big = Tensor(name="X", datatype="UINT8", shape=[32 << 20], data=bytes(32 << 20))  # beyond any window
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 30
@@ -170,8 +175,12 @@ async def test_requests_queued_together_share_a_frame_and_each_gets_its_own_answ
     """While requests are in flight, those that come within the linger go out
     as one message; answers ready together come back as one."""
     async with frames_server() as (servicer, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        mux = StreamMux("frames", batcher_pb2_grpc.BatcherStub(channel).SubmitMany,
-                        lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True), framing=submit_framing(0.5))
+        mux = StreamMux(
+            "frames",
+            batcher_pb2_grpc.BatcherStub(channel).SubmitMany,
+            lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True),
+            framing=submit_framing(0.5),
+        )
 
         def submit(model, at_once=False):
             return mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model=model), 10, at_once=at_once)
@@ -193,8 +202,12 @@ async def test_requests_queued_together_share_a_frame_and_each_gets_its_own_answ
 @pytest.mark.service
 async def test_an_urgent_request_does_not_wait_out_the_linger():
     async with frames_server() as (servicer, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        mux = StreamMux("frames", batcher_pb2_grpc.BatcherStub(channel).SubmitMany,
-                        lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True), framing=submit_framing(30.0))
+        mux = StreamMux(
+            "frames",
+            batcher_pb2_grpc.BatcherStub(channel).SubmitMany,
+            lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True),
+            framing=submit_framing(30.0),
+        )
         held = asyncio.create_task(mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model="slow"), 60))
         await until(lambda: servicer.requests == 1, "the slow request at the server")
         # A standard one lingers (30 s here) for company; an urgent one sends the frame at once.
@@ -202,7 +215,8 @@ async def test_an_urgent_request_does_not_wait_out_the_linger():
         await asyncio.sleep(0.2)  # time in which it would have gone out, were it not lingering
         assert not lingering.done()
         at_once = await asyncio.wait_for(
-            mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model="vip"), 60, at_once=True), 5)
+            mux.request(lambda i: batcher_pb2.SubmitRequest(id=i, model="vip"), 60, at_once=True), 5
+        )
         assert at_once.version == "vip" and (await asyncio.wait_for(lingering, 5)).version == "std"
         servicer.gate.set()
         await held
@@ -218,8 +232,11 @@ async def test_a_frame_stops_growing_at_its_byte_bound_and_keeps_the_order():
     for k, size in enumerate(sizes):
         queue.put_nowait(batcher_pb2.SubmitRequest(id=k, model="x" * size))
     queue.put_nowait(None)
-    framing = Framing(pack=lambda requests: batcher_pb2.SubmitManyRequest(requests=requests),
-                      unpack=lambda frame: frame.requests, max_bytes=1000)
+    framing = Framing(
+        pack=lambda requests: batcher_pb2.SubmitManyRequest(requests=requests),
+        unpack=lambda frame: frame.requests,
+        max_bytes=1000,
+    )
     sent = []
     frames = [[r.id for r in frame.requests] async for frame in framed(queue, framing, lambda m: m, sent.append)]
     assert frames == [[0, 1, 2], [3], [4, 5]]

@@ -16,8 +16,9 @@ from services.launcher.supervisor import RestartPolicy, exit_reason
 from tests.conftest import ROOT, wait_until
 from tests.oip import output_array, text_request
 
-QUICK = RestartPolicy(base_delay_s=0.2, max_delay_s=2.0, stable_s=60.0, probe_period_s=0.3, probe_timeout_s=0.5,
-                      failure_threshold=3)
+QUICK = RestartPolicy(
+    base_delay_s=0.2, max_delay_s=2.0, stable_s=60.0, probe_period_s=0.3, probe_timeout_s=0.5, failure_threshold=3
+)
 
 
 @pytest.mark.unit
@@ -27,8 +28,10 @@ def test_the_restart_delay_doubles_up_to_its_bound():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("fields", [{"base_delay_s": 0}, {"base_delay_s": 5, "max_delay_s": 1},
-                                    {"failure_threshold": 0}, {"probe_period_s": 0}])
+@pytest.mark.parametrize(
+    "fields",
+    [{"base_delay_s": 0}, {"base_delay_s": 5, "max_delay_s": 1}, {"failure_threshold": 0}, {"probe_period_s": 0}],
+)
 def test_a_restart_policy_out_of_bounds_is_refused(fields):
     with pytest.raises(ValueError):
         RestartPolicy(**fields)
@@ -43,7 +46,18 @@ def test_an_exit_is_told_by_its_signal_or_code():
 @pytest.fixture
 def supervised(model_repository, tmp_path):
     events: list[str] = []
-    with Mesh(MeshConfig(models=model_repository, log_dir=tmp_path, l2_path=tmp_path / "l2", supervise=True, restart_policy=QUICK, batcher_args=("--replica-poll-s", "0.2"), router_args=("--catalog-poll-s", "0.2")), on_event=events.append) as mesh:
+    with Mesh(
+        MeshConfig(
+            models=model_repository,
+            log_dir=tmp_path,
+            l2_path=tmp_path / "l2",
+            supervise=True,
+            restart_policy=QUICK,
+            batcher_args=("--replica-poll-s", "0.2"),
+            router_args=("--catalog-poll-s", "0.2"),
+        ),
+        on_event=events.append,
+    ) as mesh:
         yield mesh, events
 
 
@@ -63,6 +77,7 @@ def restarted(mesh, name: str, times: int):
     def check():
         state = mesh.status()[name]
         return state["restarts"] >= times and state["state"] == "running" and state["ready"]
+
     return check
 
 
@@ -113,15 +128,40 @@ def test_redis_and_the_cache_killed_come_back_and_the_mesh_serves_from_the_cache
 def test_make_run_prints_each_restart_and_meshctl_lists_the_services(model_repository, tmp_path):
     run_file = tmp_path / "mesh.json"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "services.launcher", "--models", str(model_repository), "--port", "0",
-         "--metrics-port", "0", "--log-dir", str(tmp_path), "--run-file", str(run_file), "--l2-path", "",
-         "--tenants-file", str(tmp_path / "tenants.yaml")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            "--models",
+            str(model_repository),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--log-dir",
+            str(tmp_path),
+            "--run-file",
+            str(run_file),
+            "--l2-path",
+            "",
+            "--tenants-file",
+            str(tmp_path / "tenants.yaml"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         while "infermesh ready" not in (line := launcher.stdout.readline()):
             assert line, f"the launcher ended before it was ready: {launcher.stderr.read()}"
-        table = subprocess.run([sys.executable, "-m", "services.meshctl", "services", "--run-file", str(run_file)],
-                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+        table = subprocess.run(
+            [sys.executable, "-m", "services.meshctl", "services", "--run-file", str(run_file)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert table.returncode == 0, table.stderr
         rows = {line.split()[0]: line.split() for line in table.stdout.splitlines()[1:]}
         assert set(rows) == {"redis", "model_server", "batcher", "cache", "router"}
@@ -134,10 +174,16 @@ def test_make_run_prints_each_restart_and_meshctl_lists_the_services(model_repos
         assert any("batcher (pid" in t and "killed by SIGKILL" in t for t in told), told
 
         def listed_again():
-            out = subprocess.run([sys.executable, "-m", "services.meshctl", "services", "--run-file", str(run_file)],
-                                 cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+            out = subprocess.run(
+                [sys.executable, "-m", "services.meshctl", "services", "--run-file", str(run_file)],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout
             row = next((line.split() for line in out.splitlines() if line.startswith("batcher")), None)
             return row if row and row[2] == "running" and row[3] == "1" and row[4] == "yes" else None
+
         row = wait_until(listed_again, "meshctl lists the batcher restarted once", timeout_s=30, interval_s=0.5)
         assert int(row[1]) != batcher_pid and row[5:] == ["killed", "by", "SIGKILL"]
         assert launcher.poll() is None  # the mesh lives on
@@ -151,10 +197,30 @@ def test_a_launcher_killed_outright_takes_every_service_with_it_redis_included(m
     from tests.test_launcher import descendants
 
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "services.launcher", "--models", str(model_repository), "--port", "0",
-         "--metrics-port", "0", "--log-dir", str(tmp_path), "--run-file", str(tmp_path / "mesh.json"),
-         "--l2-path", "", "--tenants-file", str(tmp_path / "tenants.yaml")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            "--models",
+            str(model_repository),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--log-dir",
+            str(tmp_path),
+            "--run-file",
+            str(tmp_path / "mesh.json"),
+            "--l2-path",
+            "",
+            "--tenants-file",
+            str(tmp_path / "tenants.yaml"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         while "infermesh ready" not in (line := launcher.stdout.readline()):
             assert line, "the launcher ended before it was ready"
@@ -165,6 +231,9 @@ def test_a_launcher_killed_outright_takes_every_service_with_it_redis_included(m
         launcher.wait()
 
     def gone():
-        return not any(os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read().lower()
-                       for pid in children)
+        return not any(
+            os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read().lower()
+            for pid in children
+        )
+
     wait_until(gone, "every service of the killed launcher ended", timeout_s=30)

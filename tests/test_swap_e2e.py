@@ -31,10 +31,19 @@ async def test_a_swap_under_load_through_the_mesh_fails_no_request(tmp_path, mod
     _add_version(repo / "mlp", 2)
     _write_golden(repo / "mlp", _mlp_outputs(MODELS / "mlp" / "1" / "model.onnx", ROWS))
     model = ort.InferenceSession(str(MODELS / "mlp" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
-    with Mesh(MeshConfig(models=repo, cache=False, log_dir=tmp_path,
-              batcher_args=("--replica-poll-s", "0.2"), router_args=("--catalog-poll-s", "0.2"))) as mesh:
-        async with grpc.aio.insecure_channel(mesh.router) as router, \
-                grpc.aio.insecure_channel(mesh.processes["model_server"].info["grpc"]) as model_server:
+    with Mesh(
+        MeshConfig(
+            models=repo,
+            cache=False,
+            log_dir=tmp_path,
+            batcher_args=("--replica-poll-s", "0.2"),
+            router_args=("--catalog-poll-s", "0.2"),
+        )
+    ) as mesh:
+        async with (
+            grpc.aio.insecure_channel(mesh.router) as router,
+            grpc.aio.insecure_channel(mesh.processes["model_server"].info["grpc"]) as model_server,
+        ):
             stub = pb_grpc.GRPCInferenceServiceStub(router)
             control = pb_grpc.GRPCInferenceServiceStub(model_server)
             seen, stop, loading, swapped = [], asyncio.Event(), asyncio.Event(), asyncio.Event()
@@ -46,19 +55,24 @@ async def test_a_swap_under_load_through_the_mesh_fails_no_request(tmp_path, mod
                 while not stop.is_set():
                     started = phase()
                     # Unique rows: identical requests in flight would share one answer.
-                    rows = ROWS[i % len(ROWS):i % len(ROWS) + 1] + np.float32(len(seen) * 1e-3 + i)
+                    rows = ROWS[i % len(ROWS) : i % len(ROWS) + 1] + np.float32(len(seen) * 1e-3 + i)
                     response = await stub.ModelInfer(tensor_request(rows), timeout=30)
-                    assert np.allclose(output_array(response, "OUTPUT0"), model.run(["OUTPUT0"], {"INPUT0": rows})[0],
-                                       atol=1e-5)
+                    assert np.allclose(
+                        output_array(response, "OUTPUT0"), model.run(["OUTPUT0"], {"INPUT0": rows})[0], atol=1e-5
+                    )
                     seen.append((started, phase(), response.model_version))
 
             callers = [asyncio.create_task(caller(i)) for i in range(16)]
             await until(lambda: len(seen) > 50, "answers before the load")
             loading.set()
             override = json.dumps({"version_policy": {"specific": {"versions": [2]}}})
-            await control.RepositoryModelLoad(pb.RepositoryModelLoadRequest(
-                model_name="mlp", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}), timeout=60,
-                    metadata=mesh.credentials("dev-admin"))
+            await control.RepositoryModelLoad(
+                pb.RepositoryModelLoadRequest(
+                    model_name="mlp", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}
+                ),
+                timeout=60,
+                metadata=mesh.credentials("dev-admin"),
+            )
             swapped.set()
             await until(lambda: sum(started == "after" for started, _, _ in seen) > 50, "answers after the load")
             stop.set()
@@ -89,18 +103,30 @@ def test_a_config_only_reload_that_changes_the_answers_is_not_answered_from_the_
             request.parameters["cache_bypass"].bool_param = True
         return output_array(stub.ModelInfer(request, timeout=30), "EMBEDDING")[0]
 
-    with Mesh(MeshConfig(models=repo, log_dir=tmp_path / "logs", l2_path=tmp_path / "l2",
-              batcher_args=("--replica-poll-s", "0.2"),
-              router_args=("--catalog-poll-s", "0.2", "--near-cache-ttl-s", "0", "--cache-min-hit-rate", "0"))) as mesh:
-        with grpc.insecure_channel(mesh.router) as router, \
-                grpc.insecure_channel(mesh.processes["model_server"].info["grpc"]) as model_server:
+    with Mesh(
+        MeshConfig(
+            models=repo,
+            log_dir=tmp_path / "logs",
+            l2_path=tmp_path / "l2",
+            batcher_args=("--replica-poll-s", "0.2"),
+            router_args=("--catalog-poll-s", "0.2", "--near-cache-ttl-s", "0", "--cache-min-hit-rate", "0"),
+        )
+    ) as mesh:
+        with (
+            grpc.insecure_channel(mesh.router) as router,
+            grpc.insecure_channel(mesh.processes["model_server"].info["grpc"]) as model_server,
+        ):
             stub = pb_grpc.GRPCInferenceServiceStub(router)
             before = ask(stub)
             assert np.array_equal(ask(stub), before)
             override = json.dumps({"preprocess": {**preprocess, "max_length": 16}})
-            pb_grpc.GRPCInferenceServiceStub(model_server).RepositoryModelLoad(pb.RepositoryModelLoadRequest(
-                model_name="minilm-lite", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}),
-                timeout=60, metadata=mesh.credentials("dev-admin"))
+            pb_grpc.GRPCInferenceServiceStub(model_server).RepositoryModelLoad(
+                pb.RepositoryModelLoadRequest(
+                    model_name="minilm-lite", parameters={"config": pb.ModelRepositoryParameter(string_param=override)}
+                ),
+                timeout=60,
+                metadata=mesh.credentials("dev-admin"),
+            )
             fresh = ask(stub, bypass=True)
             assert not np.allclose(fresh, before, atol=1e-3)
             deadline = time.monotonic() + 10  # the router's and the batcher's catalogs poll every 0.2 s

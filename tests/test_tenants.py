@@ -19,12 +19,19 @@ KEY = "imk_test-key-of-acme"
 
 
 def registry(**overrides) -> identity.Registry:
-    doc = {"anonymous": "standard", "tenants": {
-        "acme": {"tier": "vip", "keys": [identity.hash_key(KEY)], "certificates": ["acme-client"],
-                 "principals": ["spiffe://cluster.local/ns/acme/sa/app"]},
-        "shop": {"tier": "standard", "keys": [identity.hash_key("imk_shop")], "rate_per_s": 10, "burst": 5},
-        "ops": {"admin": True, "keys": [identity.hash_key("imk_ops")]},
-    }} | overrides
+    doc = {
+        "anonymous": "standard",
+        "tenants": {
+            "acme": {
+                "tier": "vip",
+                "keys": [identity.hash_key(KEY)],
+                "certificates": ["acme-client"],
+                "principals": ["spiffe://cluster.local/ns/acme/sa/app"],
+            },
+            "shop": {"tier": "standard", "keys": [identity.hash_key("imk_shop")], "rate_per_s": 10, "burst": 5},
+            "ops": {"admin": True, "keys": [identity.hash_key("imk_ops")]},
+        },
+    } | overrides
     return identity.Registry.from_document(doc, "test")
 
 
@@ -39,11 +46,17 @@ def test_a_key_names_its_tenant_and_a_tier_beyond_it_is_refused_by_name():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("credentials, complaint", [
-    (identity.Credentials(bearer="imk_guess"), "the bearer key is not known"),
-    (identity.Credentials(bearer="x" * 5000), "5000 characters long"),
-    (identity.Credentials(certificate=("mallory",)), r"client certificate \(identities 'mallory'\) names no tenant"),
-])
+@pytest.mark.parametrize(
+    "credentials, complaint",
+    [
+        (identity.Credentials(bearer="imk_guess"), "the bearer key is not known"),
+        (identity.Credentials(bearer="x" * 5000), "5000 characters long"),
+        (
+            identity.Credentials(certificate=("mallory",)),
+            r"client certificate \(identities 'mallory'\) names no tenant",
+        ),
+    ],
+)
 def test_a_credential_that_is_not_known_is_refused_never_anonymous(credentials, complaint):
     with pytest.raises(errors.Unauthenticated, match=complaint):
         registry().authenticate(credentials)
@@ -57,16 +70,21 @@ def test_anonymous_callers_are_standard_or_refused():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("doc, complaint", [
-    ({"tenants": {"a": {"keys": ["plain-text-key"]}}}, "keys are stored hashed"),
-    ({"tenants": {"a": {"tier": "gold"}}}, "field 'tier' is 'gold'"),
-    ({"tenants": {"a": {"weight": float("nan")}}}, "field 'weight' must be a finite number in"),
-    ({"tenants": {"a": {"rate_per_s": -1}}}, "field 'rate_per_s' must be a finite number >= 0"),
-    ({"tenants": {"a": {"owner": "x"}}}, r"unknown field\(s\) \['owner'\]"),
-    ({"tenants": {"a": {"keys": [identity.hash_key("k")]}, "b": {"keys": [identity.hash_key("k")]}}},
-     "is also tenant 'a''s"),
-    ({"anonymous": {"tier": "vip", "admin": True}}, "anonymous callers have no credentials and no admin rights"),
-])
+@pytest.mark.parametrize(
+    "doc, complaint",
+    [
+        ({"tenants": {"a": {"keys": ["plain-text-key"]}}}, "keys are stored hashed"),
+        ({"tenants": {"a": {"tier": "gold"}}}, "field 'tier' is 'gold'"),
+        ({"tenants": {"a": {"weight": float("nan")}}}, "field 'weight' must be a finite number in"),
+        ({"tenants": {"a": {"rate_per_s": -1}}}, "field 'rate_per_s' must be a finite number >= 0"),
+        ({"tenants": {"a": {"owner": "x"}}}, r"unknown field\(s\) \['owner'\]"),
+        (
+            {"tenants": {"a": {"keys": [identity.hash_key("k")]}, "b": {"keys": [identity.hash_key("k")]}}},
+            "is also tenant 'a''s",
+        ),
+        ({"anonymous": {"tier": "vip", "admin": True}}, "anonymous callers have no credentials and no admin rights"),
+    ],
+)
 def test_a_registry_that_cannot_be_used_is_refused_naming_the_field(doc, complaint):
     with pytest.raises(identity.RegistryError, match=complaint):
         identity.Registry.from_document(doc, "test")
@@ -84,7 +102,7 @@ def test_admin_needs_an_admin_tenant():
 
 @pytest.mark.unit
 def test_sidecar_headers_count_only_behind_a_configured_sidecar():
-    xfcc = {XFCC_HEADER: 'By=spiffe://cluster.local/ns/x/sa/router;URI=spiffe://cluster.local/ns/acme/sa/app'}
+    xfcc = {XFCC_HEADER: "By=spiffe://cluster.local/ns/x/sa/router;URI=spiffe://cluster.local/ns/acme/sa/app"}
     spoofed = {**xfcc, "x-infermesh-jwt-tenant": "acme"}
     direct = Authenticator(Settings(registry()))
     assert direct.caller(spoofed).name == identity.ANONYMOUS  # a client's own copies are ignored
@@ -135,7 +153,7 @@ def test_meshctl_makes_keys_the_registry_accepts(tmp_path, capsys):
     assert meshctl_tenants.parse_and_run(["--registry", str(path), "init"]) == 0
     assert oct(path.stat().st_mode & 0o777) == "0o600"
     printed = capsys.readouterr().out
-    keys = dict(line.split()[0::len(line.split()) - 1] for line in printed.splitlines()[1:])
+    keys = dict(line.split()[0 :: len(line.split()) - 1] for line in printed.splitlines()[1:])
     reg = identity.Registry.load(path)
     assert reg.authenticate(identity.Credentials(bearer=keys["dev-vip"])).tier == 1
     assert path.read_text().count("imk_") == 0  # only hashes are stored
@@ -157,8 +175,11 @@ async def _infer(stub, metadata=(), priority=None):
 async def test_a_vip_claim_without_a_vip_identity_is_refused(mesh):
     async with grpc.aio.insecure_channel(mesh.router) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        for claim in ({"metadata": (("x-user-tier", "vip"),)}, {"priority": 1},
-                      {"metadata": (("x-user-tier", "vip"), *mesh.credentials("dev-standard"))}):
+        for claim in (
+            {"metadata": (("x-user-tier", "vip"),)},
+            {"priority": 1},
+            {"metadata": (("x-user-tier", "vip"), *mesh.credentials("dev-standard"))},
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await _infer(stub, **claim)
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
@@ -175,20 +196,23 @@ async def test_a_vip_claim_without_a_vip_identity_is_refused(mesh):
             yield pb.ModelInferRequest(model_name="minilm")
 
         with pytest.raises(grpc.aio.AioRpcError) as stream:
-            async for _ in stub.ModelStreamInfer(requests(), timeout=30,
-                                                 metadata=(("authorization", "Bearer imk_guessed"),)):
+            async for _ in stub.ModelStreamInfer(
+                requests(), timeout=30, metadata=(("authorization", "Bearer imk_guessed"),)
+            ):
                 pass
         assert stream.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 @pytest.mark.e2e
-async def test_a_rate_limited_tenant_is_refused_with_a_hint_and_the_registry_reloads(model_repository, tmp_path,
-                                                                                     capsys):
+async def test_a_rate_limited_tenant_is_refused_with_a_hint_and_the_registry_reloads(
+    model_repository, tmp_path, capsys
+):
     from services.launcher.mesh import Mesh, MeshConfig
 
     path = tmp_path / "tenants.yaml"
-    identity.write_registry(path, {"tenants": {
-        "slow": {"keys": [identity.hash_key("imk_slow")], "rate_per_s": 1, "burst": 2}}})
+    identity.write_registry(
+        path, {"tenants": {"slow": {"keys": [identity.hash_key("imk_slow")], "rate_per_s": 1, "burst": 2}}}
+    )
     with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path / "logs", tenants_file=path)) as mesh:
         async with grpc.aio.insecure_channel(mesh.router) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)

@@ -5,7 +5,13 @@ import pytest
 
 from services.common import errors
 from services.common.tensors import (
-    TensorData, concat_rows, count_bytes_elements, from_numpy, pack_bytes_elements, split_bytes_elements, split_rows,
+    TensorData,
+    concat_rows,
+    count_bytes_elements,
+    from_numpy,
+    pack_bytes_elements,
+    split_bytes_elements,
+    split_rows,
     to_numpy,
 )
 

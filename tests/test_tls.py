@@ -51,12 +51,18 @@ class _Config:
 
 async def _identity_server(server_credentials):
     """A real grpc.aio server whose one method answers the caller's peer_identities as JSON."""
+
     async def whoami(request: bytes, context) -> bytes:
         return json.dumps(tls.peer_identities(context)).encode()
 
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "test.Identity", {"WhoAmI": grpc.unary_unary_rpc_method_handler(whoami)}),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "test.Identity", {"WhoAmI": grpc.unary_unary_rpc_method_handler(whoami)}
+            ),
+        )
+    )
     port = tls.bind(server, "127.0.0.1:0", server_credentials)
     await server.start()
     return server, port
@@ -71,8 +77,13 @@ async def _whoami(port: int, channel_credentials) -> list[str]:
 @pytest.mark.service
 async def test_peer_identities_are_the_verified_certificates_cn_and_sans(cert_dirs):
     ours, _ = cert_dirs
-    certs.sign(ours, "svc-client", dns=["client.example"], ips=["127.0.0.1"],
-               uris=["spiffe://cluster.local/ns/infermesh/sa/app"])
+    certs.sign(
+        ours,
+        "svc-client",
+        dns=["client.example"],
+        ips=["127.0.0.1"],
+        uris=["spiffe://cluster.local/ns/infermesh/sa/app"],
+    )
     server, port = await _identity_server(tls.server_credentials(_Config(ours)))
     try:
         assert await _whoami(port, credentials(ours, "tenant-standard-dev")) == ["tenant-standard-dev"]
@@ -104,14 +115,20 @@ def test_config_checks_name_the_tls_fields(cert_dirs):
     with pytest.raises(ValueError, match="tls_key_file"):
         RouterConfig(tls_cert_file=str(ours / "router.pem"))
     with pytest.raises(ValueError, match="tls_require_client_cert needs"):
-        RouterConfig(tls_cert_file=str(ours / "router.pem"), tls_key_file=str(ours / "router.key"),
-                     tls_require_client_cert=True)
+        RouterConfig(
+            tls_cert_file=str(ours / "router.pem"), tls_key_file=str(ours / "router.key"), tls_require_client_cert=True
+        )
     with pytest.raises(ValueError, match="upstream_tls needs tls_ca_file"):
         RouterConfig(upstream_tls=True)
     with pytest.raises(ValueError, match=r"tls_ca_file '.*missing.pem' is not a readable file"):
         RouterConfig(tls_ca_file=str(ours / "missing.pem"))
-    complete = RouterConfig(tls_cert_file=str(ours / "router.pem"), tls_key_file=str(ours / "router.key"),
-                            tls_ca_file=str(ours / "ca.pem"), tls_require_client_cert=True, upstream_tls=True)
+    complete = RouterConfig(
+        tls_cert_file=str(ours / "router.pem"),
+        tls_key_file=str(ours / "router.key"),
+        tls_ca_file=str(ours / "ca.pem"),
+        tls_require_client_cert=True,
+        upstream_tls=True,
+    )
     assert complete.upstream_tls and complete.tls_require_client_cert
 
 
@@ -124,8 +141,14 @@ def tls_mesh(model_repository, cert_dirs, tmp_path_factory):
     from services.launcher.mesh import Mesh, MeshConfig
 
     ours, _ = cert_dirs
-    with Mesh(MeshConfig(models=model_repository, log_dir=tmp_path_factory.mktemp("tls-mesh-logs"), tls_dir=ours,
-              router_args=("--near-cache-ttl-s", "0"))) as running:
+    with Mesh(
+        MeshConfig(
+            models=model_repository,
+            log_dir=tmp_path_factory.mktemp("tls-mesh-logs"),
+            tls_dir=ours,
+            router_args=("--near-cache-ttl-s", "0"),
+        )
+    ) as running:
         yield running
         assert not running.dead(), f"services died during the tests: {running.dead()}"
 
@@ -147,9 +170,20 @@ def test_tritonclient_infers_over_mutual_tls(tls_mesh, cert_dirs, tmp_path):
     texts_path = tmp_path / "texts.json"
     texts_path.write_text(json.dumps(["tritonclient over mutual TLS", "short"]))
     out = tmp_path / "out.npz"
-    subprocess.run([sys.executable, "tests/triton_client_run.py", tls_mesh.router, str(texts_path), str(out),
-                    str(ours / "ca.pem"), str(ours / "tenant-standard-dev.pem"), str(ours / "tenant-standard-dev.key")],
-                   check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "tests/triton_client_run.py",
+            tls_mesh.router,
+            str(texts_path),
+            str(out),
+            str(ours / "ca.pem"),
+            str(ours / "tenant-standard-dev.pem"),
+            str(ours / "tenant-standard-dev.key"),
+        ],
+        check=True,
+        timeout=300,
+    )
     got = np.load(out)
     assert json.loads(str(got["facts"]))["live"]
     assert got["unary"].shape == (2, 384) and got["streamed"].shape == (2, 384)
@@ -188,8 +222,9 @@ def test_a_client_without_a_certificate_is_refused_at_the_handshake(tls_mesh, ce
 def test_a_certificate_of_another_ca_is_refused(tls_mesh, cert_dirs, service):
     """The stranger trusts our servers (it has our CA) but presents its own CA's certificate."""
     ours, other = cert_dirs
-    stranger = tls.channel_credentials(str(ours / "ca.pem"), str(other / "tenant-vip-dev.pem"),
-                                       str(other / "tenant-vip-dev.key"))
+    stranger = tls.channel_credentials(
+        str(ours / "ca.pem"), str(other / "tenant-vip-dev.pem"), str(other / "tenant-vip-dev.key")
+    )
     assert _refusal(tls_mesh.address(service), stranger).code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -203,8 +238,9 @@ def test_a_plaintext_client_is_refused(tls_mesh, service):
 def test_a_client_refuses_a_server_of_another_ca(tls_mesh, cert_dirs):
     """Callers verify the server too: a client trusting only the stranger's CA does not talk to our router."""
     ours, other = cert_dirs
-    impostor_check = tls.channel_credentials(str(other / "ca.pem"), str(other / "admin-dev.pem"),
-                                             str(other / "admin-dev.key"))
+    impostor_check = tls.channel_credentials(
+        str(other / "ca.pem"), str(other / "admin-dev.pem"), str(other / "admin-dev.key")
+    )
     assert _refusal(tls_mesh.router, impostor_check).code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -239,10 +275,31 @@ def test_make_run_tls_serves_mutual_tls_and_the_admin_tool_follows(model_reposit
     ours, _ = cert_dirs
     run_file = tmp_path / "mesh.json"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "services.launcher", "--models", str(model_repository), "--port", "0",
-         "--metrics-port", "0", "--log-dir", str(tmp_path), "--run-file", str(run_file), "--l2-path", "",
-         "--tls-dir", str(ours), "--tenants-file", str(tmp_path / "tenants.yaml")],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "INFERMESH_CACHE_ADMIN_TOKEN": "t0ken"})
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            "--models",
+            str(model_repository),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--log-dir",
+            str(tmp_path),
+            "--run-file",
+            str(run_file),
+            "--l2-path",
+            "",
+            "--tls-dir",
+            str(ours),
+            "--tenants-file",
+            str(tmp_path / "tenants.yaml"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "INFERMESH_CACHE_ADMIN_TOKEN": "t0ken"},
+    )
     try:
         line = launcher.stdout.readline()
         while line.startswith(("wrote the tenant registry", "  dev-")):  # a new registry's keys, shown once
@@ -250,8 +307,22 @@ def test_make_run_tls_serves_mutual_tls_and_the_admin_tool_follows(model_reposit
         assert "(mutual TLS)" in line, line
         running = json.loads(run_file.read_text())
         assert running["tls_dir"] == str(ours)
-        purge = subprocess.run([sys.executable, "-m", "services.cache.admin", "purge", "minilm", "--run-file",
-                                str(run_file), "--token", "t0ken"], capture_output=True, text=True, timeout=60)
+        purge = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.cache.admin",
+                "purge",
+                "minilm",
+                "--run-file",
+                str(run_file),
+                "--token",
+                "t0ken",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert purge.returncode == 0 and "purged model minilm" in purge.stdout, purge.stderr
         with tls.channel(running["router"], credentials(ours, "tenant-vip-dev")) as channel:
             response = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(text_request(["via make run"]), timeout=60)

@@ -34,9 +34,16 @@ def set_weights(path: pathlib.Path, blue: int, green: int) -> None:
 def blue_green(model_repository, tmp_path):
     policy = tmp_path / "traffic.yaml"
     set_weights(policy, 75, 25)
-    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2,
-              model_server_labels=("version=blue,pool=vip", "version=green"),
-              batcher_args=("--replica-poll-s", "0.2", "--max-batch-size", "1", "--traffic-policy", str(policy)))) as mesh:
+    with Mesh(
+        MeshConfig(
+            models=model_repository,
+            cache=False,
+            log_dir=tmp_path,
+            model_servers=2,
+            model_server_labels=("version=blue,pool=vip", "version=green"),
+            batcher_args=("--replica-poll-s", "0.2", "--max-batch-size", "1", "--traffic-policy", str(policy)),
+        )
+    ) as mesh:
         yield mesh, policy
 
 
@@ -56,8 +63,12 @@ async def send(mesh, count: int) -> None:
     async with grpc.aio.insecure_channel(mesh.router) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for start in range(0, count, 16):
-            await asyncio.gather(*(stub.ModelInfer(text_request([f"{uuid.uuid4().hex} weigh me"]), timeout=60)
-                                   for _ in range(min(16, count - start))))
+            await asyncio.gather(
+                *(
+                    stub.ModelInfer(text_request([f"{uuid.uuid4().hex} weigh me"]), timeout=60)
+                    for _ in range(min(16, count - start))
+                )
+            )
 
 
 async def test_batches_split_by_weight_and_follow_an_edited_file(blue_green):
@@ -69,16 +80,33 @@ async def test_batches_split_by_weight_and_follow_an_edited_file(blue_green):
     assert blue + green >= 400
     assert 0.65 <= blue / (blue + green) <= 0.85  # 75% expected; 400 picks put 0.65..0.85 beyond doubt
 
-    status = subprocess.run([sys.executable, "-m", "services.meshctl", "--file", str(policy), "status", "model-server",
-                             "--metrics", mesh.metrics_url("batcher")], capture_output=True, text=True, check=True)
+    status = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.meshctl",
+            "--file",
+            str(policy),
+            "status",
+            "model-server",
+            "--metrics",
+            mesh.metrics_url("batcher"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     rows = {line.split()[0]: line.split() for line in status.stdout.splitlines()[1:]}
     assert rows["blue"][1:3] == ["75", "1"] and rows["green"][1:3] == ["25", "1"]  # weight, ready replicas
     assert int(rows["blue"][3]) == blue and rows["blue"][4] == "100.00%" and rows["blue"][5].startswith("<=")
 
     # The operator's tool moves the traffic; the running batcher follows the file.
     reloads = policy_log(mesh, RELOADED)
-    subprocess.run([sys.executable, "-m", "services.meshctl", "--file", str(policy), "promote", "model-server",
-                    "green"], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "services.meshctl", "--file", str(policy), "promote", "model-server", "green"],
+        check=True,
+        capture_output=True,
+    )
     # It reads changed files on its next replica poll (0.2 s), and logs the policy it applies.
     await until(lambda: policy_log(mesh, RELOADED) > reloads, "the batcher applying the promoted policy")
     blue_before = batches(mesh, "model_server-0")
@@ -95,16 +123,32 @@ async def test_batches_split_by_weight_and_follow_an_edited_file(blue_green):
 async def test_vip_batches_run_on_the_vip_pool_and_standard_ones_never_do(model_repository, tmp_path):
     policy = tmp_path / "traffic.yaml"
     set_weights(policy, 100, 0)
-    with Mesh(MeshConfig(models=model_repository, cache=False, log_dir=tmp_path, model_servers=2,
-              model_server_labels=("version=blue", "pool=vip"),
-              batcher_args=("--replica-poll-s", "0.2", "--traffic-policy", str(policy)))) as mesh:
+    with Mesh(
+        MeshConfig(
+            models=model_repository,
+            cache=False,
+            log_dir=tmp_path,
+            model_servers=2,
+            model_server_labels=("version=blue", "pool=vip"),
+            batcher_args=("--replica-poll-s", "0.2", "--traffic-policy", str(policy)),
+        )
+    ) as mesh:
         async with grpc.aio.insecure_channel(mesh.router) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             for tier, count in (("vip", 40), ("standard", 60)):
                 before = {name: batches(mesh, name) for name in ("model_server-0", "model_server-1")}
-                await asyncio.gather(*(stub.ModelInfer(text_request([f"{uuid.uuid4().hex} {tier}"]), timeout=60,
-                                                       metadata=mesh.credentials(f"dev-{tier}")) for _ in range(count)))
+                await asyncio.gather(
+                    *(
+                        stub.ModelInfer(
+                            text_request([f"{uuid.uuid4().hex} {tier}"]),
+                            timeout=60,
+                            metadata=mesh.credentials(f"dev-{tier}"),
+                        )
+                        for _ in range(count)
+                    )
+                )
                 ran = {name: batches(mesh, name) - before[name] for name in before}
-                pool, other = ("model_server-1", "model_server-0") if tier == "vip" else \
-                    ("model_server-0", "model_server-1")
+                pool, other = (
+                    ("model_server-1", "model_server-0") if tier == "vip" else ("model_server-0", "model_server-1")
+                )
                 assert ran[pool] >= 1 and ran[other] == 0, (tier, ran)

@@ -6,8 +6,16 @@ import random
 import pytest
 import yaml
 
-from services.common.traffic import (OutlierDetector, OutlierPolicy, PolicyError, backoff_s, load_policy_files,
-                                     parse_destination_rule, parse_duration, parse_virtual_service)
+from services.common.traffic import (
+    OutlierDetector,
+    OutlierPolicy,
+    PolicyError,
+    backoff_s,
+    load_policy_files,
+    parse_destination_rule,
+    parse_duration,
+    parse_virtual_service,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -88,8 +96,11 @@ def test_weight_layouts_istio_accepts():
         for destination, weight in zip(destinations, weights):
             if weight is not None:
                 destination["weight"] = weight
-        doc = {"kind": "VirtualService", "metadata": {"name": "m"},
-               "spec": {"hosts": ["model-server"], "http": [{"route": destinations[:len(weights)]}]}}
+        doc = {
+            "kind": "VirtualService",
+            "metadata": {"name": "m"},
+            "spec": {"hosts": ["model-server"], "http": [{"route": destinations[: len(weights)]}]},
+        }
         return parse_virtual_service(doc, "vs.yaml").routes[0]
 
     rng = random.Random(5)
@@ -126,11 +137,17 @@ def test_http_conditions_see_only_failed_connections_as_envoy_does():
 
 
 def test_retries_without_retry_on_use_istios_default_conditions():
-    route = vs(VIRTUAL_SERVICE.replace('perTryTimeout: 2s, retryOn: "unavailable,cancelled,gateway-error"',
-                                       "perTryTimeout: 2s")).route({})
+    route = vs(
+        VIRTUAL_SERVICE.replace(
+            'perTryTimeout: 2s, retryOn: "unavailable,cancelled,gateway-error"', "perTryTimeout: 2s"
+        )
+    ).route({})
     assert route.retries.attempts == 2 and route.retries.retries("UNAVAILABLE") and route.retries.retries("CANCELLED")
-    no_retries_field = vs(VIRTUAL_SERVICE.replace(
-        '    retries: {attempts: 2, perTryTimeout: 2s, retryOn: "unavailable,cancelled,gateway-error"}\n', ""))
+    no_retries_field = vs(
+        VIRTUAL_SERVICE.replace(
+            '    retries: {attempts: 2, perTryTimeout: 2s, retryOn: "unavailable,cancelled,gateway-error"}\n', ""
+        )
+    )
     assert no_retries_field.route({}).retries.attempts == 2  # Istio retries twice by default
 
 
@@ -138,7 +155,7 @@ def test_backoff_is_fully_jittered_exponential_and_capped():
     rng = random.Random(3)
     for retry, bound in ((1, 0.025), (2, 0.075), (3, 0.175), (4, 0.25), (9, 0.25)):
         samples = [backoff_s(retry, rng) for _ in range(500)]
-        assert 0 <= min(samples) and max(samples) <= bound + 1e-12
+        assert min(samples) >= 0 and max(samples) <= bound + 1e-12
         assert max(samples) > 0.8 * bound  # the whole range is used
 
 
@@ -224,8 +241,16 @@ def test_the_multiplier_decays_while_the_host_stays_in_service():
 def test_a_host_comes_back_with_its_error_streaks_at_zero():
     # Batches in flight when the host was ejected fail afterwards; Envoy forgets
     # them when it brings the host back, so the next ejection needs a new streak.
-    od = detector(2, max_ejection_percent=50, consecutive_5xx=3, consecutive_gateway=3, base_ejection_s=30.0,
-                  interval_s=5.0, split_local_origin=True, consecutive_local_origin=3)
+    od = detector(
+        2,
+        max_ejection_percent=50,
+        consecutive_5xx=3,
+        consecutive_gateway=3,
+        base_ejection_s=30.0,
+        interval_s=5.0,
+        split_local_origin=True,
+        consecutive_local_origin=3,
+    )
     od.check(0.0)
     for _ in range(3):
         od.record("h0", "UNAVAILABLE", now=1.0)
@@ -307,14 +332,17 @@ def test_local_origin_failures_need_split_mode_as_istio_says():
 def test_destination_rules_give_subsets_and_outlier_policy():
     rule = parse_destination_rule(yaml.safe_load(DESTINATION_RULE), "dr.yaml")
     assert rule.subset_of({"version": "green", "app": "model-server"}) == ["green"]
-    assert rule.outlier == OutlierPolicy(consecutive_5xx=5, consecutive_gateway=0, interval_s=10.0,
-                                         base_ejection_s=30.0, max_ejection_percent=50.0)
+    assert rule.outlier == OutlierPolicy(
+        consecutive_5xx=5, consecutive_gateway=0, interval_s=10.0, base_ejection_s=30.0, max_ejection_percent=50.0
+    )
 
 
 def test_a_subsets_own_outlier_detection_replaces_the_rules_as_a_whole():
     doc = yaml.safe_load(DESTINATION_RULE)
-    doc["spec"]["subsets"][0]["trafficPolicy"] = {"outlierDetection": {"consecutive5xxErrors": 1},
-                                                  "connectionPool": {"tcp": {"maxConnections": 8}}}
+    doc["spec"]["subsets"][0]["trafficPolicy"] = {
+        "outlierDetection": {"consecutive5xxErrors": 1},
+        "connectionPool": {"tcp": {"maxConnections": 8}},
+    }
     rule = parse_destination_rule(doc, "dr.yaml")
     assert rule.outlier_for("blue") == OutlierPolicy(consecutive_5xx=1)  # Istio's defaults, not the rule's 50%
     assert rule.outlier_for("green") == rule.outlier_for("") == rule.outlier
@@ -323,14 +351,20 @@ def test_a_subsets_own_outlier_detection_replaces_the_rules_as_a_whole():
     assert rule.outlier_for("blue") == OutlierPolicy(consecutive_5xx=1) and rule.outlier_for("green") is None
 
 
-@pytest.mark.parametrize("edit, complaint", [
-    ({"consecutive5xxError": 1}, "unknown field(s) ['consecutive5xxError']; Istio's are"),
-    ({"baseEjectionTme": "5m", "interval": "1s"}, "unknown field(s) ['baseEjectionTme']"),
-    ({"failurePercentageThreshold": 50}, "not supported outside Kubernetes: 'failurePercentageThreshold'"),
-    ({"outlierDetectionHttpErrorCodes": [503]}, "not supported outside Kubernetes: 'outlierDetectionHttpErrorCodes'"),
-    ({"consecutiveErrors": 3}, "'consecutiveErrors' (deprecated by Istio; use consecutive5xxErrors"),
-    ({"minHealthPercent": 101}, "field 'minHealthPercent' must be an integer 0..100, got 101"),
-])
+@pytest.mark.parametrize(
+    "edit, complaint",
+    [
+        ({"consecutive5xxError": 1}, "unknown field(s) ['consecutive5xxError']; Istio's are"),
+        ({"baseEjectionTme": "5m", "interval": "1s"}, "unknown field(s) ['baseEjectionTme']"),
+        ({"failurePercentageThreshold": 50}, "not supported outside Kubernetes: 'failurePercentageThreshold'"),
+        (
+            {"outlierDetectionHttpErrorCodes": [503]},
+            "not supported outside Kubernetes: 'outlierDetectionHttpErrorCodes'",
+        ),
+        ({"consecutiveErrors": 3}, "'consecutiveErrors' (deprecated by Istio; use consecutive5xxErrors"),
+        ({"minHealthPercent": 101}, "field 'minHealthPercent' must be an integer 0..100, got 101"),
+    ],
+)
 def test_outlier_detection_fields_are_istios_own_and_applied_or_refused_by_name(edit, complaint):
     for where in ("top", "subset"):
         doc = yaml.safe_load(DESTINATION_RULE)
@@ -347,8 +381,9 @@ def test_outlier_detection_fields_are_istios_own_and_applied_or_refused_by_name(
 
 def test_outlier_detection_per_port_is_refused():
     doc = yaml.safe_load(DESTINATION_RULE)
-    doc["spec"]["trafficPolicy"]["portLevelSettings"] = [{"port": {"number": 8001},
-                                                           "outlierDetection": {"consecutive5xxErrors": 1}}]
+    doc["spec"]["trafficPolicy"]["portLevelSettings"] = [
+        {"port": {"number": 8001}, "outlierDetection": {"consecutive5xxErrors": 1}}
+    ]
     with pytest.raises(PolicyError, match=r"portLevelSettings\[0\]: outlierDetection per port is not supported"):
         parse_destination_rule(doc, "dr.yaml")
 
@@ -374,13 +409,16 @@ def test_below_min_health_percent_a_subset_panics_and_calls_go_to_every_host():
     assert rule.outlier.min_health_percent == 30.0
 
 
-@pytest.mark.parametrize("edit, complaint", [
-    (("weight: 25", "weight: -1"), "field 'weight' must be an integer >= 0"),
-    (("gateway-error", "gateway-errors"), "unknown condition(s) ['gateway-errors']"),
-    (("perTryTimeout: 2s", "perTryTimeout: 2 seconds"), "is not a duration"),
-    (("{exact: vip}", "{exakt: vip}"), "expected one of exact, prefix, regex"),
-    (('{regex: "ml-.*"}', '{regex: "ml-(("}'), "regex 'ml-(('"),
-])
+@pytest.mark.parametrize(
+    "edit, complaint",
+    [
+        (("weight: 25", "weight: -1"), "field 'weight' must be an integer >= 0"),
+        (("gateway-error", "gateway-errors"), "unknown condition(s) ['gateway-errors']"),
+        (("perTryTimeout: 2s", "perTryTimeout: 2 seconds"), "is not a duration"),
+        (("{exact: vip}", "{exakt: vip}"), "expected one of exact, prefix, regex"),
+        (('{regex: "ml-.*"}', '{regex: "ml-(("}'), "regex 'ml-(('"),
+    ],
+)
 def test_malformed_virtual_services_are_refused_by_field(edit, complaint):
     with pytest.raises(PolicyError) as raised:
         vs(VIRTUAL_SERVICE.replace(*edit))
@@ -397,8 +435,14 @@ def test_every_subset_a_route_names_must_exist(tmp_path):
     assert [s.name for s in services] == ["model-server"] and [r.name for r in rules] == ["model-server"]
 
 
-@pytest.mark.parametrize("text", ["just a string", "kind: VirtualService\nmetadata: {name: x}\nspec: {hosts: [a], http: [{match: [headers], route: []}]}",
-                                  "kind: DestinationRule\nmetadata: {name: x}\nspec: {host: a, trafficPolicy: {outlierDetection: 5}}"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "just a string",
+        "kind: VirtualService\nmetadata: {name: x}\nspec: {hosts: [a], http: [{match: [headers], route: []}]}",
+        "kind: DestinationRule\nmetadata: {name: x}\nspec: {host: a, trafficPolicy: {outlierDetection: 5}}",
+    ],
+)
 def test_any_malformed_shape_is_a_policy_error(tmp_path, text):
     (tmp_path / "p.yaml").write_text(text)
     with pytest.raises(PolicyError):

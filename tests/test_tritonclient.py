@@ -23,9 +23,18 @@ def test_tritonclient_unary_and_stream_match_sentence_transformers(mesh, referen
     texts_path = tmp_path / "texts.json"
     texts_path.write_text(json.dumps(TEXTS))
     out = tmp_path / "out.npz"
-    subprocess.run([sys.executable, "tests/triton_client_run.py", mesh.router, str(texts_path), str(out),
-                    *(mesh.client_files() or ())],
-                   check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "tests/triton_client_run.py",
+            mesh.router,
+            str(texts_path),
+            str(out),
+            *(mesh.client_files() or ()),
+        ],
+        check=True,
+        timeout=300,
+    )
     got = np.load(out)
     facts = json.loads(str(got["facts"]))
     assert facts["live"] and facts["ready"] and facts["model_ready"]
@@ -40,6 +49,7 @@ def test_tritonclient_unary_and_stream_match_sentence_transformers(mesh, referen
         embeddings = got[name]
         assert embeddings.shape == (len(TEXTS), 384)
         cosine = np.sum(embeddings * expected, axis=1) / (
-            np.linalg.norm(embeddings, axis=1) * np.linalg.norm(expected, axis=1))
+            np.linalg.norm(embeddings, axis=1) * np.linalg.norm(expected, axis=1)
+        )
         assert cosine.min() >= 0.9999, f"{name}: cosine per text {cosine}"
         np.testing.assert_allclose(np.linalg.norm(embeddings, axis=1), 1.0, atol=1e-5)

@@ -33,8 +33,10 @@ async def test_a_withdrawn_service_is_not_serving_yet_answers_until_it_is_stoppe
                 break
             await asyncio.sleep(0)
         else:
-            pytest.fail(f"run_until_signal handles no {serving.WITHDRAW_SIGNAL!r}: a preStop hook's signal "
-                        "would kill the service instead of withdrawing it")
+            pytest.fail(
+                f"run_until_signal handles no {serving.WITHDRAW_SIGNAL!r}: a preStop hook's signal "
+                "would kill the service instead of withdrawing it"
+            )
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             assert await _status(stub) == health_pb2.HealthCheckResponse.SERVING

@@ -13,8 +13,11 @@ from tritonclient.utils import InferenceServerException
 
 def main() -> int:
     client = grpcclient.InferenceServerClient(url=sys.argv[1])
-    seen = {"live": client.is_server_live(), "ready": client.is_server_ready(),
-            "index": client.get_model_repository_index(as_json=True).get("models", [])}
+    seen = {
+        "live": client.is_server_live(),
+        "ready": client.is_server_ready(),
+        "index": client.get_model_repository_index(as_json=True).get("models", []),
+    }
     admin = {"authorization": f"Bearer {sys.argv[2]}"}
     try:
         client.load_model("mlp")  # without the admin credential

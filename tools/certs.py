@@ -51,19 +51,41 @@ def _new_key(path: pathlib.Path) -> None:
 def make_ca(out: pathlib.Path, name: str = "infermesh development CA") -> None:
     """A self-signed CA: out/ca.pem and out/ca.key."""
     _new_key(out / "ca.key")
-    _openssl("req", "-x509", "-new", "-key", str(out / "ca.key"), "-out", str(out / "ca.pem"), "-days", str(DAYS),
-             "-subj", f"/O=infermesh/CN={name}", "-addext", "basicConstraints=critical,CA:TRUE,pathlen:0",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", "-addext", "subjectKeyIdentifier=hash")
+    _openssl(
+        "req",
+        "-x509",
+        "-new",
+        "-key",
+        str(out / "ca.key"),
+        "-out",
+        str(out / "ca.pem"),
+        "-days",
+        str(DAYS),
+        "-subj",
+        f"/O=infermesh/CN={name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE,pathlen:0",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        "-addext",
+        "subjectKeyIdentifier=hash",
+    )
 
 
 def service_names(service: str, namespace: str = NAMESPACE) -> list[str]:
     """The DNS names a service is reached by: loopback and its Kubernetes Service."""
-    return ["localhost", service, f"{service}.{namespace}", f"{service}.{namespace}.svc",
-            f"{service}.{namespace}.svc.cluster.local"]
+    return [
+        "localhost",
+        service,
+        f"{service}.{namespace}",
+        f"{service}.{namespace}.svc",
+        f"{service}.{namespace}.svc.cluster.local",
+    ]
 
 
-def sign(out: pathlib.Path, name: str, dns: list[str] = (), ips: list[str] = (), server: bool = True,
-         uris: list[str] = ()) -> None:
+def sign(
+    out: pathlib.Path, name: str, dns: list[str] = (), ips: list[str] = (), server: bool = True, uris: list[str] = ()
+) -> None:
     """out/NAME.pem and out/NAME.key, signed by out/ca.pem: CN NAME, the given
     SANs, for client use and (with `server`) server use."""
     _new_key(out / f"{name}.key")
@@ -71,13 +93,33 @@ def sign(out: pathlib.Path, name: str, dns: list[str] = (), ips: list[str] = (),
     usage = "serverAuth,clientAuth" if server else "clientAuth"
     with tempfile.TemporaryDirectory() as scratch:
         request, extensions = pathlib.Path(scratch, "request.csr"), pathlib.Path(scratch, "extensions.cnf")
-        _openssl("req", "-new", "-key", str(out / f"{name}.key"), "-out", str(request), "-subj", f"/O=infermesh/CN={name}")
-        extensions.write_text("basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
-                              f"extendedKeyUsage={usage}\nauthorityKeyIdentifier=keyid\n"
-                              + (f"subjectAltName={','.join(sans)}\n" if sans else ""))
-        _openssl("x509", "-req", "-in", str(request), "-CA", str(out / "ca.pem"), "-CAkey", str(out / "ca.key"),
-                 "-set_serial", "0x" + secrets.token_hex(16), "-days", str(DAYS), "-sha256",
-                 "-extfile", str(extensions), "-out", str(out / f"{name}.pem"))
+        _openssl(
+            "req", "-new", "-key", str(out / f"{name}.key"), "-out", str(request), "-subj", f"/O=infermesh/CN={name}"
+        )
+        extensions.write_text(
+            "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+            f"extendedKeyUsage={usage}\nauthorityKeyIdentifier=keyid\n"
+            + (f"subjectAltName={','.join(sans)}\n" if sans else "")
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            str(request),
+            "-CA",
+            str(out / "ca.pem"),
+            "-CAkey",
+            str(out / "ca.key"),
+            "-set_serial",
+            "0x" + secrets.token_hex(16),
+            "-days",
+            str(DAYS),
+            "-sha256",
+            "-extfile",
+            str(extensions),
+            "-out",
+            str(out / f"{name}.pem"),
+        )
 
 
 def make_all(out: pathlib.Path, force: bool = False, namespace: str = NAMESPACE) -> list[str]:
@@ -112,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     except CertError as exc:
         print(f"certs: {exc}", file=sys.stderr)
         return 1
-    print(f"{args.out}: " + (f"made {', '.join(made)}" if made else "every certificate is there (--force makes new ones)"))
+    print(
+        f"{args.out}: " + (f"made {', '.join(made)}" if made else "every certificate is there (--force makes new ones)")
+    )
     return 0
 
 

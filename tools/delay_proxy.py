@@ -89,8 +89,11 @@ class Faults:
             await asyncio.wait_for(self._changed.wait(), timeout_s)
 
     def describe(self, now: float) -> dict:
-        return {"delay_ms": 1000 * self.delay_s, "jitter_ms": 1000 * self.jitter_s,
-                "stall_left_s": max(0.0, self.stall_until - now)}
+        return {
+            "delay_ms": 1000 * self.delay_s,
+            "jitter_ms": 1000 * self.jitter_s,
+            "stall_left_s": max(0.0, self.stall_until - now),
+        }
 
 
 class Pipe:
@@ -172,8 +175,10 @@ class Proxy:
             for w in (client_writer, upstream_writer):
                 w.transport.set_write_buffer_limits(high=self.buffer_bytes)
                 w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            pipes = [Pipe(self, client_reader, upstream_writer, "to_upstream"),
-                     Pipe(self, upstream_reader, client_writer, "to_client")]
+            pipes = [
+                Pipe(self, client_reader, upstream_writer, "to_upstream"),
+                Pipe(self, upstream_reader, client_writer, "to_client"),
+            ]
             tasks = [asyncio.create_task(p.read()) for p in pipes] + [asyncio.create_task(p.write()) for p in pipes]
             try:
                 # Both directions end (EOF written each way), or either side fails and both close.
@@ -214,8 +219,10 @@ class Proxy:
                 case ["stats"]:
                     pass
                 case _:
-                    raise ValueError(f"unknown command {' '.join(words)!r}; expected 'delay MS JITTER_MS', "
-                                     "'stall SECONDS', 'clear' or 'stats'")
+                    raise ValueError(
+                        f"unknown command {' '.join(words)!r}; expected 'delay MS JITTER_MS', "
+                        "'stall SECONDS', 'clear' or 'stats'"
+                    )
         except ValueError as exc:
             return {"ok": False, "error": str(exc)}
         return {"ok": True, **dataclasses.asdict(self.counters), **self.faults.describe(now)}
@@ -248,8 +255,17 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     listen_port = listener.sockets[0].getsockname()[1]
     control_port = controller.sockets[0].getsockname()[1]
-    print(json.dumps({"ready": True, "listen": f"{LOOPBACK}:{listen_port}", "control": f"{LOOPBACK}:{control_port}",
-                      "upstream": f"{args.upstream[0]}:{args.upstream[1]}"}), flush=True)
+    print(
+        json.dumps(
+            {
+                "ready": True,
+                "listen": f"{LOOPBACK}:{listen_port}",
+                "control": f"{LOOPBACK}:{control_port}",
+                "upstream": f"{args.upstream[0]}:{args.upstream[1]}",
+            }
+        ),
+        flush=True,
+    )
     await stop.wait()
     listener.close()
     controller.close()
@@ -264,8 +280,13 @@ class DelayProxy:
     `python -m tools.delay_proxy` in front of `upstream` and returns the
     address to connect to instead; the fault methods return its stats."""
 
-    def __init__(self, log_path: str | os.PathLike | None = None, buffer_bytes: int = 256 * 1024,
-                 seed: int | None = None, ready_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        log_path: str | os.PathLike | None = None,
+        buffer_bytes: int = 256 * 1024,
+        seed: int | None = None,
+        ready_timeout_s: float = 30.0,
+    ):
         self.log_path = log_path
         self.buffer_bytes = buffer_bytes
         self.seed = seed
@@ -282,8 +303,19 @@ class DelayProxy:
 
         if self.process is not None:
             raise DelayProxyError(f"this proxy already runs (pid {self.process.popen.pid}, listening on {self.listen})")
-        argv = [sys.executable, "-m", "tools.delay_proxy", "--listen", listen, "--upstream", upstream,
-                "--control-port", str(control_port), "--buffer-bytes", str(self.buffer_bytes)]
+        argv = [
+            sys.executable,
+            "-m",
+            "tools.delay_proxy",
+            "--listen",
+            listen,
+            "--upstream",
+            upstream,
+            "--control-port",
+            str(control_port),
+            "--buffer-bytes",
+            str(self.buffer_bytes),
+        ]
         if self.seed is not None:
             argv += ["--seed", str(self.seed)]
         log = pathlib.Path(self.log_path) if self.log_path else None
@@ -344,13 +376,25 @@ class DelayProxy:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--listen", type=lambda t: _address(t, "--listen"), default=(LOOPBACK, 0),
-                        help="127.0.0.1:PORT to accept connections on (port 0: a free one)")
-    parser.add_argument("--upstream", type=lambda t: _address(t, "--upstream"), required=True,
-                        help="HOST:PORT every connection is forwarded to")
+    parser.add_argument(
+        "--listen",
+        type=lambda t: _address(t, "--listen"),
+        default=(LOOPBACK, 0),
+        help="127.0.0.1:PORT to accept connections on (port 0: a free one)",
+    )
+    parser.add_argument(
+        "--upstream",
+        type=lambda t: _address(t, "--upstream"),
+        required=True,
+        help="HOST:PORT every connection is forwarded to",
+    )
     parser.add_argument("--control-port", type=int, default=0, help="the control port on 127.0.0.1 (0: a free one)")
-    parser.add_argument("--buffer-bytes", type=int, default=256 * 1024,
-                        help="bytes held per connection and direction before reading that side pauses")
+    parser.add_argument(
+        "--buffer-bytes",
+        type=int,
+        default=256 * 1024,
+        help="bytes held per connection and direction before reading that side pauses",
+    )
     parser.add_argument("--seed", type=int, default=None, help="the jitter's random seed")
     args = parser.parse_args(argv)
     if args.listen[0] != LOOPBACK:

@@ -41,26 +41,43 @@ from hypothesis import strategies as st
 from inference import grpc_predict_v2_pb2 as pb
 
 from services.common import errors
+from services.router import precheck
 from services.router.core import Catalog, ModelSignature, Router, Spec, validate
 from services.router.limits import RequestLimits
-from services.router import precheck
 from services.router.oip import RequestDecoder, check_counts, request_from_proto
 
-MINILM = ModelSignature("minilm", ("1",), ("1",), "onnxruntime_onnx", (Spec("TEXT", "BYTES", (-1,)),),
-                        (Spec("EMBEDDING", "FP32", (-1, 384)),), 64)
-MLP = ModelSignature("mlp", ("1",), ("1",), "onnxruntime_onnx", (Spec("INPUT0", "FP32", (-1, 64)),),
-                     (Spec("OUTPUT0", "FP32", (-1, 64)),), 256)
+MINILM = ModelSignature(
+    "minilm",
+    ("1",),
+    ("1",),
+    "onnxruntime_onnx",
+    (Spec("TEXT", "BYTES", (-1,)),),
+    (Spec("EMBEDDING", "FP32", (-1, 384)),),
+    64,
+)
+MLP = ModelSignature(
+    "mlp",
+    ("1",),
+    ("1",),
+    "onnxruntime_onnx",
+    (Spec("INPUT0", "FP32", (-1, 64)),),
+    (Spec("OUTPUT0", "FP32", (-1, 64)),),
+    256,
+)
 SIGNATURES = (MINILM, MLP)
 MAX_BYTES = 16 * 1024 * 1024 - 64 * 1024  # what the router takes by default, with room for the envelope
 AGREEMENT_BYTES = 1 << 20  # requests up to this size are also checked both ways (precheck_agrees)
 WATCHDOG_S = 20.0  # far above what any request costs; past it a request is counted as a hang
 
 # Words a refusal uses to name the field at fault.
-FIELD_WORDS = re.compile(r"\binput|\boutput|parameter|raw_input_contents|contents|\bshape\b|datatype|\bmodel\b|"
-                         r"\bversion\b|metadata|protobuf fields|\bmessage\b|\bfield\b|\bid\b")
+FIELD_WORDS = re.compile(
+    r"\binput|\boutput|parameter|raw_input_contents|contents|\bshape\b|datatype|\bmodel\b|"
+    r"\bversion\b|metadata|protobuf fields|\bmessage\b|\bfield\b|\bid\b"
+)
 
 
 # ---------------------------------------------------------------- the wire, for bulk
+
 
 def _varint(value: int) -> bytes:
     value &= (1 << 64) - 1
@@ -80,8 +97,10 @@ def _bulk(kind: str, count: int) -> bytes:
     """Wire bytes to append to a request (fields of the top message merge in):
     `count` of one repeated part, as cheap to build as to send."""
     if kind == "inputs":
-        return _field(5, pb.ModelInferRequest.InferInputTensor(name="x", datatype="FP32", shape=[1])
-                      .SerializeToString()) * count
+        return (
+            _field(5, pb.ModelInferRequest.InferInputTensor(name="x", datatype="FP32", shape=[1]).SerializeToString())
+            * count
+        )
     if kind == "empty_typed_bytes":
         return _field(5, _field(1, b"TEXT") + _field(2, b"BYTES") + _field(3, b"\x01") + _field(5, b"\x42\x00" * count))
     if kind == "empty_raw_bytes":
@@ -94,8 +113,13 @@ def _bulk(kind: str, count: int) -> bytes:
     if kind == "outputs":
         return _field(6, _field(1, b"o")) * count
     if kind == "packed_floats":
-        return _field(5, _field(1, b"INPUT0") + _field(2, b"FP32") + _field(3, b"\x01\x40")
-                      + _field(5, _field(6, b"\x00\x00\xc0\x7f" * count)))  # NaN, packed
+        return _field(
+            5,
+            _field(1, b"INPUT0")
+            + _field(2, b"FP32")
+            + _field(3, b"\x01\x40")
+            + _field(5, _field(6, b"\x00\x00\xc0\x7f" * count)),
+        )  # NaN, packed
     raise ValueError(kind)
 
 
@@ -105,10 +129,14 @@ BULK_KINDS = ("inputs", "empty_typed_bytes", "empty_raw_bytes", "parameters", "d
 # ---------------------------------------------------------------- strategies
 
 names = st.sampled_from(["TEXT", "INPUT0", "x", "", "EMBEDDING", "OUTPUT0"]) | st.text(max_size=40)
-datatypes = st.sampled_from(["BYTES", "FP32", "FP16", "FP64", "INT8", "INT32", "INT64", "UINT8", "UINT64", "BOOL"]) \
-    | st.text(max_size=12)
-dims = (st.integers(-2, 70) | st.sampled_from([0, 64, 384, 2**31, 2**32 - 1, 2**62, 2**63 - 1, -2**63])
-        | st.integers(-2**63, 2**63 - 1))
+datatypes = st.sampled_from(
+    ["BYTES", "FP32", "FP16", "FP64", "INT8", "INT32", "INT64", "UINT8", "UINT64", "BOOL"]
+) | st.text(max_size=12)
+dims = (
+    st.integers(-2, 70)
+    | st.sampled_from([0, 64, 384, 2**31, 2**32 - 1, 2**62, 2**63 - 1, -(2**63)])
+    | st.integers(-(2**63), 2**63 - 1)
+)
 floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
 long_text = st.integers(0, 1 << 20).map(lambda n: "x" * n)
 texts = st.text(max_size=60) | st.sampled_from(["minilm", "mlp"]) | long_text
@@ -120,7 +148,7 @@ def _parameter(draw, message, key: str) -> None:
     if kind == "bool":
         parameter.bool_param = draw(st.booleans())
     elif kind == "int64":
-        parameter.int64_param = draw(st.integers(-2**63, 2**63 - 1))
+        parameter.int64_param = draw(st.integers(-(2**63), 2**63 - 1))
     elif kind == "uint64":
         parameter.uint64_param = draw(st.integers(0, 2**64 - 1))
     elif kind == "string":
@@ -130,9 +158,23 @@ def _parameter(draw, message, key: str) -> None:
 
 
 def _parameters(draw, message) -> None:
-    keys = draw(st.lists(st.sampled_from(["priority", "timeout", "cache_bypass", "sequence_id", "sequence_start",
-                                          "shared_memory_region", "classification"]) | st.text(max_size=20),
-                         max_size=40))
+    keys = draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    "priority",
+                    "timeout",
+                    "cache_bypass",
+                    "sequence_id",
+                    "sequence_start",
+                    "shared_memory_region",
+                    "classification",
+                ]
+            )
+            | st.text(max_size=20),
+            max_size=40,
+        )
+    )
     for key in keys:
         _parameter(draw, message, key)
 
@@ -141,8 +183,13 @@ def _bytes_contents(draw, count: int) -> bytes:
     """Length-prefixed BYTES: well framed (texts, maybe invalid UTF-8), or with
     lengths anywhere up to 2**32-1."""
     if draw(st.booleans()):
-        items = draw(st.lists(st.binary(max_size=40) | st.text(max_size=40).map(str.encode),
-                              min_size=min(count, 64), max_size=min(count, 64)))
+        items = draw(
+            st.lists(
+                st.binary(max_size=40) | st.text(max_size=40).map(str.encode),
+                min_size=min(count, 64),
+                max_size=min(count, 64),
+            )
+        )
         return b"".join(struct.pack("<I", len(i)) + i for i in items)
     lengths = draw(st.lists(st.integers(0, 2**32 - 1) | st.integers(0, 16), max_size=8))
     return b"".join(struct.pack("<I", n) + b"a" * min(n, 64) for n in lengths) + draw(st.binary(max_size=3))
@@ -168,9 +215,9 @@ def tensors(draw, request):
     if typed in ("bytes", "mixed"):
         contents.bytes_contents.extend(draw(st.lists(st.binary(max_size=20), max_size=10)))
     if typed == "int":
-        contents.int_contents.extend(draw(st.lists(st.integers(-2**31, 2**31 - 1), max_size=70)))
+        contents.int_contents.extend(draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=70)))
     if typed == "int64":
-        contents.int64_contents.extend(draw(st.lists(st.integers(-2**63, 2**63 - 1), max_size=70)))
+        contents.int64_contents.extend(draw(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=70)))
     if typed == "bool":
         contents.bool_contents.extend(draw(st.lists(st.booleans(), max_size=70)))
     return tensor
@@ -179,9 +226,11 @@ def tensors(draw, request):
 @st.composite
 def requests(draw, max_bulk: int = 4_000_000) -> bytes:
     """A serialised ModelInferRequest, possibly with bulk appended on the wire."""
-    request = pb.ModelInferRequest(model_name=draw(st.sampled_from(["minilm", "mlp"]) | texts),
-                                   model_version=draw(st.sampled_from(["", "1", "2"]) | st.text(max_size=10)),
-                                   id=draw(st.text(max_size=20) | long_text))
+    request = pb.ModelInferRequest(
+        model_name=draw(st.sampled_from(["minilm", "mlp"]) | texts),
+        model_version=draw(st.sampled_from(["", "1", "2"]) | st.text(max_size=10)),
+        id=draw(st.text(max_size=20) | long_text),
+    )
     if draw(st.integers(0, 3)) == 0:
         _parameters(draw, request.parameters)
     count = draw(st.integers(0, 4))
@@ -190,9 +239,8 @@ def requests(draw, max_bulk: int = 4_000_000) -> bytes:
     raw_mode = draw(st.sampled_from(["none", "match", "match", "one_less", "extra"]))
     if raw_mode != "none":
         entries = len(request.inputs) + {"match": 0, "one_less": -1, "extra": 1}[raw_mode]
-        for tensor in list(request.inputs)[:max(entries, 0)]:
-            shape_count = math.prod(tensor.shape) if tensor.shape and all(0 <= d < 1 << 20 for d in tensor.shape) \
-                else 1
+        for tensor in list(request.inputs)[: max(entries, 0)]:
+            shape_count = math.prod(tensor.shape) if tensor.shape and all(0 <= d < 1 << 20 for d in tensor.shape) else 1
             if tensor.datatype == "BYTES":
                 request.raw_input_contents.append(_bytes_contents(draw, shape_count))
             else:
@@ -254,6 +302,7 @@ def any_request():
 
 # ---------------------------------------------------------------- judging one request
 
+
 class Hang(Exception):
     """The watchdog stopped a request."""
 
@@ -290,7 +339,7 @@ def precheck_agrees(raw: bytes, limits: RequestLimits) -> bool:
         pass
     try:
         request = pb.ModelInferRequest.FromString(raw)
-    except Exception:  # noqa: BLE001 - not a message: refusing it was right
+    except Exception:
         return True
     try:
         check_counts(request, limits)
@@ -333,27 +382,46 @@ class Tally:
         self.examples.setdefault(f"crash {what}", message[:300])
 
     def summary(self) -> dict:
-        kinds = {kind: {"count": n, "cpu_us_each": round(1e6 * self.cpu_s[kind] / n, 1)}
-                 for kind, n in self.refusals.most_common()}
+        kinds = {
+            kind: {"count": n, "cpu_us_each": round(1e6 * self.cpu_s[kind] / n, 1)}
+            for kind, n in self.refusals.most_common()
+        }
         peaks = sorted(self.peak_bytes)
         ratio = sorted(p / max(s, 1) for p, s in zip(self.peak_bytes, self.request_bytes))
-        return {"requests": self.requests, "accepted": self.accepted, "refused": sum(self.refusals.values()),
-                "crashes": self.crashes, "hangs": self.hangs, "unnamed_refusals": self.unnamed,
-                "refusal_kinds": kinds, "examples": self.examples,
-                "peak_traced_bytes": {"sampled": len(peaks), "max": peaks[-1] if peaks else None,
-                                      "p99": peaks[int(0.99 * (len(peaks) - 1))] if peaks else None,
-                                      "max_over_request_bytes": round(ratio[-1], 2) if ratio else None}}
+        return {
+            "requests": self.requests,
+            "accepted": self.accepted,
+            "refused": sum(self.refusals.values()),
+            "crashes": self.crashes,
+            "hangs": self.hangs,
+            "unnamed_refusals": self.unnamed,
+            "refusal_kinds": kinds,
+            "examples": self.examples,
+            "peak_traced_bytes": {
+                "sampled": len(peaks),
+                "max": peaks[-1] if peaks else None,
+                "p99": peaks[int(0.99 * (len(peaks) - 1))] if peaks else None,
+                "max_over_request_bytes": round(ratio[-1], 2) if ratio else None,
+            },
+        }
 
 
-def run_in_process(count: int, limits: RequestLimits, seed: int, tally: Tally | None = None,
-                   trace_every: int = 100) -> Tally:
+def run_in_process(
+    count: int, limits: RequestLimits, seed: int, tally: Tally | None = None, trace_every: int = 100
+) -> Tally:
     """Runs `count` generated requests through in_process, each under the watchdog."""
     tally = tally or Tally()
     outer_s, began = signal.getitimer(signal.ITIMER_REAL)[0], time.monotonic()  # a test runner's own timeout
     previous = signal.signal(signal.SIGALRM, _alarm)
 
-    @settings(max_examples=count, database=None, deadline=None, derandomize=False, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=count,
+        database=None,
+        deadline=None,
+        derandomize=False,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(any_request())
     def one(raw):
         tally.requests += 1
@@ -371,7 +439,7 @@ def run_in_process(count: int, limits: RequestLimits, seed: int, tally: Tally | 
         except errors.InfermeshError as exc:
             signal.setitimer(signal.ITIMER_REAL, 0)
             tally.refused(exc.code_name, exc.message, time.process_time() - started)
-        except Exception as exc:  # noqa: BLE001 - what this counts
+        except Exception as exc:
             signal.setitimer(signal.ITIMER_REAL, 0)
             tally.crash(type(exc).__name__, f"{type(exc).__name__}: {exc}")
         finally:
@@ -384,7 +452,7 @@ def run_in_process(count: int, limits: RequestLimits, seed: int, tally: Tally | 
                 tracemalloc.stop()
 
     try:
-        one._hypothesis_internal_use_seed = seed  # noqa: SLF001 - a reproducible run
+        one._hypothesis_internal_use_seed = seed
         one()
     finally:
         signal.signal(signal.SIGALRM, previous)
@@ -407,22 +475,30 @@ def _vm_hwm_bytes(pid: int) -> int:
     return 0
 
 
-def run_against(address: str, count: int, seed: int, router_pid: int | None = None,
-                tally: Tally | None = None) -> Tally:
+def run_against(
+    address: str, count: int, seed: int, router_pid: int | None = None, tally: Tally | None = None
+) -> Tally:
     """Sends `count` generated requests to the router at `address`, one at a
     time, each with a deadline (the watchdog); CPU per refusal from /proc of
     `router_pid` when given."""
     import grpc
 
     tally = tally or Tally()
-    channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20),
-                                                      ("grpc.max_receive_message_length", 64 << 20)])
-    infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
-                                response_deserializer=None)
+    channel = grpc.insecure_channel(
+        address, options=[("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    )
+    infer = channel.unary_unary(
+        "/inference.GRPCInferenceService/ModelInfer", request_serializer=None, response_deserializer=None
+    )
     hwm_before = _vm_hwm_bytes(router_pid) if router_pid else None
 
-    @settings(max_examples=count, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=count,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(any_request())
     def one(raw):
         tally.requests += 1
@@ -442,7 +518,7 @@ def run_against(address: str, count: int, seed: int, router_pid: int | None = No
                 tally.refused(code.name, exc.details() or "", cpu)
 
     try:
-        one._hypothesis_internal_use_seed = seed  # noqa: SLF001
+        one._hypothesis_internal_use_seed = seed
         one()
     finally:
         channel.close()
@@ -452,13 +528,19 @@ def run_against(address: str, count: int, seed: int, router_pid: int | None = No
 
 
 def print_summary(title: str, summary: dict, out=sys.stdout) -> None:
-    print(f"== {title}: {summary['requests']} requests, {summary['accepted']} accepted, {summary['refused']} "
-          f"refused, {summary['crashes']} crashes, {summary['hangs']} hangs, {summary['unnamed_refusals']} "
-          f"refusals not naming a field", file=out)
+    print(
+        f"== {title}: {summary['requests']} requests, {summary['accepted']} accepted, {summary['refused']} "
+        f"refused, {summary['crashes']} crashes, {summary['hangs']} hangs, {summary['unnamed_refusals']} "
+        f"refusals not naming a field",
+        file=out,
+    )
     peak = summary["peak_traced_bytes"]
     if peak["sampled"]:
-        print(f"   peak traced memory per request ({peak['sampled']} sampled): p99 {peak['p99']} B, max {peak['max']} B "
-              f"({peak['max_over_request_bytes']}x its request's bytes)", file=out)
+        print(
+            f"   peak traced memory per request ({peak['sampled']} sampled): p99 {peak['p99']} B, max {peak['max']} B "
+            f"({peak['max_over_request_bytes']}x its request's bytes)",
+            file=out,
+        )
     for kind, row in list(summary["refusal_kinds"].items())[:25]:
         print(f"   {row['count']:>7}  {row['cpu_us_each']:>9.1f} us  {kind}", file=out)
     for what, example in summary["examples"].items():
@@ -473,8 +555,10 @@ def running_router():
 
     from services.launcher.mesh import ROOT, Mesh, MeshConfig
 
-    with tempfile.TemporaryDirectory() as logs, \
-            Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=pathlib.Path(logs), cache=False)) as mesh:
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        Mesh(MeshConfig(models=ROOT / "build" / "models", log_dir=pathlib.Path(logs), cache=False)) as mesh,
+    ):
         yield mesh.router, mesh.processes["router"].popen.pid
 
 
@@ -501,8 +585,11 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-    failed = sum(results[p]["crashes"] + results[p]["hangs"] + results[p]["unnamed_refusals"]
-                 for p in ("in_process", "router") if p in results)
+    failed = sum(
+        results[p]["crashes"] + results[p]["hangs"] + results[p]["unnamed_refusals"]
+        for p in ("in_process", "router")
+        if p in results
+    )
     return 1 if failed else 0
 
 

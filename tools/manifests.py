@@ -148,8 +148,11 @@ class CrdSchemas:
         validator = jsonschema.Draft7Validator(_strict(spec_schema), format_checker=None)
         for error in sorted(validator.iter_errors(doc.get("spec", {})), key=lambda e: list(e.path)):
             where = ".".join(str(p) for p in error.path) or "spec"
-            found.append(f"{name_of(doc)}: spec.{where}: {error.message}" if error.path
-                         else f"{name_of(doc)}: spec: {error.message}")
+            found.append(
+                f"{name_of(doc)}: spec.{where}: {error.message}"
+                if error.path
+                else f"{name_of(doc)}: spec: {error.message}"
+            )
         found += [f"{name_of(doc)}: {p}" for p in _cel_problems(spec_schema, doc.get("spec", {}), "spec")]
         return found
 
@@ -169,13 +172,17 @@ def _strict(schema):
         out.pop("nullable")
         if "type" in out:
             out["type"] = [out["type"], "null"]
-    if (out.get("type") == "object" and "properties" in out and "additionalProperties" not in out
-            and not schema.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        out.get("type") == "object"
+        and "properties" in out
+        and "additionalProperties" not in out
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cel_program(rule: str):
     import celpy
 
@@ -183,7 +190,7 @@ def _cel_program(rule: str):
     return environment.program(environment.compile(rule), functions=_kubernetes_cel_functions())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kubernetes_cel_functions() -> dict:
     """The URL library the API server adds to CEL (isURL, url and its getters;
     Istio's rules on jwksUri and Wasm URLs use them), after Go's url.ParseRequestURI."""
@@ -205,10 +212,16 @@ def _kubernetes_cel_functions() -> dict:
     def part(name):
         return lambda value: celtypes.StringType(getattr(urllib.parse.urlsplit(str(value)), name) or "")
 
-    return {"isURL": lambda text: celtypes.BoolType(parses(text)), "url": url, "getScheme": part("scheme"),
-            "getHost": part("netloc"), "getHostname": part("hostname"),
-            "getPort": lambda value: celtypes.StringType(str(urllib.parse.urlsplit(str(value)).port or "")),
-            "getEscapedPath": part("path"), "getQuery": part("query")}
+    return {
+        "isURL": lambda text: celtypes.BoolType(parses(text)),
+        "url": url,
+        "getScheme": part("scheme"),
+        "getHost": part("netloc"),
+        "getHostname": part("hostname"),
+        "getPort": lambda value: celtypes.StringType(str(urllib.parse.urlsplit(str(value)).port or "")),
+        "getEscapedPath": part("path"),
+        "getQuery": part("query"),
+    }
 
 
 def _cel_problems(schema: dict, value, where: str) -> list[str]:
@@ -250,11 +263,31 @@ HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~A-Za-z0-9]+$")
 STRICT_HEADER_NAME = re.compile(r"^[-_A-Za-z0-9]+$")  # Istio's for headers it writes
 # AuthorizationPolicy `when` keys (Istio's security.ValidateAttribute).
 MAP_ATTRIBUTES = ("request.headers", "request.auth.claims", "experimental.")
-PLAIN_ATTRIBUTES = {"source.ip", "remote.ip", "source.namespace", "source.serviceAccount", "source.principal",
-                    "source.trustDomain", "request.auth.principal", "request.auth.audiences",
-                    "request.auth.presenter", "destination.ip", "destination.port", "connection.sni"}
-HTTP_STATUS = set(range(100, 104)) | set(range(200, 209)) | {226} | set(range(300, 309)) \
-    | set(range(400, 419)) | set(range(421, 427)) | {428, 429, 431, 451} | set(range(500, 509)) | {510, 511}
+PLAIN_ATTRIBUTES = {
+    "source.ip",
+    "remote.ip",
+    "source.namespace",
+    "source.serviceAccount",
+    "source.principal",
+    "source.trustDomain",
+    "request.auth.principal",
+    "request.auth.audiences",
+    "request.auth.presenter",
+    "destination.ip",
+    "destination.port",
+    "connection.sni",
+}
+HTTP_STATUS = (
+    set(range(100, 104))
+    | set(range(200, 209))
+    | {226}
+    | set(range(300, 309))
+    | set(range(400, 419))
+    | set(range(421, 427))
+    | {428, 429, 431, 451}
+    | set(range(500, 509))
+    | {510, 511}
+)
 
 
 def _duration_problem(value, where: str) -> list[str]:
@@ -354,8 +387,9 @@ def istio_code_problems(doc: dict) -> list[str]:
                     if key in outlier and not 0 <= outlier[key] <= 100:
                         found.append(f"{name}: outlierDetection.{key} must be 0..100, got {outlier[key]}")
                 if outlier.get("consecutiveLocalOriginFailures") and not outlier.get("splitExternalLocalOriginErrors"):
-                    found.append(f"{name}: outlierDetection.consecutiveLocalOriginFailures needs "
-                                 "splitExternalLocalOriginErrors")
+                    found.append(
+                        f"{name}: outlierDetection.consecutiveLocalOriginFailures needs splitExternalLocalOriginErrors"
+                    )
     elif kind == "RequestAuthentication":
         for i, rule in enumerate(spec.get("jwtRules") or []):
             at = f"{name}: spec.jwtRules[{i}]"
@@ -371,7 +405,9 @@ def istio_code_problems(doc: dict) -> list[str]:
                 if not output.get("claim") or not output.get("header"):
                     found.append(f"{at}.outputClaimToHeaders: header and claim value must be non-empty string")
                 elif not STRICT_HEADER_NAME.match(output["header"]):
-                    found.append(f"{at}.outputClaimToHeaders: header name {output['header']} is not a valid header name")
+                    found.append(
+                        f"{at}.outputClaimToHeaders: header name {output['header']} is not a valid header name"
+                    )
     elif kind == "AuthorizationPolicy":
         if spec.get("action") == "DENY" and spec.get("rules") is None:
             found.append(f"{name}: DENY action without `rules` is meaningless as it will never be triggered")
@@ -379,24 +415,30 @@ def istio_code_problems(doc: dict) -> list[str]:
             for condition in rule.get("when") or []:
                 key = condition.get("key", "")
                 if not (condition.get("values") or condition.get("notValues")):
-                    found.append(f"{name}: spec.rules[{i}]: at least one of `values` or `notValues` must be set "
-                                 f"for key {key}")
+                    found.append(
+                        f"{name}: spec.rules[{i}]: at least one of `values` or `notValues` must be set for key {key}"
+                    )
                 if key.startswith(MAP_ATTRIBUTES):
                     if not re.match(r"^[^\[]+\[.+\]$", key):
                         found.append(f"{name}: spec.rules[{i}]: bad key ({key}): should have format a[b]")
                 elif key not in PLAIN_ATTRIBUTES:
                     found.append(f"{name}: spec.rules[{i}]: unknown attribute: {key}")
             if spec.get("action") == "DENY" and not any(
-                    (t.get("operation") or {}).get("ports") or (t.get("operation") or {}).get("notPorts")
-                    for t in rule.get("to") or []):
+                (t.get("operation") or {}).get("ports") or (t.get("operation") or {}).get("notPorts")
+                for t in rule.get("to") or []
+            ):
                 # Istio warns: HTTP attributes alone in a DENY rule deny every TCP connection in its scope.
-                found.append(f"{name}: spec.rules[{i}]: a DENY rule of HTTP attributes without ports denies all "
-                             "TCP traffic in its scope; name the ports")
+                found.append(
+                    f"{name}: spec.rules[{i}]: a DENY rule of HTTP attributes without ports denies all "
+                    "TCP traffic in its scope; name the ports"
+                )
             for source in (s.get("source", {}) for s in rule.get("from") or []):
                 for principal in source.get("principals", []):
                     if principal != "*" and not re.match(r"^[^/]+/ns/[^/]+/sa/[^/]+$", principal):
-                        found.append(f"{name}: spec.rules[{i}]: principal {principal!r} is not "
-                                     "<trust domain>/ns/<namespace>/sa/<service account>")
+                        found.append(
+                            f"{name}: spec.rules[{i}]: principal {principal!r} is not "
+                            "<trust domain>/ns/<namespace>/sa/<service account>"
+                        )
             for operation in (t.get("operation", {}) for t in rule.get("to") or []):
                 for port in operation.get("ports", []):
                     if not str(port).isdigit() or not 0 < int(port) <= 65535:
@@ -410,6 +452,7 @@ def istio_code_problems(doc: dict) -> list[str]:
 @dataclasses.dataclass
 class Workload:
     """A Deployment as the mesh sees it: labels of its pods, their containers."""
+
     doc: dict
 
     @property
@@ -447,14 +490,14 @@ class Workload:
         return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def health_services(module: str) -> frozenset[str]:
     """The grpc.health.v1 service names a service of ours registers ("" is the whole server)."""
     server = importlib.import_module(f"services.{module}.server")
     return frozenset({"", *(getattr(server, n) for n in ("SERVICE_NAME", "OIP_SERVICE_NAME") if hasattr(server, n))})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def streams_bidirectionally(module: str) -> bool:
     """Whether the gRPC service a module serves has a bidirectional-streaming method."""
     from google.protobuf import descriptor_pool
@@ -464,15 +507,24 @@ def streams_bidirectionally(module: str) -> bool:
     return any(m.client_streaming and m.server_streaming for m in service.methods)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def config_fields(module: str) -> frozenset[str]:
     path, cls = SERVICES[module][0].split(":")
     return frozenset(f.name for f in dataclasses.fields(getattr(importlib.import_module(path), cls)))
 
 
 QUANTITY = re.compile(r"^([0-9.]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
-QUANTITY_UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6,
-                  "G": 10**9, "T": 10**12}
+QUANTITY_UNITS = {
+    None: 1,
+    "Ki": 1 << 10,
+    "Mi": 1 << 20,
+    "Gi": 1 << 30,
+    "Ti": 1 << 40,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+}
 
 
 def quantity_bytes(value) -> int | None:
@@ -490,15 +542,17 @@ def memory_problems(module: str, container: dict) -> list[str]:
 
     limit = quantity_bytes((container.get("resources") or {}).get("limits", {}).get("memory", ""))
     if limit is None:
-        return [f"container {container['name']} has no memory limit: services.{module}'s byte budget would bound "
-                "nothing the kernel enforces"]
+        return [
+            f"container {container['name']} has no memory limit: services.{module}'s byte budget would bound "
+            "nothing the kernel enforces"
+        ]
     path, cls_name = SERVICES[module][0].split(":")
     cls = getattr(importlib.import_module(path), cls_name)
     prefix = SERVICES[module][1]
     hints = typing.get_type_hints(cls)
     fields = {}
     for env in container.get("env", []):
-        name = env["name"][len(prefix):].lower() if env["name"].startswith(prefix) else None
+        name = env["name"][len(prefix) :].lower() if env["name"].startswith(prefix) else None
         if name not in hints:
             continue
         if "value" in env:
@@ -510,9 +564,11 @@ def memory_problems(module: str, container: dict) -> list[str]:
     except (TypeError, ValueError) as exc:
         return [f"services.{module}'s config from container {container['name']}'s environment is refused: {exc}"]
     if config.memory_needed_bytes > limit:
-        return [f"container {container['name']}'s memory limit {limit} bytes is below what services.{module} may "
-                f"take: baseline {config.baseline_bytes} + its byte budget {config.budget_bytes} x "
-                f"{HELD_COPIES} copies = {config.memory_needed_bytes} bytes"]
+        return [
+            f"container {container['name']}'s memory limit {limit} bytes is below what services.{module} may "
+            f"take: baseline {config.baseline_bytes} + its byte budget {config.budget_bytes} x "
+            f"{HELD_COPIES} copies = {config.memory_needed_bytes} bytes"
+        ]
     return []
 
 
@@ -522,8 +578,10 @@ ENDPOINT_PROPAGATION_S = 3.0  # a not-ready endpoint reaching every caller's sid
 SHUTDOWN_MARGIN_S = 5.0  # after the drain: closing clients, and the kubelet's own latency
 ISTIO_TERMINATION_DRAIN_S = 5.0  # pilot-agent's terminationDrainDuration when a pod sets none
 KUBERNETES_GRACE_S = 30  # terminationGracePeriodSeconds when a pod sets none
-WITHDRAW_KILL = re.compile(rf"\bkill\s+(?:-s\s+)?-?(?:SIG)?({WITHDRAW_SIGNAL.name.removeprefix('SIG')}|"
-                           rf"{int(WITHDRAW_SIGNAL)})\s+1\b")
+WITHDRAW_KILL = re.compile(
+    rf"\bkill\s+(?:-s\s+)?-?(?:SIG)?({WITHDRAW_SIGNAL.name.removeprefix('SIG')}|"
+    rf"{int(WITHDRAW_SIGNAL)})\s+1\b"
+)
 SLEEP = re.compile(r"\bsleep\s+([0-9]+(?:\.[0-9]+)?)\b")
 
 
@@ -531,8 +589,9 @@ def drain_grace(module: str, container: dict) -> tuple[float | None, str]:
     """The drain grace a container's service runs with and where it comes from:
     its args (--drain-grace-s), else its environment, else its config's default."""
     path, cls_name = SERVICES[module][0].split(":")
-    field = next(f for f in dataclasses.fields(getattr(importlib.import_module(path), cls_name))
-                 if f.name == "drain_grace_s")
+    field = next(
+        f for f in dataclasses.fields(getattr(importlib.import_module(path), cls_name)) if f.name == "drain_grace_s"
+    )
     args = [*container.get("command", []), *container.get("args", [])]
     for i, arg in enumerate(args):
         if arg == "--drain-grace-s" and i + 1 < len(args):
@@ -575,8 +634,9 @@ def sidecar_drain(pod_template: dict) -> tuple[float | None, str]:
         return None, "EXIT_ON_ZERO_ACTIVE_CONNECTIONS"
     if "terminationDrainDuration" not in config:
         return ISTIO_TERMINATION_DRAIN_S, "Istio's default terminationDrainDuration"
-    return parse_duration(config["terminationDrainDuration"], "terminationDrainDuration"), \
-        f"proxy.istio.io/config terminationDrainDuration {config['terminationDrainDuration']}"
+    return parse_duration(
+        config["terminationDrainDuration"], "terminationDrainDuration"
+    ), f"proxy.istio.io/config terminationDrainDuration {config['terminationDrainDuration']}"
 
 
 def drain_problems(workload: Workload) -> list[str]:
@@ -605,33 +665,45 @@ def drain_problems(workload: Workload) -> list[str]:
             continue
         delay_s, withdraws = pre_stop(container)
         if not withdraws:
-            found.append(f"{at}: container {name}'s lifecycle.preStop does not withdraw services.{module} "
-                         f"(kill -{WITHDRAW_SIGNAL.name.removeprefix('SIG')} 1): its readiness stays true until "
-                         "SIGTERM, so callers learn of the stop only once it drains")
+            found.append(
+                f"{at}: container {name}'s lifecycle.preStop does not withdraw services.{module} "
+                f"(kill -{WITHDRAW_SIGNAL.name.removeprefix('SIG')} 1): its readiness stays true until "
+                "SIGTERM, so callers learn of the stop only once it drains"
+            )
         probe = container.get("readinessProbe") or {}
         if "grpc" not in probe:
-            found.append(f"{at}: container {name}'s readinessProbe is no gRPC health probe: it cannot see the "
-                         "withdrawal's NOT_SERVING")
+            found.append(
+                f"{at}: container {name}'s readinessProbe is no gRPC health probe: it cannot see the "
+                "withdrawal's NOT_SERVING"
+            )
         else:
             period, threshold = probe.get("periodSeconds", 10), probe.get("failureThreshold", 3)
             seen_s = period * threshold + ENDPOINT_PROPAGATION_S
             if seen_s > delay_s:
-                found.append(f"{at}: container {name}'s readinessProbe periodSeconds {period} x failureThreshold "
-                             f"{threshold} + {ENDPOINT_PROPAGATION_S:g} s for callers to learn it = {seen_s:g} s is "
-                             f"longer than lifecycle.preStop's delay {delay_s:g} s: the pod still takes calls when "
-                             "SIGTERM starts its drain")
+                found.append(
+                    f"{at}: container {name}'s readinessProbe periodSeconds {period} x failureThreshold "
+                    f"{threshold} + {ENDPOINT_PROPAGATION_S:g} s for callers to learn it = {seen_s:g} s is "
+                    f"longer than lifecycle.preStop's delay {delay_s:g} s: the pod still takes calls when "
+                    "SIGTERM starts its drain"
+                )
         needed_s = delay_s + drain_s + SHUTDOWN_MARGIN_S
         if grace < needed_s:
-            found.append(f"{at}: terminationGracePeriodSeconds {grace} is below container {name}'s preStop "
-                         f"{delay_s:g} s + drain grace {drain_s:g} s ({drain_from}) + margin "
-                         f"{SHUTDOWN_MARGIN_S:g} s = {needed_s:g} s: the drain would be killed")
+            found.append(
+                f"{at}: terminationGracePeriodSeconds {grace} is below container {name}'s preStop "
+                f"{delay_s:g} s + drain grace {drain_s:g} s ({drain_from}) + margin "
+                f"{SHUTDOWN_MARGIN_S:g} s = {needed_s:g} s: the drain would be killed"
+            )
         if sidecar_s is not None and sidecar_s < delay_s + drain_s:
-            found.append(f"{at}: the sidecar's drain {sidecar_s:g} s ({sidecar_from}) is shorter than container "
-                         f"{name}'s preStop {delay_s:g} s + drain grace {drain_s:g} s ({drain_from}) = "
-                         f"{delay_s + drain_s:g} s: its sidecar would stop carrying its calls mid-drain")
+            found.append(
+                f"{at}: the sidecar's drain {sidecar_s:g} s ({sidecar_from}) is shorter than container "
+                f"{name}'s preStop {delay_s:g} s + drain grace {drain_s:g} s ({drain_from}) = "
+                f"{delay_s + drain_s:g} s: its sidecar would stop carrying its calls mid-drain"
+            )
     if sidecar_s is not None and sidecar_s >= grace:
-        found.append(f"{at}: the sidecar's drain {sidecar_s:g} s ({sidecar_from}) is not within "
-                     f"terminationGracePeriodSeconds {grace}: it would be killed, not exit")
+        found.append(
+            f"{at}: the sidecar's drain {sidecar_s:g} s ({sidecar_from}) is not within "
+            f"terminationGracePeriodSeconds {grace}: it would be killed, not exit"
+        )
     return found
 
 
@@ -642,11 +714,15 @@ def disruption_budgets(workload: Workload, budgets: list[dict], replicas: int) -
     at = f"Deployment/{workload.name}"
     mine = [b for b in budgets if workload.selected_by(b["spec"].get("selector", {}).get("matchLabels", {}))]
     if not mine:
-        return [f"{at}: no PodDisruptionBudget selects its pods ({workload.labels}): a node drain may evict "
-                "every replica at once"]
+        return [
+            f"{at}: no PodDisruptionBudget selects its pods ({workload.labels}): a node drain may evict "
+            "every replica at once"
+        ]
     if len(mine) > 1:
-        return [f"{at}: {len(mine)} PodDisruptionBudgets select its pods ({', '.join(map(name_of, mine))}): "
-                "the eviction API refuses to evict such pods"]
+        return [
+            f"{at}: {len(mine)} PodDisruptionBudgets select its pods ({', '.join(map(name_of, mine))}): "
+            "the eviction API refuses to evict such pods"
+        ]
     (budget,) = mine
     spec = budget["spec"]
     if "maxUnavailable" in spec:
@@ -656,11 +732,12 @@ def disruption_budgets(workload: Workload, budgets: list[dict], replicas: int) -
         field, value = "minAvailable", spec.get("minAvailable", 1)
         allowed = replicas - _budget_count(value, replicas)
     if allowed < 1:
-        return [f"{name_of(budget)}: {field} {value} with {at}'s {replicas} replica(s) allows no eviction: a "
-                "node drain would wait forever"]
+        return [
+            f"{name_of(budget)}: {field} {value} with {at}'s {replicas} replica(s) allows no eviction: a "
+            "node drain would wait forever"
+        ]
     if replicas >= 2 and allowed >= replicas:
-        return [f"{name_of(budget)}: {field} {value} with {at}'s {replicas} replicas lets every one be evicted "
-                "at once"]
+        return [f"{name_of(budget)}: {field} {value} with {at}'s {replicas} replicas lets every one be evicted at once"]
     return []
 
 
@@ -675,8 +752,11 @@ def stopping_problems(docs: list[dict]) -> list[str]:
     workloads = [Workload(d) for d in docs if d["kind"] == "Deployment"]
     budgets = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
     autoscalers = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
-    return [problem for w in workloads
-            for problem in disruption_budgets(w, budgets, fewest_replicas(w, autoscalers)) + drain_problems(w)]
+    return [
+        problem
+        for w in workloads
+        for problem in disruption_budgets(w, budgets, fewest_replicas(w, autoscalers)) + drain_problems(w)
+    ]
 
 
 def _budget_count(value, replicas: int) -> int:
@@ -702,8 +782,10 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
     workloads = [Workload(d) for d in by_kind.get("Deployment", [])]
     services = {d["metadata"]["name"]: d for d in by_kind.get("Service", [])}
     accounts = {d["metadata"]["name"] for d in by_kind.get("ServiceAccount", [])}
-    rules = {_short_host(d["spec"]["host"], d["metadata"].get("namespace", "")): d
-             for d in by_kind.get("DestinationRule", [])}
+    rules = {
+        _short_host(d["spec"]["host"], d["metadata"].get("namespace", "")): d
+        for d in by_kind.get("DestinationRule", [])
+    }
     namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] not in ("Namespace",)}
     if len(namespaces) != 1 or None in namespaces:
         found.append(f"resources are spread over namespaces {sorted(map(str, namespaces))}; expected one")
@@ -726,15 +808,29 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
             found.append(f"Service/{name}: its selector {service['spec'].get('selector')} matches no Deployment")
         for port in service["spec"].get("ports", []):
             protocol = port.get("appProtocol") or port.get("name", "").split("-")[0]
-            if protocol not in ("grpc", "http", "http2", "tcp", "tls", "https", "grpc-web", "mongo", "mysql",
-                                "redis", "udp"):
-                found.append(f"Service/{name}: port {port.get('name')!r} names no protocol for Istio "
-                             "(name it grpc-..., http-..., tcp-... or set appProtocol)")
+            if protocol not in (
+                "grpc",
+                "http",
+                "http2",
+                "tcp",
+                "tls",
+                "https",
+                "grpc-web",
+                "mongo",
+                "mysql",
+                "redis",
+                "udp",
+            ):
+                found.append(
+                    f"Service/{name}: port {port.get('name')!r} names no protocol for Istio "
+                    "(name it grpc-..., http-..., tcp-... or set appProtocol)"
+                )
             target = port.get("targetPort", port["port"])
             for workload in behind:
                 if isinstance(target, str) and target not in workload.port_names():
-                    found.append(f"Service/{name}: targetPort {target!r} is no container port of "
-                                 f"Deployment/{workload.name}")
+                    found.append(
+                        f"Service/{name}: targetPort {target!r} is no container port of Deployment/{workload.name}"
+                    )
 
     # Containers: probes, environment, service accounts.
     for workload in workloads:
@@ -750,14 +846,20 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
                 if probe["port"] not in ports:
                     found.append(f"Deployment/{workload.name}: {kind} asks port {probe['port']}, not a container port")
                 if module and probe.get("service", "") not in health_services(module):
-                    found.append(f"Deployment/{workload.name}: {kind} asks health of {probe.get('service')!r}; "
-                                 f"services.{module} registers {sorted(health_services(module))}")
+                    found.append(
+                        f"Deployment/{workload.name}: {kind} asks health of {probe.get('service')!r}; "
+                        f"services.{module} registers {sorted(health_services(module))}"
+                    )
             if module in SERVICES:
                 prefix = SERVICES[module][1]
                 for env in container.get("env", []):
-                    if env["name"].startswith(prefix) and env["name"][len(prefix):].lower() not in config_fields(module):
-                        found.append(f"Deployment/{workload.name}: {env['name']} sets no field of services.{module}'s "
-                                     f"config (fields: {', '.join(sorted(config_fields(module)))})")
+                    if env["name"].startswith(prefix) and env["name"][len(prefix) :].lower() not in config_fields(
+                        module
+                    ):
+                        found.append(
+                            f"Deployment/{workload.name}: {env['name']} sets no field of services.{module}'s "
+                            f"config (fields: {', '.join(sorted(config_fields(module)))})"
+                        )
 
     # Memory: each pod's limit covers its service's byte budget and baseline.
     for workload in workloads:
@@ -776,18 +878,24 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
                     callee = services.get(host)
                     if callee is None:
                         continue
-                    target_port = next((p.get("targetPort", p["port"]) for p in callee["spec"]["ports"]
-                                        if p["port"] == int(port)), None)
+                    target_port = next(
+                        (p.get("targetPort", p["port"]) for p in callee["spec"]["ports"] if p["port"] == int(port)),
+                        None,
+                    )
                     if target_port is None:
-                        found.append(f"Deployment/{workload.name}: {env['name']} names port {port} that "
-                                     f"Service/{host} does not expose")
+                        found.append(
+                            f"Deployment/{workload.name}: {env['name']} names port {port} that "
+                            f"Service/{host} does not expose"
+                        )
                         continue
                     for pod in backing(callee):
                         container_port = pod.port_names().get(target_port, target_port)
                         if not _allowed(policies, pod, workload.service_account, namespace, container_port):
-                            found.append(f"Deployment/{workload.name} calls Service/{host} ({env['name']}), but no "
-                                         f"AuthorizationPolicy allows service account {workload.service_account!r} "
-                                         f"to reach Deployment/{pod.name} on port {container_port}")
+                            found.append(
+                                f"Deployment/{workload.name} calls Service/{host} ({env['name']}), but no "
+                                f"AuthorizationPolicy allows service account {workload.service_account!r} "
+                                f"to reach Deployment/{pod.name} on port {container_port}"
+                            )
     for policy in policies:
         selector = policy["spec"].get("selector", {}).get("matchLabels", {})
         if selector and not any(w.selected_by(selector) for w in workloads):
@@ -797,8 +905,10 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
                 for principal in source.get("principals", []):
                     parts = principal.split("/")
                     if len(parts) == 5 and (parts[2] != namespace or parts[4] not in accounts):
-                        found.append(f"{name_of(policy)}: principal {principal!r} is no service account of "
-                                     f"namespace {namespace!r}")
+                        found.append(
+                            f"{name_of(policy)}: principal {principal!r} is no service account of "
+                            f"namespace {namespace!r}"
+                        )
 
     # Identity the mesh writes: a header a RequestAuthentication fills from verified
     # JWTs is one the workload trusts, so a copy that arrives without a JWT is refused.
@@ -812,10 +922,12 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
                 header = output.get("header", "").lower()
                 for workload in selected:
                     if not _refuses_unverified(policies, workload, header):
-                        found.append(f"{name_of(authentication)} writes {header} for Deployment/{workload.name} from "
-                                     "verified JWTs, but no DENY AuthorizationPolicy refuses a request that carries "
-                                     "it without one (notRequestPrincipals [\"*\"], when request.headers["
-                                     f"{header}] present)")
+                        found.append(
+                            f"{name_of(authentication)} writes {header} for Deployment/{workload.name} from "
+                            "verified JWTs, but no DENY AuthorizationPolicy refuses a request that carries "
+                            'it without one (notRequestPrincipals ["*"], when request.headers['
+                            f"{header}] present)"
+                        )
 
         for workload in selected:
             # It judges callers by identity, so x-forwarded-client-cert must be its
@@ -827,10 +939,12 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
                 found.append(f"Deployment/{workload.name}: proxy.istio.io/config is not JSON")
                 continue
             if forwarded not in ("SANITIZE_SET", "SANITIZE"):
-                found.append(f"Deployment/{workload.name} authenticates callers ({name_of(authentication)}) but its "
-                             f"sidecar forwards x-forwarded-client-cert as {forwarded or 'APPEND_FORWARD'}, keeping "
-                             "a copy the caller sent: set proxyHeaders.forwardedClientCert SANITIZE_SET in "
-                             "proxy.istio.io/config")
+                found.append(
+                    f"Deployment/{workload.name} authenticates callers ({name_of(authentication)}) but its "
+                    f"sidecar forwards x-forwarded-client-cert as {forwarded or 'APPEND_FORWARD'}, keeping "
+                    "a copy the caller sent: set proxyHeaders.forwardedClientCert SANITIZE_SET in "
+                    "proxy.istio.io/config"
+                )
 
     # Routes: hosts, subsets, timeouts on streams; outlier detection that can act.
     for service in by_kind.get("VirtualService", []):
@@ -846,22 +960,38 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
                     found.append(f"{name_of(service)} route {route_name}: destination {host!r} is no Service")
                     continue
                 behind = backing(services[host])
-                streaming = any(streams_bidirectionally(m) for w in behind for c in w.containers
-                                if (m := w.service_module(c)) in SERVICES)
+                streaming = any(
+                    streams_bidirectionally(m)
+                    for w in behind
+                    for c in w.containers
+                    if (m := w.service_module(c)) in SERVICES
+                )
                 if streaming and "timeout" in http:
-                    found.append(f"{name_of(service)} route {route_name}: {host} carries bidirectional streams; "
-                                 f"a route timeout ({http['timeout']}) would cut every stream at that age")
+                    found.append(
+                        f"{name_of(service)} route {route_name}: {host} carries bidirectional streams; "
+                        f"a route timeout ({http['timeout']}) would cut every stream at that age"
+                    )
                 if subset is None:
                     continue
                 rule = rules.get(host)
-                labels = next((s.get("labels", {}) for s in (rule or {}).get("spec", {}).get("subsets", [])
-                               if s["name"] == subset), None)
+                labels = next(
+                    (
+                        s.get("labels", {})
+                        for s in (rule or {}).get("spec", {}).get("subsets", [])
+                        if s["name"] == subset
+                    ),
+                    None,
+                )
                 if labels is None:
-                    found.append(f"{name_of(service)} route {route_name}: subset {subset!r} of {host} is defined by "
-                                 "no DestinationRule")
+                    found.append(
+                        f"{name_of(service)} route {route_name}: subset {subset!r} of {host} is defined by "
+                        "no DestinationRule"
+                    )
                 elif not any(w.selected_by(labels) for w in behind):
-                    found.append(f"{name_of(service)} route {route_name}: subset {subset!r} ({labels}) selects no "
-                                 f"pod behind Service/{host}")
+                    found.append(
+                        f"{name_of(service)} route {route_name}: subset {subset!r} ({labels}) selects no "
+                        f"pod behind Service/{host}"
+                    )
     for host, rule in rules.items():
         if host not in services:
             found.append(f"{name_of(rule)}: host {host!r} is no Service of the namespace")
@@ -872,14 +1002,17 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
         percent = outlier.get("maxEjectionPercent", 10)  # Istio's default
         pools = [("every replica", backing(services[host]))] + [
             (f"subset {s['name']}", [w for w in backing(services[host]) if w.selected_by(s.get("labels", {}))])
-            for s in rule["spec"].get("subsets", [])]
+            for s in rule["spec"].get("subsets", [])
+        ]
         for label, pool in pools:
             count = sum(replicas(w) for w in pool)
             # Envoy ejects a host only while (ejected + 1) / hosts <= maxEjectionPercent.
             # (A pool of one has nowhere else to send its traffic: nothing to check.)
             if count >= 2 and 100.0 / count > percent:
-                found.append(f"{name_of(rule)}: with {count} replica(s) in {label}, maxEjectionPercent {percent} "
-                             f"ejects nothing (Envoy needs (ejected + 1) / hosts <= {percent}%)")
+                found.append(
+                    f"{name_of(rule)}: with {count} replica(s) in {label}, maxEjectionPercent {percent} "
+                    f"ejects nothing (Envoy needs (ejected + 1) / hosts <= {percent}%)"
+                )
 
     # Scaling and disruption.
     served = _adapter_metrics(adapter_values)
@@ -889,17 +1022,23 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
         if scaled is None:
             found.append(f"{name_of(hpa)}: scales {target['kind']}/{target['name']}, which does not exist")
         elif "replicas" in scaled.doc["spec"]:
-            found.append(f"{name_of(scaled.doc)}: sets spec.replicas though {name_of(hpa)} scales it "
-                         "(every apply would reset the autoscaler's count)")
+            found.append(
+                f"{name_of(scaled.doc)}: sets spec.replicas though {name_of(hpa)} scales it "
+                "(every apply would reset the autoscaler's count)"
+            )
         for metric in hpa["spec"].get("metrics", []):
             if metric["type"] == "Pods":
                 wanted = metric["pods"]["metric"]["name"]
                 if wanted not in served:
-                    found.append(f"{name_of(hpa)}: Pods metric {wanted!r} is not served by prometheus-adapter "
-                                 f"({adapter_values.name} serves {sorted(served)})")
+                    found.append(
+                        f"{name_of(hpa)}: Pods metric {wanted!r} is not served by prometheus-adapter "
+                        f"({adapter_values.name} serves {sorted(served)})"
+                    )
                 elif served[wanted] not in monitoring.exported():
-                    found.append(f"{name_of(hpa)}: prometheus-adapter builds {wanted!r} from {served[wanted]!r}, "
-                                 "which no service of ours exports")
+                    found.append(
+                        f"{name_of(hpa)}: prometheus-adapter builds {wanted!r} from {served[wanted]!r}, "
+                        "which no service of ours exports"
+                    )
         if hpa["spec"].get("minReplicas", 1) > hpa["spec"]["maxReplicas"]:
             found.append(f"{name_of(hpa)}: minReplicas is above maxReplicas")
         down = (hpa["spec"].get("behavior") or {}).get("scaleDown") or {}
@@ -926,8 +1065,12 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
 def _allowed(policies: list[dict], pod: Workload, account: str, namespace: str, port: int) -> bool:
     """Whether Istio's ALLOW policies let `account` reach `pod` on `port` (no
     ALLOW policy selecting the pod means everything is allowed)."""
-    applicable = [p for p in policies if p["spec"].get("action", "ALLOW") == "ALLOW"
-                  and pod.selected_by(p["spec"].get("selector", {}).get("matchLabels", {}))]
+    applicable = [
+        p
+        for p in policies
+        if p["spec"].get("action", "ALLOW") == "ALLOW"
+        and pod.selected_by(p["spec"].get("selector", {}).get("matchLabels", {}))
+    ]
     if not applicable:
         return True
     for policy in applicable:
@@ -936,7 +1079,8 @@ def _allowed(policies: list[dict], pod: Workload, account: str, namespace: str, 
             operations = [t.get("operation", {}) for t in rule.get("to", [])]
             source_ok = not sources or any(
                 any(p in ("*", f"cluster.local/ns/{namespace}/sa/{account}") for p in s.get("principals", ["*"]))
-                for s in sources)
+                for s in sources
+            )
             port_ok = not operations or any(str(port) in map(str, o.get("ports", [port])) for o in operations)
             if source_ok and port_ok:
                 return True
@@ -954,11 +1098,15 @@ def _refuses_unverified(policies: list[dict], pod: Workload, header: str) -> boo
             continue
         for rule in policy["spec"].get("rules") or []:
             sources = [s.get("source", {}) for s in rule.get("from") or []]
-            unverified = bool(sources) and all(s.keys() == {"notRequestPrincipals"} and "*" in s["notRequestPrincipals"]
-                                               for s in sources)
+            unverified = bool(sources) and all(
+                s.keys() == {"notRequestPrincipals"} and "*" in s["notRequestPrincipals"] for s in sources
+            )
             ports = {str(p) for t in rule.get("to") or [] for p in (t.get("operation") or {}).get("ports", [])}
-            carried = [c for c in rule.get("when") or []
-                       if c.get("key", "").lower() == f"request.headers[{header}]" and "*" in (c.get("values") or [])]
+            carried = [
+                c
+                for c in rule.get("when") or []
+                if c.get("key", "").lower() == f"request.headers[{header}]" and "*" in (c.get("values") or [])
+            ]
             others = [c for c in rule.get("when") or [] if c not in carried]
             if unverified and carried and not others and _serves_only(pod, ports):
                 return True
@@ -969,8 +1117,12 @@ def _serves_only(pod: Workload, ports: set[str]) -> bool:
     """Whether `ports` (none: every port) covers each gRPC port of the pod's services."""
     if not ports:
         return True
-    grpc_ports = {str(p["containerPort"]) for c in pod.containers for p in c.get("ports", [])
-                  if p.get("name", "").startswith("grpc")}
+    grpc_ports = {
+        str(p["containerPort"])
+        for c in pod.containers
+        for p in c.get("ports", [])
+        if p.get("name", "").startswith("grpc")
+    }
     return grpc_ports <= ports
 
 
@@ -1002,8 +1154,9 @@ def problems(docs: list[dict], crds: CrdSchemas) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kustomizations", nargs="*", type=pathlib.Path,
-                        default=sorted(p for p in OVERLAYS.iterdir() if p.is_dir()))
+    parser.add_argument(
+        "kustomizations", nargs="*", type=pathlib.Path, default=sorted(p for p in OVERLAYS.iterdir() if p.is_dir())
+    )
     args = parser.parse_args(argv)
     try:
         crds = CrdSchemas()

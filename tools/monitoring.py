@@ -34,8 +34,9 @@ DASHBOARD = ROOT / "mesh" / "kubernetes" / "base" / "grafana" / "infermesh-dashb
 RULES = ROOT / "mesh" / "kubernetes" / "monitoring" / "infermesh-alerts.yaml"
 MANIFESTS = ROOT / "mesh" / "kubernetes" / "base"
 # Where metrics are declared: each service's metrics module, and the GC's.
-METRICS_MODULES = tuple(sorted(f"services.{p.parent.name}.metrics" for p in SERVICES.glob("*/metrics.py"))) \
-    + ("services.common.collector",)
+METRICS_MODULES = tuple(sorted(f"services.{p.parent.name}.metrics" for p in SERVICES.glob("*/metrics.py"))) + (
+    "services.common.collector",
+)
 # Added to every series when Prometheus scrapes a pod (the kubernetes-pods job);
 # their values are the deployment's, not the code's.
 SCRAPE_LABELS = frozenset({"namespace", "pod", "instance", "job", "container", "node"})
@@ -57,8 +58,9 @@ def _pod_templates() -> list[dict]:
 
 
 def _containers() -> frozenset[str]:
-    return frozenset(c["name"] for t in _pod_templates() for c in (t.get("spec") or {}).get("containers") or []
-                     if "name" in c)
+    return frozenset(
+        c["name"] for t in _pod_templates() for c in (t.get("spec") or {}).get("containers") or [] if "name" in c
+    )
 
 
 def _pod_apps() -> frozenset[str]:
@@ -69,18 +71,46 @@ def _pod_apps() -> frozenset[str]:
 # and where the values of the labels they match on come from.
 EXTERNAL: dict[str, tuple[frozenset[str], dict]] = {
     # Istio's sidecars (the standard metric labels).
-    "istio_requests_total": (frozenset({
-        "reporter", "source_workload", "source_workload_namespace", "source_principal", "source_app",
-        "source_version", "source_cluster", "source_canonical_service", "source_canonical_revision",
-        "destination_workload", "destination_workload_namespace", "destination_principal", "destination_app",
-        "destination_version", "destination_service", "destination_service_name", "destination_service_namespace",
-        "destination_cluster", "destination_canonical_service", "destination_canonical_revision", "request_protocol",
-        "response_code", "grpc_response_status", "response_flags", "connection_security_policy"}), {
-        "grpc_response_status": lambda: frozenset(str(code.value[0]) for code in grpc.StatusCode),
-        "destination_app": _pod_apps}),
+    "istio_requests_total": (
+        frozenset(
+            {
+                "reporter",
+                "source_workload",
+                "source_workload_namespace",
+                "source_principal",
+                "source_app",
+                "source_version",
+                "source_cluster",
+                "source_canonical_service",
+                "source_canonical_revision",
+                "destination_workload",
+                "destination_workload_namespace",
+                "destination_principal",
+                "destination_app",
+                "destination_version",
+                "destination_service",
+                "destination_service_name",
+                "destination_service_namespace",
+                "destination_cluster",
+                "destination_canonical_service",
+                "destination_canonical_revision",
+                "request_protocol",
+                "response_code",
+                "grpc_response_status",
+                "response_flags",
+                "connection_security_policy",
+            }
+        ),
+        {
+            "grpc_response_status": lambda: frozenset(str(code.value[0]) for code in grpc.StatusCode),
+            "destination_app": _pod_apps,
+        },
+    ),
     # kube-state-metrics.
-    "kube_pod_container_status_restarts_total": (frozenset({"namespace", "pod", "container", "uid"}), {
-        "container": _containers}),
+    "kube_pod_container_status_restarts_total": (
+        frozenset({"namespace", "pod", "container", "uid"}),
+        {"container": _containers},
+    ),
 }
 
 
@@ -95,7 +125,7 @@ class Series:
     variable: str
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def exported() -> dict[str, Series]:
     """Every series name our services export, by the suffixes Prometheus gives each type."""
     names: dict[str, Series] = {}
@@ -104,9 +134,13 @@ def exported() -> dict[str, Series]:
             if not isinstance(value, prometheus_client.metrics.MetricWrapperBase):
                 continue
             labels, base, kind = frozenset(value._labelnames), value._name, value._type
-            suffixes = {"counter": {"_total": labels}, "gauge": {"": labels}, "info": {"_info": labels},
-                        "histogram": {"_bucket": labels | {"le"}, "_sum": labels, "_count": labels},
-                        "summary": {"_sum": labels, "_count": labels, "": labels | {"quantile"}}}[kind]
+            suffixes = {
+                "counter": {"_total": labels},
+                "gauge": {"": labels},
+                "info": {"_info": labels},
+                "histogram": {"_bucket": labels | {"le"}, "_sum": labels, "_count": labels},
+                "summary": {"_sum": labels, "_count": labels, "": labels | {"quantile"}},
+            }[kind]
             for suffix, its_labels in suffixes.items():
                 names[base + suffix] = Series(its_labels, kind, module, variable)
     return names
@@ -155,9 +189,9 @@ class _Resolver:
                 return None
         found = []
         for node in ast.walk(scope):
-            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-                found.append(node.value)
-            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
+            if (
+                isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+            ) or (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name):
                 found.append(node.value)
             elif isinstance(node, (ast.For, ast.comprehension, ast.With, ast.NamedExpr)):
                 targets = [node.target] if not isinstance(node, ast.With) else [i.optional_vars for i in node.items]
@@ -222,7 +256,7 @@ class _Resolver:
         return [key]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def label_values() -> dict[tuple[str, str], Values]:
     """(module.variable of a metric, label) -> the values the services set it to."""
     from services.common.metrics import Children
@@ -253,8 +287,13 @@ def label_values() -> dict[tuple[str, str], Values]:
                 target, children, arguments = node.value, True, None
             else:
                 continue
-            name = target.attr if isinstance(target, ast.Attribute) else target.id if isinstance(target, ast.Name) \
+            name = (
+                target.attr
+                if isinstance(target, ast.Attribute)
+                else target.id
+                if isinstance(target, ast.Name)
                 else None
+            )
             if name not in visible or visible[name][2] != children:
                 continue
             metric, labels, _ = visible[name]
@@ -281,8 +320,9 @@ def label_values() -> dict[tuple[str, str], Values]:
 
 def _selectors(expr) -> list:
     found = []
-    promql_parser.walk(expr, pre_visit=lambda n: found.append(n) if isinstance(n, promql_parser.VectorSelector)
-                       else None)
+    promql_parser.walk(
+        expr, pre_visit=lambda n: found.append(n) if isinstance(n, promql_parser.VectorSelector) else None
+    )
     return found
 
 
@@ -311,9 +351,14 @@ def expression_problems(expr: str, where: str) -> list[str]:
         name = selector.name
         labels = _labels_of(selector)
         if labels is None:
-            found.append(f"{where}: {name} is not a series our services export"
-                         + ("" if name and name.startswith("infermesh_") else
-                            " (nor one of the other exporters' series in tools/monitoring.py EXTERNAL)"))
+            found.append(
+                f"{where}: {name} is not a series our services export"
+                + (
+                    ""
+                    if name and name.startswith("infermesh_")
+                    else " (nor one of the other exporters' series in tools/monitoring.py EXTERNAL)"
+                )
+            )
             continue
         for matcher in selector.matchers.matchers:
             if matcher.name == "__name__":
@@ -349,11 +394,14 @@ def _value_problems(series: str, matcher) -> list[str]:
         if value in values.known:
             continue
         if values.unread:
-            problems.append(f"{series}{{{matcher}}}: cannot tell whether {matcher.name} is ever {value!r}: the code "
-                            f"sets it where the check cannot read it ({', '.join(values.unread[:3])})")
+            problems.append(
+                f"{series}{{{matcher}}}: cannot tell whether {matcher.name} is ever {value!r}: the code "
+                f"sets it where the check cannot read it ({', '.join(values.unread[:3])})"
+            )
         else:
-            problems.append(f"{series}{{{matcher}}}: {matcher.name} is never {value!r}; its values are "
-                            f"{sorted(values.known)}")
+            problems.append(
+                f"{series}{{{matcher}}}: {matcher.name} is never {value!r}; its values are {sorted(values.known)}"
+            )
     return problems
 
 
@@ -374,8 +422,10 @@ def _grouping_problems(tree) -> list[str]:
             under = set(SCRAPE_LABELS).union(*known)
             for label in modifier_labels:
                 if label not in under:
-                    found.append(f"groups or matches by {label!r}, which no series under it has "
-                                 f"({', '.join(sorted({s.name for s in _selectors(node)}))})")
+                    found.append(
+                        f"groups or matches by {label!r}, which no series under it has "
+                        f"({', '.join(sorted({s.name for s in _selectors(node)}))})"
+                    )
 
     promql_parser.walk(tree, pre_visit=visit)
     return found
@@ -426,7 +476,7 @@ def dashboard_problems(dashboard: dict) -> list[str]:
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _anchors(doc: pathlib.Path) -> frozenset[str]:
     """The anchors GitHub gives the headings of a Markdown file."""
     anchors, fenced = set(), False

@@ -57,11 +57,16 @@ def many_inputs(size: int = SIZE_BYTES) -> Attack:
     return Attack("many_inputs", request.SerializeToString(), "inputs")
 
 
-KINDS = {"empty_bytes_raw": empty_bytes_raw, "empty_bytes_typed": empty_bytes_typed, "long_text": long_text,
-         "many_inputs": many_inputs}
+KINDS = {
+    "empty_bytes_raw": empty_bytes_raw,
+    "empty_bytes_typed": empty_bytes_typed,
+    "long_text": long_text,
+    "many_inputs": many_inputs,
+}
 
 
 def all_attacks(scale: float = 1.0) -> list[Attack]:
     """One Attack of each kind, of `scale` times its full size."""
-    return [build(int((15 * 1024 * 1024 if kind == "long_text" else SIZE_BYTES) * scale))
-            for kind, build in KINDS.items()]
+    return [
+        build(int((15 * 1024 * 1024 if kind == "long_text" else SIZE_BYTES) * scale)) for kind, build in KINDS.items()
+    ]

@@ -19,8 +19,10 @@ def burners(count: int):
     """`count` spinning processes, each a session of its own: where the kernel
     shares CPU between sessions (autogroup), each then competes as an unrelated
     program would, not as a share of this one's."""
-    spinning = [subprocess.Popen([sys.executable, "-c", BURNER], stdin=subprocess.DEVNULL, start_new_session=True)
-                for _ in range(count)]
+    spinning = [
+        subprocess.Popen([sys.executable, "-c", BURNER], stdin=subprocess.DEVNULL, start_new_session=True)
+        for _ in range(count)
+    ]
     try:
         yield spinning
     finally:
@@ -34,8 +36,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=2, help="how many shuffled runs, each with a new seed")
     parser.add_argument("--seed", type=int, help="the first round's seed (to replay a failed round's order)")
-    parser.add_argument("--burners", type=int, default=len(os.sched_getaffinity(0)),
-                        help="busy processes, one per core by default")
+    parser.add_argument(
+        "--burners", type=int, default=len(os.sched_getaffinity(0)), help="busy processes, one per core by default"
+    )
     parser.add_argument("--tiers", default="service or e2e", help="the pytest -m expression to run")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args()
@@ -47,14 +50,34 @@ def main() -> int:
     seeds += [random.SystemRandom().getrandbits(32) for _ in range(args.rounds - len(seeds))]
     with burners(args.burners):
         for round_number, seed in enumerate(seeds, 1):
-            print(f"test-stress: round {round_number}/{args.rounds}, {args.burners} busy processes, "
-                  f"--randomly-seed={seed}", flush=True)
-            done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-p", "randomly", f"--randomly-seed={seed}",
-                                   "-m", args.tiers, *args.pytest_args, "tests"], cwd=ROOT)
+            print(
+                f"test-stress: round {round_number}/{args.rounds}, {args.burners} busy processes, "
+                f"--randomly-seed={seed}",
+                flush=True,
+            )
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-x",
+                    "-p",
+                    "randomly",
+                    f"--randomly-seed={seed}",
+                    "-m",
+                    args.tiers,
+                    *args.pytest_args,
+                    "tests",
+                ],
+                cwd=ROOT,
+            )
             if done.returncode != 0:
-                print(f"test-stress: round {round_number} failed with --randomly-seed={seed}; replay its order "
-                      f"with 'make test-stress SEED={seed} ROUNDS=1' (or without load, 'make test SEED={seed}')",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"test-stress: round {round_number} failed with --randomly-seed={seed}; replay its order "
+                    f"with 'make test-stress SEED={seed} ROUNDS=1' (or without load, 'make test SEED={seed}')",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return done.returncode
     print(f"test-stress: {args.rounds} rounds passed (seeds {', '.join(map(str, seeds))})", flush=True)
     return 0

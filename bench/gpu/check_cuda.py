@@ -37,7 +37,11 @@ async def main() -> int:
     (work / "minilm").symlink_to((ROOT / "build" / "models" / "minilm").resolve(), target_is_directory=True)
     _, cpu = await embed(work, "cpu")
     failed = 0
-    for label, overrides in (("whole model", None), ("tp_degree 2", {"tp_degree": 2}), ("tp_degree 4", {"tp_degree": 4})):
+    for label, overrides in (
+        ("whole model", None),
+        ("tp_degree 2", {"tp_degree": 2}),
+        ("tp_degree 4", {"tp_degree": 4}),
+    ):
         provider, gpu = await embed(work, "cuda", overrides)
         diff = float(np.abs(gpu - cpu).max())
         ok = provider == "CUDAExecutionProvider" and diff <= 1e-3

@@ -41,9 +41,11 @@ class Minilm:
 
     def embed(self, texts: list[str]) -> np.ndarray:
         encodings = self._tokenizer.encode_batch(texts)
-        feeds = {"input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
-                 "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
-                 "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64)}
+        feeds = {
+            "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+            "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
+        }
         return self._session.run([self._output], feeds)[0]
 
 

@@ -37,18 +37,17 @@ import time
 
 import numpy as np
 import tritonclient.grpc
+from onnx_models import Minilm, Mlp
 from pytriton.decorators import batch
 from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 from pytriton.triton import Triton, TritonConfig
-
-from onnx_models import Minilm, Mlp
 
 
 def minilm_callable(model_dir: pathlib.Path, threads: int | None):
     model = Minilm(model_dir, threads)
 
     @batch  # Triton's batch of requests arrives as one stacked array per input
-    def infer(TEXT: np.ndarray) -> dict[str, np.ndarray]:  # noqa: N803 - the tensor's name
+    def infer(TEXT: np.ndarray) -> dict[str, np.ndarray]:
         return {"EMBEDDING": model.embed([t.decode() for t in TEXT.reshape(-1)])}
 
     return infer
@@ -58,7 +57,7 @@ def mlp_callable(model_dir: pathlib.Path, threads: int | None):
     model = Mlp(model_dir, threads)
 
     @batch
-    def infer(INPUT0: np.ndarray) -> dict[str, np.ndarray]:  # noqa: N803 - the tensor's name
+    def infer(INPUT0: np.ndarray) -> dict[str, np.ndarray]:
         return {"OUTPUT0": model.run(INPUT0)}
 
     return infer
@@ -104,30 +103,48 @@ def main() -> int:
 
     batcher = DynamicBatcher(max_queue_delay_microseconds=int(args.max_queue_delay_ms * 1000))
     model_config = ModelConfig(max_batch_size=args.max_batch_size, batcher=batcher)
-    triton_config = TritonConfig(grpc_address="127.0.0.1", grpc_port=args.grpc_port,
-                                 http_address="127.0.0.1", http_port=args.http_port,
-                                 metrics_address="127.0.0.1", metrics_port=args.metrics_port,
-                                 allow_gpu_metrics=False)
+    triton_config = TritonConfig(
+        grpc_address="127.0.0.1",
+        grpc_port=args.grpc_port,
+        http_address="127.0.0.1",
+        http_port=args.http_port,
+        metrics_address="127.0.0.1",
+        metrics_port=args.metrics_port,
+        allow_gpu_metrics=False,
+    )
     grpc_address = f"127.0.0.1:{args.grpc_port}"
     cores = len(os.sched_getaffinity(0)) or 1
     layouts = {"shared": (1, args.intra_op_threads), "split": (cores, 1)}  # name -> (instances, threads each)
     signatures = {
-        "minilm": (minilm_callable, [Tensor(name="TEXT", dtype=bytes, shape=(1,))],
-                   [Tensor(name="EMBEDDING", dtype=np.float32, shape=(384,))]),
-        "mlp": (mlp_callable, [Tensor(name="INPUT0", dtype=np.float32, shape=(64,))],
-                [Tensor(name="OUTPUT0", dtype=np.float32, shape=(64,))]),
+        "minilm": (
+            minilm_callable,
+            [Tensor(name="TEXT", dtype=bytes, shape=(1,))],
+            [Tensor(name="EMBEDDING", dtype=np.float32, shape=(384,))],
+        ),
+        "mlp": (
+            mlp_callable,
+            [Tensor(name="INPUT0", dtype=np.float32, shape=(64,))],
+            [Tensor(name="OUTPUT0", dtype=np.float32, shape=(64,))],
+        ),
     }
     names = tuple(f"{model}_{layout}" for model in signatures for layout in layouts)
     try:
         # PyTriton's ZeroMQ sockets live in the workspace, and a Unix socket's path may not pass
         # 107 bytes: a short folder in /tmp, whatever TMPDIR says, keeps every model's socket within.
-        with tempfile.TemporaryDirectory(prefix="pt", dir="/tmp") as workspace, \
-                Triton(config=triton_config, workspace=pathlib.Path(workspace) / "workspace") as triton:
+        with (
+            tempfile.TemporaryDirectory(prefix="pt", dir="/tmp") as workspace,
+            Triton(config=triton_config, workspace=pathlib.Path(workspace) / "workspace") as triton,
+        ):
             for model, (make, inputs, outputs) in signatures.items():
                 for layout, (instances, threads) in layouts.items():
                     callables = [make(args.models / model, threads) for _ in range(instances)]
-                    triton.bind(model_name=f"{model}_{layout}", infer_func=callables if instances > 1 else callables[0],
-                                inputs=inputs, outputs=outputs, config=model_config)
+                    triton.bind(
+                        model_name=f"{model}_{layout}",
+                        infer_func=callables if instances > 1 else callables[0],
+                        inputs=inputs,
+                        outputs=outputs,
+                        config=model_config,
+                    )
             wait_ready(grpc_address, names, timeout_s=180)
             print(json.dumps({"ready": True, "grpc": grpc_address, "pid": os.getpid()}), file=announce, flush=True)
             announce.close()

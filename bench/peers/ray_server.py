@@ -38,9 +38,8 @@ import threading
 import grpc
 import numpy as np
 import ray
-from ray import serve
-
 from onnx_models import Minilm, Mlp
+from ray import serve
 
 SERVICER = "inference.grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server"
 
@@ -54,7 +53,7 @@ def decode_texts(request) -> list[str]:
     raw, texts, at = request.raw_input_contents[0], [], 0
     while at < len(raw):
         (length,) = struct.unpack_from("<I", raw, at)
-        texts.append(raw[at + 4:at + 4 + length].decode())
+        texts.append(raw[at + 4 : at + 4 + length].decode())
         at += 4 + length
     return texts
 
@@ -80,8 +79,12 @@ def fp32_response(request, name: str, array: np.ndarray):
 def check(request, model: str, tensor: str, datatype: str, grpc_context) -> bool:
     """Whether the call is for this model with its one input; if not, the call
     gets INVALID_ARGUMENT (the proxy sends the status set on the context)."""
-    if request.model_name == model and len(request.inputs) == 1 and request.inputs[0].name == tensor \
-            and request.inputs[0].datatype == datatype:
+    if (
+        request.model_name == model
+        and len(request.inputs) == 1
+        and request.inputs[0].name == tensor
+        and request.inputs[0].datatype == datatype
+    ):
         return True
     grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
     grpc_context.set_details(f"this application serves model {model!r} with one input {tensor} {datatype}")
@@ -107,7 +110,7 @@ class MinilmDeployment:
         ends = np.cumsum([len(call) for call in calls])
         return np.split(embeddings, ends[:-1])
 
-    async def ModelInfer(self, request, grpc_context):  # noqa: N802 - the RPC's name, which the proxy calls
+    async def ModelInfer(self, request, grpc_context):
         if not check(request, "minilm", "TEXT", "BYTES", grpc_context):
             return fp32_response(request, "EMBEDDING", np.zeros((0, 384), np.float32))
         return fp32_response(request, "EMBEDDING", await self.embed(decode_texts(request)))
@@ -127,7 +130,7 @@ class MlpDeployment:
         ends = np.cumsum([len(call) for call in calls])
         return np.split(outputs, ends[:-1])
 
-    async def ModelInfer(self, request, grpc_context):  # noqa: N802 - the RPC's name, which the proxy calls
+    async def ModelInfer(self, request, grpc_context):
         if not check(request, "mlp", "INPUT0", "FP32", grpc_context):
             return fp32_response(request, "OUTPUT0", np.zeros((0, 64), np.float32))
         return fp32_response(request, "OUTPUT0", await self.run(decode_fp32(request)))
@@ -160,7 +163,9 @@ def main() -> int:
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--max-queue-delay-ms", type=float, default=2.0)
     parser.add_argument("--intra-op-threads", type=int, default=None, help="ONNX Runtime's; default one per core")
-    parser.add_argument("--object-store-mb", type=int, default=200, help="Ray's object store (nothing large goes there)")
+    parser.add_argument(
+        "--object-store-mb", type=int, default=200, help="Ray's object store (nothing large goes there)"
+    )
     args = parser.parse_args()
 
     # The ready line is the only thing on stdout: whoever started us may read
@@ -172,21 +177,30 @@ def main() -> int:
     # onnx_models.py by name: they inherit this environment from the raylet.
     here = str(pathlib.Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, _temp_dir=str(args.temp_dir.resolve()),
-             object_store_memory=args.object_store_mb * 1024 * 1024, log_to_driver=False, configure_logging=False)
+    ray.init(
+        num_cpus=len(os.sched_getaffinity(0)),
+        include_dashboard=False,
+        _temp_dir=str(args.temp_dir.resolve()),
+        object_store_memory=args.object_store_mb * 1024 * 1024,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     # After ray.init, which installs its own SIGTERM handler (one that exits at once).
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.http_port},
-                    grpc_options={"port": args.grpc_port, "grpc_servicer_functions": [SERVICER]})
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": args.http_port},
+            grpc_options={"port": args.grpc_port, "grpc_servicer_functions": [SERVICER]},
+        )
         cores = len(os.sched_getaffinity(0)) or 1
         for model, deployment in (("minilm", MinilmDeployment), ("mlp", MlpDeployment)):
             for layout, replicas, threads in (("shared", 1, args.intra_op_threads), ("split", cores, 1)):
                 app = f"{model}_{layout}"
                 bound = deployment.options(num_replicas=replicas, ray_actor_options={"num_cpus": 0.1}).bind(
-                    str((args.models / model).resolve()), threads, args.max_batch_size, args.max_queue_delay_ms)
+                    str((args.models / model).resolve()), threads, args.max_batch_size, args.max_queue_delay_ms
+                )
                 serve.run(bound, name=app, route_prefix=f"/{app}")
         address = f"127.0.0.1:{args.grpc_port}"
         probe(address, timeout_s=30)

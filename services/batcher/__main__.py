@@ -17,8 +17,11 @@ async def serve(config: BatcherConfig) -> None:
     policy = None
     if config.traffic_policy_files:
         try:
-            policy = traffic.PolicyFiles([pathlib.Path(p) for p in config.traffic_policy_files], config.traffic_host,
-                                         logging.getLogger("services.batcher.traffic"))
+            policy = traffic.PolicyFiles(
+                [pathlib.Path(p) for p in config.traffic_policy_files],
+                config.traffic_host,
+                logging.getLogger("services.batcher.traffic"),
+            )
         except traffic.PolicyError as exc:
             raise SystemExit(f"batcher: --traffic-policy: {exc}") from None
     replicas = ReplicaSet(config.replicas(), policy, credentials=tls.upstream_credentials(config))

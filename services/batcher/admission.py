@@ -107,8 +107,7 @@ class Admission:
     estimates they rest on, per tier of batch (the model servers run VIP
     batches first, and a VIP pool may run them)."""
 
-    def __init__(self, model: str, policy: QueuePolicy, levels: Levels, slots: SlotPool,
-                 batch_size: Callable[[], int]):
+    def __init__(self, model: str, policy: QueuePolicy, levels: Levels, slots: SlotPool, batch_size: Callable[[], int]):
         self.model = model
         self._policy = policy
         self._levels = levels
@@ -167,7 +166,9 @@ class Admission:
         whose = f"; tenant '{item.tenant}' holds {held} of them, its share is {share:.0f}" if shared else ""
         raise errors.ResourceExhausted(
             f"the {item.tier.label} queue of model '{self.model}' is full ({queued} requests waiting{whose}); "
-            f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
+            f"retry after about {retry_ms} ms",
+            retry_after_ms=retry_ms,
+        )
 
     def drain_retry_ms(self) -> int:
         """A retry hint for a refusal for lack of room: about how long until the
@@ -212,15 +213,19 @@ class Admission:
         run_s = self.cautious_batch_s(item.tier)
         if run_s is not None and left_s - run_s - errors.REFUSAL_MARGIN_S < allowed_s:
             allowed_s = left_s - run_s - errors.REFUSAL_MARGIN_S
-            limit = (f"the {1000 * max(allowed_s, 0.0):.0f} ms that its deadline, {1000 * left_s:.0f} ms away, "
-                     f"leaves after its own batch (about {1000 * run_s:.0f} ms)")
+            limit = (
+                f"the {1000 * max(allowed_s, 0.0):.0f} ms that its deadline, {1000 * left_s:.0f} ms away, "
+                f"leaves after its own batch (about {1000 * run_s:.0f} ms)"
+            )
         if wait_s > allowed_s:
             metrics.REJECTIONS.labels(self.model, item.tier.label, "would_miss_deadline").inc()
             retry_ms = max(10, int(1000 * (wait_s - allowed_s)))
             raise errors.ResourceExhausted(
                 f"model '{self.model}' has {ahead} rows to finish up to this request at the {item.tier.label} tier or "
                 f"above (queued, running, its own), about {1000 * wait_s:.0f} ms of work, more than {limit}; "
-                f"retry after about {retry_ms} ms", retry_after_ms=retry_ms)
+                f"retry after about {retry_ms} ms",
+                retry_after_ms=retry_ms,
+            )
 
     def give_up_at(self, item: Pending) -> float:
         """When a request still waiting is refused (give_up): its deadline less
@@ -245,10 +250,14 @@ class Admission:
             return
         metrics.REJECTIONS.labels(self.model, item.tier.label, "no_time_left").inc()
         retry_ms = self.drain_retry_ms()
-        item.future.set_exception(errors.ResourceExhausted(
-            f"request for model '{self.model}' waited {1000 * (now - item.enqueued):.0f} ms in the {item.tier.label} queue and "
-            f"has {1000 * (item.deadline - now):.0f} ms left, less than its batch would take (about "
-            f"{1000 * run_s:.0f} ms); it was not run; retry after about {retry_ms} ms", retry_after_ms=retry_ms))
+        item.future.set_exception(
+            errors.ResourceExhausted(
+                f"request for model '{self.model}' waited {1000 * (now - item.enqueued):.0f} ms in the {item.tier.label} queue and "
+                f"has {1000 * (item.deadline - now):.0f} ms left, less than its batch would take (about "
+                f"{1000 * run_s:.0f} ms); it was not run; retry after about {retry_ms} ms",
+                retry_after_ms=retry_ms,
+            )
+        )
 
     def live(self, item: Pending, now: float) -> bool:
         """Whether a queued request may still run: one past its deadline is
@@ -290,18 +299,29 @@ class Admission:
             return
         metrics.REJECTIONS.labels(self.model, item.tier.label, "deadline").inc()
         waited_ms = 1000 * (asyncio.get_running_loop().time() - item.enqueued)
-        item.future.set_exception(errors.DeadlineExceeded(
-            f"request for model '{self.model}' waited {waited_ms:.1f} ms in the queue, past its deadline; it was not run"))
+        item.future.set_exception(
+            errors.DeadlineExceeded(
+                f"request for model '{self.model}' waited {waited_ms:.1f} ms in the queue, past its deadline; it was not run"
+            )
+        )
 
-    def ran_out_of_time(self, batch: list[Pending], tier: Tier, sent_at: float, timeout_s: float,
-                         expected_s: float | None) -> None:
+    def ran_out_of_time(
+        self, batch: list[Pending], tier: Tier, sent_at: float, timeout_s: float, expected_s: float | None
+    ) -> None:
         """A batch sent in time that timed out all the same: the estimates that
         let its requests wait (admission, give_up) were short of what this
         batch met. Rare by design, so each one is logged with the numbers."""
         metrics.BATCH_TIMEOUTS.labels(self.model, tier.label).inc()
         took_s = asyncio.get_running_loop().time() - sent_at
         waited_s = sent_at - min(item.enqueued for item in batch)
-        log.warning("batch of %d rows for model %s (%s) ran out of its %.0f ms after %.0f ms at the model server, "
-                    "its requests having waited up to %.0f ms here; the tier's batches take about %s",
-                    sum(item.rows for item in batch), self.model, tier.label, 1000 * timeout_s, 1000 * took_s,
-                    1000 * waited_s, "(no estimate yet)" if expected_s is None else f"{1000 * expected_s:.0f} ms")
+        log.warning(
+            "batch of %d rows for model %s (%s) ran out of its %.0f ms after %.0f ms at the model server, "
+            "its requests having waited up to %.0f ms here; the tier's batches take about %s",
+            sum(item.rows for item in batch),
+            self.model,
+            tier.label,
+            1000 * timeout_s,
+            1000 * took_s,
+            1000 * waited_s,
+            "(no estimate yet)" if expected_s is None else f"{1000 * expected_s:.0f} ms",
+        )

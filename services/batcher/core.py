@@ -60,7 +60,12 @@ class Backend(Protocol):
         """Calls `listener` whenever `slots` may have grown."""
 
     async def execute(
-        self, model: str, version: str, inputs: list[TensorData], outputs: list[str], timeout_s: float,
+        self,
+        model: str,
+        version: str,
+        inputs: list[TensorData],
+        outputs: list[str],
+        timeout_s: float,
         tier: Tier = Tier.STANDARD,
     ) -> tuple[str, list[TensorData]]: ...
 
@@ -69,20 +74,29 @@ class ModelQueue:
     """The queue and batching task of one model version: takes requests into
     its levels (admission permitting), forms batches and hands them to dispatch."""
 
-    def __init__(self, model: str, version: str, backend: Backend, config: BatchingConfig, slots: SlotPool,
-                 batch_policy: Policy | None = None):
+    def __init__(
+        self,
+        model: str,
+        version: str,
+        backend: Backend,
+        config: BatchingConfig,
+        slots: SlotPool,
+        batch_policy: Policy | None = None,
+    ):
         self.model = model
         self.version = version
         self._backend = backend
         self._config = config
         self._slots = slots
-        self.batch_policy = (batch_policy if batch_policy is not None
-                             else FixedPolicy(config.max_batch_size, config.max_delay_s))
+        self.batch_policy = (
+            batch_policy if batch_policy is not None else FixedPolicy(config.max_batch_size, config.max_delay_s)
+        )
         # Levels tell admission when requests of a tier start and stop waiting (its service rate's busy time).
         self._levels = Levels(model, lambda tier, now, any_waiting: self.admission.waiting(tier, now, any_waiting))
         self.admission = Admission(model, config.policy, self._levels, slots, lambda: self.batch_size)
-        self._dispatch = Dispatch(model, version, backend, slots, self.admission, self.batch_policy,
-                                  config.default_timeout_s)
+        self._dispatch = Dispatch(
+            model, version, backend, slots, self.admission, self.batch_policy, config.default_timeout_s
+        )
         self._last_led_tier = Tier.STANDARD  # of the request that led the last batch
         self._running: dict[asyncio.Task, tuple[float, int, Tier]] = {}  # batches in flight: (start, rows, tier)
         self._forming: list[Pending] = []  # the batch _collect is filling: taken from the levels, not yet sent
@@ -123,8 +137,9 @@ class ModelQueue:
             while not len(self):
                 self._arrived.clear()
                 await self._arrived.wait()
-            slot, tiers = await self._slots.acquire(lambda: bool(self._levels.queued[Tier.VIP]),
-                                                     lambda: bool(self._levels.queued[Tier.STANDARD]))
+            slot, tiers = await self._slots.acquire(
+                lambda: bool(self._levels.queued[Tier.VIP]), lambda: bool(self._levels.queued[Tier.STANDARD])
+            )
             try:
                 # A slot reserved for VIP work carries a VIP-led batch, even when aged
                 # standard requests are due a turn: theirs comes with a general slot.
@@ -132,16 +147,20 @@ class ModelQueue:
             except BaseException:
                 self._slots.release(slot)
                 # Taken from the queue and not yet sent: no one else would answer them.
-                fail_all(self._forming, errors.Unavailable(
-                    f"batcher is shutting down; model '{self.model}' request not run"))
+                fail_all(
+                    self._forming, errors.Unavailable(f"batcher is shutting down; model '{self.model}' request not run")
+                )
                 raise
             if not batch:  # everything waiting had expired or been cancelled
                 self._slots.release(slot)
                 continue
             task = asyncio.create_task(self._dispatch.execute(batch, slot))
             self._batches.add(task)
-            self._running[task] = (asyncio.get_running_loop().time(), sum(item.rows for item in batch),
-                                   max(item.tier for item in batch))
+            self._running[task] = (
+                asyncio.get_running_loop().time(),
+                sum(item.rows for item in batch),
+                max(item.tier for item in batch),
+            )
             task.add_done_callback(self._batch_done)
             abandoned = functools.partial(_stop_if_abandoned, task, [item.future for item in batch])
             for item in batch:
@@ -151,8 +170,14 @@ class ModelQueue:
         self._batches.discard(task)
         self._running.pop(task, None)
 
-    def _take(self, room: int, alone: bool, near_length: float | None = None,
-              tiers: tuple[Tier, ...] = TIERS, shape: tuple = ()) -> Pending | None:
+    def _take(
+        self,
+        room: int,
+        alone: bool,
+        near_length: float | None = None,
+        tiers: tuple[Tier, ...] = TIERS,
+        shape: tuple = (),
+    ) -> Pending | None:
         """The next live request of `tiers` that fits in `room` rows and has
         the batch's `shape` (any size and shape when `alone`): a batch's lead by
         strict priority, the rest from `tiers` in the order given; FIFO within
@@ -166,8 +191,12 @@ class ModelQueue:
         standard = self._levels[Tier.STANDARD]
         while standard and not self.admission.live(standard[0], now):  # the aging bound reads the oldest still waiting
             standard.popleft()
-        if (alone and self._last_led_tier == Tier.VIP and standard
-                and now - standard[0].enqueued >= self._config.policy.aging_s):
+        if (
+            alone
+            and self._last_led_tier == Tier.VIP
+            and standard
+            and now - standard[0].enqueued >= self._config.policy.aging_s
+        ):
             # Starvation bound: while VIP batches follow each other, a standard
             # request that has aged gets every other batch. Standard traffic
             # that merely waits behind its own backlog is not promoted, so a
@@ -200,8 +229,12 @@ class ModelQueue:
         is always one."""
         best, best_gap = queue[0], abs(queue[0].length - length)
         for item in itertools.islice(queue, 1, LENGTH_WINDOW):
-            if (item.rows > room or item.shape != shape or item.future.done()
-                    or (item.deadline is not None and now >= item.deadline)):
+            if (
+                item.rows > room
+                or item.shape != shape
+                or item.future.done()
+                or (item.deadline is not None and now >= item.deadline)
+            ):
                 continue
             gap = abs(item.length - length)
             if gap < best_gap:
@@ -217,8 +250,9 @@ class ModelQueue:
         while True:
             near = batch[0].length if batch and self._config.length_aware else None
             allowed = self._fill_tiers(batch[0].tier, tiers) if batch else tiers
-            item = self._take(size - rows, alone=not batch, near_length=near, tiers=allowed,
-                              shape=batch[0].shape if batch else ())
+            item = self._take(
+                size - rows, alone=not batch, near_length=near, tiers=allowed, shape=batch[0].shape if batch else ()
+            )
             if item is not None:
                 if not batch:
                     size, dispatch_by = self._plan(item)
@@ -263,15 +297,21 @@ class ModelQueue:
     def _plan(self, lead: Pending) -> tuple[int, float]:
         limits = self._backend.limits(self.model)
         view = QueueView(
-            now=asyncio.get_running_loop().time(), oldest_enqueued=lead.enqueued, tier=lead.tier,
+            now=asyncio.get_running_loop().time(),
+            oldest_enqueued=lead.enqueued,
+            tier=lead.tier,
             # What the lead's batch and those after it drain: its level and those above.
             waiting_rows=lead.rows + self._levels.rows_from(lead.tier),
             # A VIP batch waits for company only behind VIP batches: standard ones do not
             # hold its instance, and at VIP rates the wait would only add to its latency.
-            running=tuple((start, rows) for start, rows, tier in self._running.values()
-                          if lead.tier == Tier.STANDARD or tier == Tier.VIP),
+            running=tuple(
+                (start, rows)
+                for start, rows, tier in self._running.values()
+                if lead.tier == Tier.STANDARD or tier == Tier.VIP
+            ),
             max_rows=limits.max_batch_size if limits else self._config.max_batch_size,
-            slots=self.admission.tier_slots(lead.tier))
+            slots=self.admission.tier_slots(lead.tier),
+        )
         size, dispatch_by = self.batch_policy.plan(view)
         metrics.TARGET_ROWS.labels(self.model).set(size)
         return max(size, 1), dispatch_by
@@ -352,15 +392,28 @@ class Batcher:
             if model not in self._slots:
                 self._slots[model] = SlotPool(functools.partial(self._backend.slots, model))
             config = self._config
-            queue = ModelQueue(model, version, self._backend, config, self._slots[model],
-                               make_policy(config.batch_policy, config.max_batch_size, config.max_delay_s,
-                                           config.latency_targets_s))
+            queue = ModelQueue(
+                model,
+                version,
+                self._backend,
+                config,
+                self._slots[model],
+                make_policy(config.batch_policy, config.max_batch_size, config.max_delay_s, config.latency_targets_s),
+            )
             self._queues[key] = queue
         return queue
 
-    async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                     tier: Tier = Tier.STANDARD, timeout_s: float | None = None, tenant: str = "",
-                     weight: float = 1.0) -> tuple[str, list[TensorData]]:
+    async def submit(
+        self,
+        model: str,
+        version: str,
+        inputs: list[TensorData],
+        outputs: list[str],
+        tier: Tier = Tier.STANDARD,
+        timeout_s: float | None = None,
+        tenant: str = "",
+        weight: float = 1.0,
+    ) -> tuple[str, list[TensorData]]:
         """Queues one request and waits for its answer; cancelling the caller
         drops the request before it runs. Within its level, `tenant` shares
         with the other tenants there by `weight` (0 counts as 1)."""
@@ -375,17 +428,21 @@ class Batcher:
             raise errors.InvalidArgument(f"field 'tenant' is {len(tenant)} characters long; at most {MAX_TENANT_CHARS}")
         weight = weight or 1.0
         if not MIN_WEIGHT <= weight <= MAX_WEIGHT:  # NaN too
-            raise errors.InvalidArgument(f"field 'tenant_weight' must be in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}] (or 0 "
-                                         f"for 1), got {weight!r}")
+            raise errors.InvalidArgument(
+                f"field 'tenant_weight' must be in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}] (or 0 for 1), got {weight!r}"
+            )
         names = [t.name for t in inputs]
         if sorted(names) != sorted(limits.inputs) or len(set(names)) != len(names):
             raise errors.InvalidArgument(f"model '{model}' takes inputs {sorted(limits.inputs)}, got {names}")
         rows = inputs[0].rows
         if any(t.rows != rows for t in inputs) or rows < 1:
-            raise errors.InvalidArgument(f"inputs of the request disagree on the batch dimension: {[t.shape for t in inputs]}")
+            raise errors.InvalidArgument(
+                f"inputs of the request disagree on the batch dimension: {[t.shape for t in inputs]}"
+            )
         if rows > limits.max_batch_size:
             raise errors.InvalidArgument(
-                f"request of {rows} rows exceeds max_batch_size {limits.max_batch_size} of model '{model}'")
+                f"request of {rows} rows exceeds max_batch_size {limits.max_batch_size} of model '{model}'"
+            )
         for tensor in inputs:  # a request whose data cannot fill its shape never joins, and fails, a batch
             check_tensor_size(tensor, f"input '{tensor.name}' of model '{model}'")
         if version and limits.versions and version not in limits.versions:
@@ -393,8 +450,10 @@ class Batcher:
             # bound), as the replicas would refuse it: UNAVAILABLE, since the router, whose catalog may
             # be a poll ahead of this batcher's, has already answered NOT_FOUND for versions it knows
             # nothing of.
-            raise errors.Unavailable(f"no ready model_server replica serves model '{model}' version {version}; "
-                                     f"they hold versions {sorted(limits.versions)}")
+            raise errors.Unavailable(
+                f"no ready model_server replica serves model '{model}' version {version}; "
+                f"they hold versions {sorted(limits.versions)}"
+            )
         queue = self._queue(model, version)
         now = loop.time()
         # A request's own deadline may only shorten its level's default wait.
@@ -402,9 +461,18 @@ class Batcher:
         if level_timeout > 0:
             timeout_s = min(timeout_s, level_timeout) if timeout_s else level_timeout
         length = sum(len(t.data) for t in inputs if t.datatype == "BYTES") / rows
-        item = Pending(inputs, outputs, tier, now + timeout_s if timeout_s else None, loop.create_future(), now,
-                       length=length, shape=tuple((t.name, t.shape[1:]) for t in inputs), tenant=tenant,
-                       weight=weight)
+        item = Pending(
+            inputs,
+            outputs,
+            tier,
+            now + timeout_s if timeout_s else None,
+            loop.create_future(),
+            now,
+            length=length,
+            shape=tuple((t.name, t.shape[1:]) for t in inputs),
+            tenant=tenant,
+            weight=weight,
+        )
         queue.put(item)
         item.future.add_done_callback(item.answered)
         if item.deadline is not None:

@@ -71,7 +71,9 @@ class Discovery:
     async def _poll(self, replica: Replica) -> None:
         sent_at = asyncio.get_running_loop().time()
         try:
-            response = await replica.stub.ListModels(model_server_pb2.ListModelsRequest(), timeout=max(self._poll_s, 1.0))
+            response = await replica.stub.ListModels(
+                model_server_pb2.ListModelsRequest(), timeout=max(self._poll_s, 1.0)
+            )
         except grpc.aio.AioRpcError as exc:
             replica.failed_polls += 1
             # A replica that is gone (its connection refused) is out at once, unless the address
@@ -126,8 +128,11 @@ class Discovery:
         infos = [r.models[model] for r in self.replicas if r.ready and model in r.models]
         if not infos:
             return None
-        return ModelLimits(min(i.max_batch_size for i in infos), tuple(spec.name for spec in infos[0].inputs),
-                           frozenset(v for i in infos for v in i.versions))
+        return ModelLimits(
+            min(i.max_batch_size for i in infos),
+            tuple(spec.name for spec in infos[0].inputs),
+            frozenset(v for i in infos for v in i.versions),
+        )
 
     def stop(self) -> None:
         if self._poller is not None:

@@ -21,8 +21,16 @@ log = logging.getLogger(__name__)
 class Dispatch:
     """The sending half of one model version's queue."""
 
-    def __init__(self, model: str, version: str, backend, slots: SlotPool, admission: Admission,
-                 batch_policy: Policy, default_timeout_s: float):
+    def __init__(
+        self,
+        model: str,
+        version: str,
+        backend,
+        slots: SlotPool,
+        admission: Admission,
+        batch_policy: Policy,
+        default_timeout_s: float,
+    ):
         self.model = model
         self.version = version
         self._backend = backend  # core.Backend
@@ -37,7 +45,7 @@ class Dispatch:
             live = [item for item in batch if self._admission.sendable(item)]
             if live:
                 await self.run(live)
-        except Exception as exc:  # noqa: BLE001 - resolved below, never lost
+        except Exception as exc:
             log.exception("batch of model %s failed unexpectedly", self.model)
             fail_all(batch, errors.Internal(f"batch of model '{self.model}' failed: {type(exc).__name__}"))
         except asyncio.CancelledError:  # close(): the batcher is shutting down
@@ -71,8 +79,9 @@ class Dispatch:
         expected_s = self._admission.sent(tier, sum(counts), now)
         completed, split = None, False
         try:
-            version, outputs = await self._backend.execute(self.model, self.version, inputs, wanted, max(timeout_s, 0.001),
-                                                           tier=tier)
+            version, outputs = await self._backend.execute(
+                self.model, self.version, inputs, wanted, max(timeout_s, 0.001), tier=tier
+            )
             self._admission.ran(tier, loop.time() - now)
             self._batch_policy.observe_batch(sum(counts), loop.time() - now)
             completed = sum(counts)
@@ -81,7 +90,9 @@ class Dispatch:
                 # One bad request must not fail its neighbours: run each alone (below, once
                 # this batch is off the books). Not when the model server is out of time or
                 # room: one RPC per request would only add load.
-                log.warning("batch of %d for model %s failed (%s); retrying one by one", len(batch), self.model, exc.message)
+                log.warning(
+                    "batch of %d for model %s failed (%s); retrying one by one", len(batch), self.model, exc.message
+                )
                 split = True
             else:
                 if isinstance(exc, errors.DeadlineExceeded):
@@ -107,4 +118,5 @@ def _no_time_or_room(exc: errors.InfermeshError) -> bool:
     hint; gRPC's own RESOURCE_EXHAUSTED, e.g. an oversized message, does not, and
     splitting the batch is what isolates the request that caused it)."""
     return isinstance(exc, errors.DeadlineExceeded) or (
-        isinstance(exc, errors.ResourceExhausted) and exc.retry_after_ms > 0)
+        isinstance(exc, errors.ResourceExhausted) and exc.retry_after_ms > 0
+    )

@@ -133,8 +133,14 @@ class RowCost:
 class AdaptivePolicy:
     name = "adaptive"
 
-    def __init__(self, max_rows: int, max_delay_s: float, latency_targets_s: dict[Tier, float],
-                 headroom: float = 1.5, tau_s: float = 2.0):
+    def __init__(
+        self,
+        max_rows: int,
+        max_delay_s: float,
+        latency_targets_s: dict[Tier, float],
+        headroom: float = 1.5,
+        tau_s: float = 2.0,
+    ):
         self._max_rows = max_rows
         self._waiting = FixedPolicy(max_rows, max_delay_s)
         self._targets = latency_targets_s

@@ -42,16 +42,22 @@ class ReplicaSet:
     batch, over discovery (what the replicas serve) and routing (where a batch
     may go, and whether there is room)."""
 
-    def __init__(self, config: ReplicaConfig, policy: traffic.PolicyFiles | None = None,
-                 rng: random.Random | None = None, credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self,
+        config: ReplicaConfig,
+        policy: traffic.PolicyFiles | None = None,
+        rng: random.Random | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         self._config = config
         self._replicas = [Replica(a, config.max_message_bytes, credentials) for a in config.addresses]
         self._policy = policy
         self._rng = rng or random.Random()
         self._listeners: list[Callable[[], None]] = []  # told after each round of polls
         self.discovery = Discovery(self._replicas, config.poll_s, config.behind_mesh, self._polled)
-        self.routing = Routing(self._replicas, policy, config.max_inflight_per_replica, config.queued_per_replica,
-                               config.behind_mesh)
+        self.routing = Routing(
+            self._replicas, policy, config.max_inflight_per_replica, config.queued_per_replica, config.behind_mesh
+        )
 
     async def start(self) -> None:
         await self.discovery.start()
@@ -78,29 +84,43 @@ class ReplicaSet:
         """Calls `listener` after each round of polls: the slots may have changed."""
         self._listeners.append(listener)
 
-    async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                      timeout_s: float, tier: Tier = Tier.STANDARD) -> tuple[str, list[TensorData]]:
+    async def execute(
+        self,
+        model: str,
+        version: str,
+        inputs: list[TensorData],
+        outputs: list[str],
+        timeout_s: float,
+        tier: Tier = Tier.STANDARD,
+    ) -> tuple[str, list[TensorData]]:
         if self._policy is not None:
             return await self._execute_by_policy(model, version, inputs, outputs, timeout_s, tier)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        request = model_server_pb2.ExecuteRequest(model=model, version=version, inputs=tensors_to_proto(inputs),
-                                                  outputs=outputs, tier=tier)
+        request = model_server_pb2.ExecuteRequest(
+            model=model, version=version, inputs=tensors_to_proto(inputs), outputs=outputs, tier=tier
+        )
         tried: set[str] = set()
         while True:
             replica = self.routing.choose(model, version, tier, tried)
             if replica is None:
                 raise errors.Unavailable(
-                    f"no ready model_server replica serves model '{model}'" + (f" version {version}" if version else ""))
+                    f"no ready model_server replica serves model '{model}'" + (f" version {version}" if version else "")
+                )
             tried.add(replica.address)
             started = loop.time()
             try:
                 with self.routing.inflight(replica, model, tier):
-                    response = await replica.stub.Execute(request, timeout=max(deadline - loop.time(), 0.001),
-                                                          metadata=tier_metadata(tier) if self._config.behind_mesh else None)
+                    response = await replica.stub.Execute(
+                        request,
+                        timeout=max(deadline - loop.time(), 0.001),
+                        metadata=tier_metadata(tier) if self._config.behind_mesh else None,
+                    )
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
-                if upstream.retry_elsewhere(exc) and not self._config.behind_mesh:  # behind a mesh its sidecar has retried already
+                if (
+                    upstream.retry_elsewhere(exc) and not self._config.behind_mesh
+                ):  # behind a mesh its sidecar has retried already
                     # Out until its next poll says otherwise only when the connection failed: the model
                     # server's own UNAVAILABLE (a model with no ready version, a lost shard) is about
                     # one model, and the replica keeps serving the others.
@@ -111,15 +131,18 @@ class ReplicaSet:
                     # a lost connection's is gRPC's, so the next turn answers why: no replica serves the model.
                     elsewhere = gone or self.routing.choose(model, version, tier, tried) is not None
                     if len(tried) < 2 and deadline - loop.time() > 0 and elsewhere:
-                        log.warning("batch for %s failed on %s (%s); retrying once elsewhere", model, replica.address, code.name)
+                        log.warning(
+                            "batch for %s failed on %s (%s); retrying once elsewhere", model, replica.address, code.name
+                        )
                         metrics.RETRIES.labels(code.name).inc()
                         continue
                 raise upstream.domain_error(exc) from None
             self.routing.observe_rpc(loop.time() - started)
             return response.version, tensors_from_proto(response.outputs)
 
-    async def _execute_by_policy(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                                 timeout_s: float, tier: Tier) -> tuple[str, list[TensorData]]:
+    async def _execute_by_policy(
+        self, model: str, version: str, inputs: list[TensorData], outputs: list[str], timeout_s: float, tier: Tier
+    ) -> tuple[str, list[TensorData]]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         headers = dict(tier_metadata(tier))
@@ -128,8 +151,9 @@ class ReplicaSet:
             raise errors.Unavailable(f"no route of VirtualService {self._policy.service.name} matches {headers}")
         destination = route.pick(self._rng)  # one weighted pick per batch; its retries stay in the subset
         detector = self.routing.detector(destination.subset)
-        request = model_server_pb2.ExecuteRequest(model=model, version=version, inputs=tensors_to_proto(inputs),
-                                                  outputs=outputs, tier=tier)
+        request = model_server_pb2.ExecuteRequest(
+            model=model, version=version, inputs=tensors_to_proto(inputs), outputs=outputs, tier=tier
+        )
         tried: set[str] = set()
         if route.timeout_s is not None:  # the route's timeout bounds the call and all its retries
             deadline = min(deadline, loop.time() + route.timeout_s)
@@ -148,12 +172,18 @@ class ReplicaSet:
                 code = exc.code()
                 metrics.UPSTREAM.labels(destination.subset, code.name).inc()
                 metrics.UPSTREAM_LATENCY.labels(destination.subset).observe(loop.time() - started)
-                if detector is not None and detector.record(replica.address, code.name, loop.time(),
-                                                            local_origin=upstream.local_origin(exc)):
-                    log.warning("replica %s ejected from subset %s after consecutive errors", replica.address,
-                                destination.subset)
+                if detector is not None and detector.record(
+                    replica.address, code.name, loop.time(), local_origin=upstream.local_origin(exc)
+                ):
+                    log.warning(
+                        "replica %s ejected from subset %s after consecutive errors",
+                        replica.address,
+                        destination.subset,
+                    )
                     metrics.EJECTIONS.labels(replica.address).inc()
-                if attempt < route.retries.attempts and route.retries.retries(code.name, upstream.transport_failure(exc)):
+                if attempt < route.retries.attempts and route.retries.retries(
+                    code.name, upstream.transport_failure(exc)
+                ):
                     pause = traffic.backoff_s(attempt + 1, self._rng)
                     if deadline - loop.time() > pause:
                         metrics.RETRIES.labels(code.name).inc()

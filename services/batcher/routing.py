@@ -28,8 +28,14 @@ from services.common.tier import Tier
 class Routing:
     """Where the batches of each tier may go, and whether there is room."""
 
-    def __init__(self, replicas: list[Replica], policy: traffic.PolicyFiles | None, max_inflight_per_replica: int,
-                 queued_per_replica: int, behind_mesh: bool):
+    def __init__(
+        self,
+        replicas: list[Replica],
+        policy: traffic.PolicyFiles | None,
+        max_inflight_per_replica: int,
+        queued_per_replica: int,
+        behind_mesh: bool,
+    ):
         self._replicas = replicas
         self._policy = policy
         self._max_inflight = max_inflight_per_replica
@@ -49,11 +55,15 @@ class Routing:
         self._policy.reload()
         self.sync_detectors()
         now = asyncio.get_running_loop().time()
-        for subset in (self._policy.rule.subsets if self._policy.rule is not None else {}):
+        for subset in self._policy.rule.subsets if self._policy.rule is not None else {}:
             detector = self._detectors.get(subset)
-            metrics.SUBSET_READY.labels(subset).set(sum(
-                1 for r in self.subset_hosts(subset)
-                if r.ready and not (detector is not None and detector.is_ejected(r.address, now))))
+            metrics.SUBSET_READY.labels(subset).set(
+                sum(
+                    1
+                    for r in self.subset_hosts(subset)
+                    if r.ready and not (detector is not None and detector.is_ejected(r.address, now))
+                )
+            )
 
     def slots(self, model: str) -> tuple[int, int, int]:
         """(batches of any tier, more batches for VIP work only, how many of the
@@ -68,8 +78,11 @@ class Routing:
             # One Service address, behind which the mesh may route VIP batches to a pool
             # of their own (mesh/istio's x-user-tier route): each tier has its own bound
             # there, so a standard surge cannot take the VIP batches' room.
-            return (sum(self._bound(r, model, Tier.STANDARD) for r in standard),
-                    sum(self._bound(r, model, Tier.VIP) for r in vip), 0)
+            return (
+                sum(self._bound(r, model, Tier.STANDARD) for r in standard),
+                sum(self._bound(r, model, Tier.VIP) for r in vip),
+                0,
+            )
         general = sum(self._bound(r, model, Tier.STANDARD) for r in standard)
         shared = sum(self._bound(r, model, Tier.STANDARD) for r in vip if r in standard)  # VIP may use those too
         return general, sum(self._bound(r, model, Tier.VIP) for r in vip) - shared, shared
@@ -112,7 +125,9 @@ class Routing:
 
     def _has_room(self, replica: Replica, model: str, tier: Tier) -> bool:
         if self._behind_mesh:
-            return replica.running[(model, Tier.VIP if tier >= Tier.VIP else Tier.STANDARD)] < self._bound(replica, model, tier)
+            return replica.running[(model, Tier.VIP if tier >= Tier.VIP else Tier.STANDARD)] < self._bound(
+                replica, model, tier
+            )
         running = replica.running[(model, Tier.STANDARD)]
         if tier >= Tier.VIP:
             running += replica.running[(model, Tier.VIP)]
@@ -164,8 +179,9 @@ class Routing:
             else:
                 detector.set_hosts(hosts)
 
-    async def hosts_with_room(self, route, destination, model: str, version: str, tier: Tier,
-                               deadline: float) -> list[Replica]:
+    async def hosts_with_room(
+        self, route, destination, model: str, version: str, tier: Tier, deadline: float
+    ) -> list[Replica]:
         """The hosts of the destination's subset in service (_in_service) that
         serve the version and have room for the batch (see the class), waiting
         for room if need be: the batcher's slots are counted over every subset
@@ -175,13 +191,19 @@ class Routing:
             candidates = _candidates(self.in_service(destination.subset, loop.time()), model, version)
             if not candidates:  # Envoy's "no healthy upstream": a 503 in the subset's figures too
                 metrics.UPSTREAM.labels(destination.subset, "UNAVAILABLE").inc()
-                raise errors.Unavailable(f"no healthy upstream for model '{model}' in subset "
-                                         f"'{destination.subset or destination.host}' (route {route.name})")
+                raise errors.Unavailable(
+                    f"no healthy upstream for model '{model}' in subset "
+                    f"'{destination.subset or destination.host}' (route {route.name})"
+                )
             roomy = [r for r in candidates if self._has_room(r, model, tier)]
             if roomy:
                 return roomy
-            await self._wait_for_room(model, destination.subset or destination.host,
-                                      max(self._bound(r, model, tier) for r in candidates), deadline)
+            await self._wait_for_room(
+                model,
+                destination.subset or destination.host,
+                max(self._bound(r, model, tier) for r in candidates),
+                deadline,
+            )
 
     @contextlib.contextmanager
     def inflight(self, replica: Replica, model: str, tier: Tier):
@@ -219,7 +241,8 @@ class Routing:
             raise errors.ResourceExhausted(
                 f"every replica of subset '{subset}' serving model '{model}' had as many batches in flight as "
                 f"it may ({limit}) until this batch could no longer finish before its deadline; retry shortly",
-                retry_after_ms=max(1, round(1000 * self._rpc_s))) from None
+                retry_after_ms=max(1, round(1000 * self._rpc_s)),
+            ) from None
         finally:
             if waiter in self._room_waiters:
                 self._room_waiters.remove(waiter)
@@ -240,8 +263,9 @@ def _candidates(replicas: list[Replica], model: str, version: str) -> list[Repli
     standby right after a swap), so a request routed on a slightly older
     catalog still gets its answer."""
     usable = [r for r in replicas if r.ready and model in r.models]
-    ready = [r for r in usable
-             if (version in r.models[model].ready_versions if version else r.models[model].ready_versions)]
+    ready = [
+        r for r in usable if (version in r.models[model].ready_versions if version else r.models[model].ready_versions)
+    ]
     if ready or not version:
         return ready
     return [r for r in usable if version in r.models[model].versions]

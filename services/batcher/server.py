@@ -19,13 +19,15 @@ MAX_INFLIGHT_PER_STREAM = 8192
 MAX_FIELDS = 1 << 17  # of one Submit or SubmitMany message, its requests' and tensors' included
 DATA_METHODS = frozenset({"Submit", "SubmitMany"})
 # The frames of SubmitMany, both ways (the router packs its own the same way).
-FRAMING = Framing(pack=lambda requests: batcher_pb2.SubmitManyResponse(responses=requests),
-                  unpack=lambda frame: frame.requests)
+FRAMING = Framing(
+    pack=lambda requests: batcher_pb2.SubmitManyResponse(responses=requests), unpack=lambda frame: frame.requests
+)
 
 
 class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
-    def __init__(self, batcher: Batcher, replicas: ReplicaSet, draining: asyncio.Event,
-                 budget: ByteBudget | None = None):
+    def __init__(
+        self, batcher: Batcher, replicas: ReplicaSet, draining: asyncio.Event, budget: ByteBudget | None = None
+    ):
         self._batcher = batcher
         self._replicas = replicas
         self._draining = draining
@@ -58,13 +60,21 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
                     task.cancel()
                 return None
             if request.id in running:
-                return error(request, errors.InvalidArgument(f"request id {request.id} is already in flight on this stream"))
+                return error(
+                    request, errors.InvalidArgument(f"request id {request.id} is already in flight on this stream")
+                )
             running[request.id] = asyncio.current_task()
             try:
                 version, outputs = await self._batcher.submit(
-                    request.model, request.version, tensors_from_proto(request.inputs), list(request.outputs),
-                    tier=request.tier, timeout_s=request.timeout_ms / 1000 if request.timeout_ms else None,
-                    tenant=request.tenant, weight=request.tenant_weight)
+                    request.model,
+                    request.version,
+                    tensors_from_proto(request.inputs),
+                    list(request.outputs),
+                    tier=request.tier,
+                    timeout_s=request.timeout_ms / 1000 if request.timeout_ms else None,
+                    tenant=request.tenant,
+                    weight=request.tenant_weight,
+                )
                 return batcher_pb2.SubmitResponse(id=request.id, version=version, outputs=tensors_to_proto(outputs))
             except errors.InfermeshError as exc:
                 return error(request, exc)
@@ -74,27 +84,41 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
         def on_error(request, exc):
             return error(request, errors.Internal("internal error in the batcher; see its log"))
 
-        return answer_concurrently(request_iterator, handle, on_error, MAX_INFLIGHT_PER_STREAM, self._draining,
-                                   framing, budget=self._budget, on_refused=error)
+        return answer_concurrently(
+            request_iterator,
+            handle,
+            on_error,
+            MAX_INFLIGHT_PER_STREAM,
+            self._draining,
+            framing,
+            budget=self._budget,
+            on_refused=error,
+        )
 
     async def ListModels(self, request, context):
         return batcher_pb2.ListModelsResponse(models=self._replicas.models())
 
 
-async def build_server(config: BatcherConfig, batcher: Batcher, replicas: ReplicaSet, draining: asyncio.Event,
-                       port: int | None = None):
+async def build_server(
+    config: BatcherConfig, batcher: Batcher, replicas: ReplicaSet, draining: asyncio.Event, port: int | None = None
+):
     """Returns (server, bound_port, health servicer); the server is started."""
     # A frame of the router's holds at most 256 requests of a few fields each
     # per input: a message of many more was built to be slow to parse.
-    server = serving.new_server("batcher", config.max_message_bytes, limits=config, data_methods=DATA_METHODS,
-                                decoders={
-        "Submit": serving.BoundedDecoder(batcher_pb2.SubmitRequest, MAX_FIELDS, "Submit"),
-        "SubmitMany": serving.BoundedDecoder(batcher_pb2.SubmitManyRequest, MAX_FIELDS, "SubmitMany")})
+    server = serving.new_server(
+        "batcher",
+        config.max_message_bytes,
+        limits=config,
+        data_methods=DATA_METHODS,
+        decoders={
+            "Submit": serving.BoundedDecoder(batcher_pb2.SubmitRequest, MAX_FIELDS, "Submit"),
+            "SubmitMany": serving.BoundedDecoder(batcher_pb2.SubmitManyRequest, MAX_FIELDS, "SubmitMany"),
+        },
+    )
     budget = ByteBudget("batcher", config.budget_bytes)
     batcher_pb2_grpc.add_BatcherServicer_to_server(BatcherServicer(batcher, replicas, draining, budget), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
-    bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}",
-                     tls.server_credentials(config))
+    bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}", tls.server_credentials(config))
     await server.start()
     await serving.set_serving(health, [SERVICE_NAME], True)
     return server, bound, health

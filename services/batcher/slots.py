@@ -18,8 +18,9 @@ class SlotPool:
         self.taken = {"general": 0, "reserved": 0}
         self._changed = asyncio.Event()
 
-    async def acquire(self, has_vip: Callable[[], bool],
-                      has_standard: Callable[[], bool]) -> tuple[str, tuple[Tier, ...]]:
+    async def acquire(
+        self, has_vip: Callable[[], bool], has_standard: Callable[[], bool]
+    ) -> tuple[str, tuple[Tier, ...]]:
         """A slot, and the tiers whose requests its batch may carry. A reserved
         slot while VIP requests wait and one is free (it carries a VIP-led
         batch), else a general one. A general slot carries VIP requests only
@@ -38,8 +39,9 @@ class SlotPool:
                 self.taken["reserved"] += 1
                 return "reserved", (Tier.VIP,)
             tiers = TIERS if vip_general > 0 or reserved == 0 or general == 0 else (Tier.STANDARD,)
-            if ((self.taken["general"] < general or (general == 0 and not vip_waits))
-                    and (Tier.VIP in tiers or has_standard())):
+            if (self.taken["general"] < general or (general == 0 and not vip_waits)) and (
+                Tier.VIP in tiers or has_standard()
+            ):
                 self.taken["general"] += 1
                 return "general", tiers
             self._changed.clear()

@@ -7,15 +7,24 @@ from services.common import errors
 
 # How grpc reports a connection that failed or a stream that was lost, as
 # opposed to a status our servers sent.
-TRANSPORT_MARKERS = ("failed to connect", "socket closed", "connection reset", "connection refused", "broken pipe",
-                     "goaway", "stream removed", "connect failed")
+TRANSPORT_MARKERS = (
+    "failed to connect",
+    "socket closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "goaway",
+    "stream removed",
+    "connect failed",
+)
 
 
 def retry_elsewhere(exc: grpc.aio.AioRpcError) -> bool:
     """Down or without a ready version of the model, or refused for being busy
     (our servers' refusals carry a retry hint)."""
     return exc.code() == grpc.StatusCode.UNAVAILABLE or (
-        exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and errors.retry_after_ms(exc.trailing_metadata()) > 0)
+        exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and errors.retry_after_ms(exc.trailing_metadata()) > 0
+    )
 
 
 def domain_error(exc: grpc.aio.AioRpcError) -> errors.InfermeshError:
@@ -29,8 +38,9 @@ def local_origin(exc: grpc.aio.AioRpcError) -> bool:
     """A failure on our side of the call: the connection failed, or our own
     deadline ran out (gRPC's own "Deadline Exceeded"; a server that sends
     DEADLINE_EXCEEDED says more than that)."""
-    return transport_failure(exc) or (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                                       and (exc.details() or "") == "Deadline Exceeded")
+    return transport_failure(exc) or (
+        exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (exc.details() or "") == "Deadline Exceeded"
+    )
 
 
 def gone(exc: grpc.aio.AioRpcError) -> bool:

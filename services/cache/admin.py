@@ -39,13 +39,17 @@ def main() -> int:
         address = run["cache"]
     if not args.cache and not args.ca_file and run.get("tls_dir"):  # the run file's mesh is on mutual TLS
         folder = pathlib.Path(run["tls_dir"])
-        args.ca_file, args.cert_file, args.key_file = (str(folder / n) for n in ("ca.pem", "admin-dev.pem", "admin-dev.key"))
+        args.ca_file, args.cert_file, args.key_file = (
+            str(folder / n) for n in ("ca.pem", "admin-dev.pem", "admin-dev.key")
+        )
     credentials = tls.channel_credentials(args.ca_file, args.cert_file, args.key_file) if args.ca_file else None
     with tls.channel(address, credentials) as channel:
         try:
             response = cache_pb2_grpc.CacheStub(channel).Purge(
-                cache_pb2.PurgeRequest(model=args.model), metadata=(("authorization", f"Bearer {args.token}"),),
-                timeout=10)
+                cache_pb2.PurgeRequest(model=args.model),
+                metadata=(("authorization", f"Bearer {args.token}"),),
+                timeout=10,
+            )
         except grpc.RpcError as exc:
             print(f"purge failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1

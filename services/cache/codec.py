@@ -17,7 +17,7 @@ import numpy as np
 import zstandard
 
 from services.common import errors
-from services.common.tensors import NUMPY_DTYPES, DATATYPES, TensorData, count_bytes_elements, element_count
+from services.common.tensors import DATATYPES, NUMPY_DTYPES, TensorData, count_bytes_elements, element_count
 
 MAGIC = b"IMC1"
 ZSTD = 1
@@ -50,8 +50,10 @@ def check(tensors: list[TensorData]) -> None:
         if any(d < 0 for d in t.shape) or len(t.data) > 0xFFFFFFFF:
             raise UnstorableValue(f"tensor {name} has shape {list(t.shape)} and {len(t.data)} bytes")
         if t.datatype != "BYTES" and len(t.data) != element_count(t.shape) * NUMPY_DTYPES[t.datatype].itemsize:
-            raise UnstorableValue(f"tensor {name} holds {len(t.data)} bytes; {t.datatype} of shape "
-                                  f"{list(t.shape)} needs {element_count(t.shape) * NUMPY_DTYPES[t.datatype].itemsize}")
+            raise UnstorableValue(
+                f"tensor {name} holds {len(t.data)} bytes; {t.datatype} of shape "
+                f"{list(t.shape)} needs {element_count(t.shape) * NUMPY_DTYPES[t.datatype].itemsize}"
+            )
         if t.datatype == "BYTES" and _bytes_elements(t.data) != element_count(t.shape):
             raise UnstorableValue(f"tensor {name} of shape {list(t.shape)} does not frame that many BYTES elements")
 
@@ -73,8 +75,18 @@ def encode(tensors: list[TensorData], compress: bool = False, fp16: bool = False
                 flags |= FP16
         name = t.name.encode()
         dtype = datatype.encode()
-        parts.append(struct.pack(f"<H{len(name)}sB{len(dtype)}sB{len(t.shape)}qI", len(name), name, len(dtype), dtype,
-                                 len(t.shape), *t.shape, len(data)))
+        parts.append(
+            struct.pack(
+                f"<H{len(name)}sB{len(dtype)}sB{len(t.shape)}qI",
+                len(name),
+                name,
+                len(dtype),
+                dtype,
+                len(t.shape),
+                *t.shape,
+                len(data),
+            )
+        )
         parts.append(data)
     body = b"".join(parts)
     if compress:
@@ -91,7 +103,7 @@ def decode(value: bytes) -> list[TensorData]:
         raise CorruptValue(f"value of {len(value)} bytes is too short for a header") from None
     if magic != MAGIC:
         raise CorruptValue(f"value does not start with {MAGIC!r}")
-    body = value[_HEAD.size:]
+    body = value[_HEAD.size :]
     if flags & ZSTD:
         try:
             body = _decompressor.decompress(body, max_output_size=MAX_VALUE_BYTES)
@@ -109,11 +121,11 @@ def _tensors(body: memoryview, count: int) -> list[TensorData]:
     for _ in range(count):
         (name_len,) = struct.unpack_from("<H", body, offset)
         offset += 2
-        name = bytes(body[offset:offset + name_len]).decode()
+        name = bytes(body[offset : offset + name_len]).decode()
         offset += name_len
         (dtype_len,) = struct.unpack_from("<B", body, offset)
         offset += 1
-        datatype = bytes(body[offset:offset + dtype_len]).decode()
+        datatype = bytes(body[offset : offset + dtype_len]).decode()
         offset += dtype_len
         (ndim,) = struct.unpack_from("<B", body, offset)
         offset += 1
@@ -123,7 +135,7 @@ def _tensors(body: memoryview, count: int) -> list[TensorData]:
         offset += 4
         if offset + data_len > len(body):
             raise ValueError(f"tensor '{name}' declares {data_len} bytes, {len(body) - offset} remain")
-        data = bytes(body[offset:offset + data_len])
+        data = bytes(body[offset : offset + data_len])
         offset += data_len
         if datatype == "FP16>FP32":
             data = np.frombuffer(data, "<f2").astype("<f4").tobytes()

@@ -81,7 +81,7 @@ class Coalescer:
     async def _run(self, batch) -> None:
         try:
             results = await self._run_batch([item for item, _ in batch])
-        except Exception as exc:  # noqa: BLE001 - every caller hears about it
+        except Exception as exc:
             for _, future in batch:
                 if not future.done():
                     future.set_exception(exc)
@@ -107,8 +107,12 @@ class ResultCache:
     def __init__(self, config: CacheSettings, disk: DiskStore | None = None):
         timeout = config.redis_timeout_ms / 1000
         self._redis = redis.Redis.from_url(
-            config.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False,
-            health_check_interval=0)
+            config.redis_url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
         self._namespace = config.namespace
         self._ttl_s = config.ttl_s
         self._model_ttl_s = dict(config.model_ttl_s or {})
@@ -119,8 +123,9 @@ class ResultCache:
         # for its writer, so a write that evicts does not hold up lookups.
         self._disk_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cache-l2")
         self._disk_reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cache-l2-read")
-        self.generations = Generations(self._redis, config.namespace, self._breaker, disk, self._disk_thread,
-                                       self._failed)
+        self.generations = Generations(
+            self._redis, config.namespace, self._breaker, disk, self._disk_thread, self._failed
+        )
         if disk is not None:
             metrics.L2_BYTES.set(disk.stored_bytes)  # what a restart found, before any write
         self._lookups = Coalescer(self._lookup_batch)
@@ -148,7 +153,9 @@ class ResultCache:
     async def get(self, model: str, digest: bytes, tier: Tier = Tier.STANDARD) -> list[TensorData] | None:
         return (await self.lookup(model, digest, tier))[0]
 
-    async def lookup(self, model: str, digest: bytes, tier: Tier = Tier.STANDARD) -> tuple[list[TensorData] | None, int]:
+    async def lookup(
+        self, model: str, digest: bytes, tier: Tier = Tier.STANDARD
+    ) -> tuple[list[TensorData] | None, int]:
         """The cached result, or None; and the model's generation the lookup
         read, to store the result of a miss with (put)."""
         return await self._lookups.submit((model, digest, tier))
@@ -170,7 +177,7 @@ class ResultCache:
             l2_keys = [self._l2_key(keyed[i][0], keyed[i][1], keyed[i][2]) for i in missing]
             try:
                 values = await loop.run_in_executor(self._disk_reader, self._disk.get_many, l2_keys)
-            except Exception:  # noqa: BLE001 - L2 failing is a miss, and never costs the L1 hits beside it
+            except Exception:
                 metrics.ERRORS.labels("l2_get").inc()
                 log.exception("L2 read of %d keys failed", len(l2_keys))
                 values = [None] * len(l2_keys)
@@ -208,8 +215,9 @@ class ResultCache:
             return None
 
     # -- stores -----------------------------------------------------------------------
-    def put(self, model: str, digest: bytes, outputs: list[TensorData],
-            generation: int | None = None) -> asyncio.Future | None:
+    def put(
+        self, model: str, digest: bytes, outputs: list[TensorData], generation: int | None = None
+    ) -> asyncio.Future | None:
         """Queues a result for the next write batch without waiting for it;
         returns None (a dropped write, counted) when too many are queued. With
         the `generation` its lookup read (else the current one): not written
@@ -239,7 +247,7 @@ class ResultCache:
         ahead = {m for _, m, g, _, _ in items if g is not None and g > self.current_generation(m)}
         if ahead:  # perhaps a purge through another replica that this one has not read yet
             await self.generations.refresh(sorted(ahead))
-        results: list[None | Exception] = [None] * len(items)
+        results: list[Exception | None] = [None] * len(items)
         l1, l2, raw = [], [], 0
         on_disk: set[int] = set()
         for i, (where, model, generation, digest, outputs) in enumerate(items):
@@ -252,7 +260,8 @@ class ResultCache:
                 metrics.ERRORS.labels("generation_ahead").inc()
                 results[i] = errors.InvalidArgument(
                     f"field 'generation' is {generation} for model {errors.shown(model)}, but its current generation "
-                    f"is {current}: store a result under the generation its lookup read")
+                    f"is {current}: store a result under the generation its lookup read"
+                )
                 continue
             generation = current if generation is None else generation
             to_disk = where == "both" and self._disk is not None
@@ -277,7 +286,7 @@ class ResultCache:
             loop = asyncio.get_running_loop()
             try:
                 await loop.run_in_executor(self._disk_thread, self._disk.put_many, l2)
-            except Exception:  # noqa: BLE001 - the results it held may still be in L1
+            except Exception:
                 metrics.ERRORS.labels("l2_put").inc()
                 log.exception("L2 write of %d values failed", len(l2))
                 kept_l2 = False
@@ -287,8 +296,10 @@ class ResultCache:
                 metrics.L2_RATIO.set(sum(len(v) for _, v in l2) / max(raw, 1))
         for i, (where, model, *_) in enumerate(items):
             if where == "both" and results[i] is None and not kept_l1 and not (kept_l2 and i in on_disk):
-                results[i] = errors.Unavailable(f"result of model '{model}' was kept by no level: Redis is "
-                                                f"unreachable and {'L2 failed' if i in on_disk else 'there is no L2'}")
+                results[i] = errors.Unavailable(
+                    f"result of model '{model}' was kept by no level: Redis is "
+                    f"unreachable and {'L2 failed' if i in on_disk else 'there is no L2'}"
+                )
         return results
 
     async def _l1_set(self, items: list[tuple[str, bytes, int]]) -> bool:

@@ -20,8 +20,15 @@ from services.cache import metrics
 
 log = logging.getLogger(__name__)
 # What a damaged or foreign data file raises (a crash with sync off may leave one).
-DAMAGED = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
-           lmdb.IncompatibleError, lmdb.PanicError, ValueError)
+DAMAGED = (
+    lmdb.InvalidError,
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.VersionMismatchError,
+    lmdb.IncompatibleError,
+    lmdb.PanicError,
+    ValueError,
+)
 _ORDER_KEY = struct.Struct(">dI")  # write time, then a tie-breaking counter; big-endian sorts by time
 # Entries' footprints (see `footprint`); an older store counted value bytes alone under
 # b"stored_bytes", so its total is recounted once under the new name.
@@ -49,14 +56,25 @@ class DiskStore:
         except DAMAGED as exc:
             # A cache may start over; a service that will not start takes the mesh with it.
             aside = self._move_aside()
-            log.error("L2 store in %s cannot be opened (%s: %s); moved its data file to %s and started an "
-                      "empty store", self._path, type(exc).__name__, exc, aside)
+            log.error(
+                "L2 store in %s cannot be opened (%s: %s); moved its data file to %s and started an empty store",
+                self._path,
+                type(exc).__name__,
+                exc,
+                aside,
+            )
             self._open()
 
     def _open(self) -> None:
         # The map is the file's upper bound; values plus LMDB's own pages stay well inside it.
-        self._env = lmdb.open(str(self._path), map_size=max(4 * self._max_bytes, 64 << 20), max_dbs=3,
-                              sync=False, metasync=False, lock=True)
+        self._env = lmdb.open(
+            str(self._path),
+            map_size=max(4 * self._max_bytes, 64 << 20),
+            max_dbs=3,
+            sync=False,
+            metasync=False,
+            lock=True,
+        )
         try:
             self._values = self._env.open_db(b"values")
             self._order = self._env.open_db(b"order")
@@ -92,8 +110,9 @@ class DiskStore:
                 return [_value(txn.get(k)) for k in keys]
         except DAMAGED as exc:
             metrics.ERRORS.labels("l2_get").inc()
-            log.warning("L2 read of %d keys failed (%s: %s); reading them one by one", len(keys),
-                        type(exc).__name__, exc)
+            log.warning(
+                "L2 read of %d keys failed (%s: %s); reading them one by one", len(keys), type(exc).__name__, exc
+            )
         return [self._get_alone(k) for k in keys]
 
     def _get_alone(self, key: bytes) -> bytes | None:
@@ -121,8 +140,12 @@ class DiskStore:
             self._put_many(items)
         except lmdb.MapFullError:
             target = min(self.stored_bytes, self._max_bytes) * 3 // 4
-            log.warning("L2's map filled with %d bytes counted (bound %d); evicting down to %d",
-                        self.stored_bytes, self._max_bytes, target)
+            log.warning(
+                "L2's map filled with %d bytes counted (bound %d); evicting down to %d",
+                self.stored_bytes,
+                self._max_bytes,
+                target,
+            )
             with self._lock, self._env.begin(write=True) as txn:
                 stored = self._evict(txn, self.stored_bytes, target)
                 txn.put(_META_BYTES, str(stored).encode(), db=self._meta)
@@ -140,7 +163,7 @@ class DiskStore:
                 old = txn.get(key, db=self._values)
                 if old is not None:
                     stored -= footprint(key, _value(old))
-                    txn.delete(old[:_ORDER_KEY.size], db=self._order)
+                    txn.delete(old[: _ORDER_KEY.size], db=self._order)
                 # Each value carries its order key, so replacing it can drop the old order entry.
                 txn.put(key, order_key + value, db=self._values)
                 txn.put(order_key, key, db=self._order)
@@ -177,7 +200,7 @@ class DiskStore:
                 if cursor.set_range(prefix):
                     while cursor.key().startswith(prefix):
                         value = cursor.value()
-                        txn.delete(value[:_ORDER_KEY.size], db=self._order)
+                        txn.delete(value[: _ORDER_KEY.size], db=self._order)
                         stored -= footprint(cursor.key(), _value(value))
                         deleted += 1
                         if not cursor.delete():
@@ -199,7 +222,7 @@ class DiskStore:
                         break
                     generation = _generation_value(value)
                     try:
-                        model = key[len(_META_GENERATION):].decode()
+                        model = key[len(_META_GENERATION) :].decode()
                     except UnicodeDecodeError:
                         generation = None
                     if generation is None:
@@ -213,9 +236,13 @@ class DiskStore:
                 for key, _ in damaged:
                     txn.delete(key)
                 txn.put(_META_FLOOR, str(fresh).encode())
-            log.error("L2 store in %s: generation records damaged (%s); dropped them, and every model starts at "
-                      "fresh generation %d or above", self._path,
-                      ", ".join(f"{k!r}: {v[:40]!r}" for k, v in damaged[:4]) or "the floor record", fresh)
+            log.error(
+                "L2 store in %s: generation records damaged (%s); dropped them, and every model starts at "
+                "fresh generation %d or above",
+                self._path,
+                ", ".join(f"{k!r}: {v[:40]!r}" for k, v in damaged[:4]) or "the floor record",
+                fresh,
+            )
         return found
 
     def generation_floor(self) -> int | None:
@@ -251,7 +278,7 @@ def footprint(key: bytes, value: bytes) -> int:
 
 
 def _value(stored: bytes | None) -> bytes | None:
-    return None if stored is None else stored[_ORDER_KEY.size:]
+    return None if stored is None else stored[_ORDER_KEY.size :]
 
 
 def fresh_generation() -> int:

@@ -38,8 +38,15 @@ return next
 class Generations:
     """The generations of the models this replica has seen."""
 
-    def __init__(self, client: redis.Redis, namespace: str, breaker, disk: DiskStore | None,
-                 disk_thread: concurrent.futures.ThreadPoolExecutor, on_failure: Callable[[str, Exception], None]):
+    def __init__(
+        self,
+        client: redis.Redis,
+        namespace: str,
+        breaker,
+        disk: DiskStore | None,
+        disk_thread: concurrent.futures.ThreadPoolExecutor,
+        on_failure: Callable[[str, Exception], None],
+    ):
         self._redis = client
         self._namespace = namespace
         self._breaker = breaker  # the cache's: open, Redis is not asked
@@ -69,8 +76,7 @@ class Generations:
             log.error("L2 generation records cannot be read (%s: %s)", type(exc).__name__, exc)
         if floor is None:
             floor = fresh_generation()
-            log.error("starting every model at fresh generation %d: entries older than a purge stay unreachable",
-                      floor)
+            log.error("starting every model at fresh generation %d: entries older than a purge stay unreachable", floor)
         self._floor = floor
         self._generations = {m: g for m, g in generations.items() if g > floor}
 
@@ -113,13 +119,23 @@ class Generations:
                     stored = 0
                 elif stored is None or stored >= MAX_GENERATION:
                     fresh = max(fresh_generation(), known)
-                    log.error("redis holds a damaged generation %r of model %s; starting it at fresh generation %d",
-                              value[:40], model, fresh)
+                    log.error(
+                        "redis holds a damaged generation %r of model %s; starting it at fresh generation %d",
+                        value[:40],
+                        model,
+                        fresh,
+                    )
                     await self._redis.set(self.key(model), fresh)
                     stored = fresh
                 if stored < known:
-                    log.warning("redis holds generation %d of model %s, older than %d seen before (did Redis restart?); "
-                                "writing %d back", stored, model, known, known)
+                    log.warning(
+                        "redis holds generation %d of model %s, older than %d seen before (did Redis restart?); "
+                        "writing %d back",
+                        stored,
+                        model,
+                        known,
+                        known,
+                    )
                     stored = int(await self._raise_generation([self.key(model)], [known]))
                 self.set(model, max(stored, known))
         except (RedisError, OSError) as exc:
@@ -136,7 +152,7 @@ class Generations:
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(self._disk_thread, self._disk.record_generations, newer)
-        except Exception:  # noqa: BLE001 - memory still holds them; the next refresh tries again
+        except Exception:
             metrics.ERRORS.labels("l2_generation").inc()
             log.exception("recording generations %s in L2 failed", newer)
             return

@@ -29,15 +29,18 @@ def check_model(what: str, model: str) -> None:
     if not model:
         raise errors.InvalidArgument(f"{what}: model is empty; name the model")
     if len(model.encode()) > MAX_MODEL_BYTES or "\x00" in model:
-        raise errors.InvalidArgument(f"{what}: model {errors.shown(model)} is not a model name "
-                                     f"(at most {MAX_MODEL_BYTES} bytes, no NUL)")
+        raise errors.InvalidArgument(
+            f"{what}: model {errors.shown(model)} is not a model name (at most {MAX_MODEL_BYTES} bytes, no NUL)"
+        )
 
 
 def check_key(what: str, model: str, digest: bytes) -> None:
     check_model(what, model)
     if len(digest) != DIGEST_BYTES:
-        raise errors.InvalidArgument(f"{what}: digest of model '{model}' is {len(digest)} bytes "
-                                     f"({digest[:8].hex() or 'empty'}); a request digest is {DIGEST_BYTES}")
+        raise errors.InvalidArgument(
+            f"{what}: digest of model '{model}' is {len(digest)} bytes "
+            f"({digest[:8].hex() or 'empty'}); a request digest is {DIGEST_BYTES}"
+        )
 
 
 def checked_outputs(index: int, request) -> list:
@@ -53,8 +56,14 @@ def checked_outputs(index: int, request) -> list:
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
-    def __init__(self, cache: ResultCache, admin_token: str, draining: asyncio.Event,
-                 admin: identity.AdminGate | None = None, budget: ByteBudget | None = None):
+    def __init__(
+        self,
+        cache: ResultCache,
+        admin_token: str,
+        draining: asyncio.Event,
+        admin: identity.AdminGate | None = None,
+        budget: ByteBudget | None = None,
+    ):
         self._cache = cache
         self._admin_token = admin_token
         self._admin = admin if admin is not None else identity.AdminGate(None, "cache")
@@ -79,8 +88,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         def on_error(request, exc):  # the cache never fails a request: a miss
             return cache_pb2.LookupResponse(id=request.id, hit=False)
 
-        async for response in answer_concurrently(request_iterator, handle, on_error,
-                                                  MAX_INFLIGHT_PER_STREAM, self._draining):
+        async for response in answer_concurrently(
+            request_iterator, handle, on_error, MAX_INFLIGHT_PER_STREAM, self._draining
+        ):
             yield response
 
     async def Store(self, request_iterator, context):
@@ -112,8 +122,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                         continue
                 generation = request.generation if request.HasField("generation") else None
                 try:
-                    future = self._cache.put(request.model, request.digest, checked_outputs(index, request),
-                                             generation)
+                    future = self._cache.put(request.model, request.digest, checked_outputs(index, request), generation)
                 except BaseException:
                     if held:
                         budget.release(held)
@@ -138,12 +147,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     async def Purge(self, request, context):
         if not self._admin_token and not self._admin.configured:
             metrics.PURGES.labels("disabled").inc()
-            raise errors.PermissionDenied("Purge is disabled: the cache service has no admin token or tenant "
-                                          "registry configured")
+            raise errors.PermissionDenied(
+                "Purge is disabled: the cache service has no admin token or tenant registry configured"
+            )
         metadata = dict(context.invocation_metadata() or ())
         presented = metadata.get("authorization", "")
-        token = bool(self._admin_token) and hmac.compare_digest(presented.encode(),
-                                                                 f"Bearer {self._admin_token}".encode())
+        token = bool(self._admin_token) and hmac.compare_digest(
+            presented.encode(), f"Bearer {self._admin_token}".encode()
+        )
         if not token:
             if not self._admin.configured:
                 metrics.PURGES.labels("unauthenticated").inc()
@@ -152,8 +163,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 self._admin.check(context, f"purge model {errors.shown(request.model)}")
             except errors.Unauthenticated as exc:
                 metrics.PURGES.labels("unauthenticated").inc()
-                raise errors.Unauthenticated(f"{exc.message}; Purge needs metadata 'authorization: Bearer <key>' "
-                                             "with an admin tenant's key or the cache's admin token") from None
+                raise errors.Unauthenticated(
+                    f"{exc.message}; Purge needs metadata 'authorization: Bearer <key>' "
+                    "with an admin tenant's key or the cache's admin token"
+                ) from None
             except errors.PermissionDenied:
                 metrics.PURGES.labels("unauthenticated").inc()
                 raise
@@ -169,15 +182,16 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
 async def build_server(config: CacheConfig, cache: ResultCache, draining: asyncio.Event, port: int | None = None):
     """Returns (server, bound_port, health servicer); the server is started."""
-    server = serving.new_server("cache", config.max_message_bytes, limits=config,
-                                data_methods=frozenset({"Lookup", "Store"}))
+    server = serving.new_server(
+        "cache", config.max_message_bytes, limits=config, data_methods=frozenset({"Lookup", "Store"})
+    )
     admin = identity.AdminGate.from_file(config.tenants_file, "cache")
     budget = ByteBudget("cache", config.budget_bytes)
-    cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache, config.admin_token, draining, admin, budget),
-                                               server)
+    cache_pb2_grpc.add_CacheServicer_to_server(
+        CacheServicer(cache, config.admin_token, draining, admin, budget), server
+    )
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
-    bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}",
-                     tls.server_credentials(config))
+    bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}", tls.server_credentials(config))
     await server.start()
     await serving.set_serving(health, [SERVICE_NAME], True)
     return server, bound, health

@@ -53,11 +53,13 @@ class ByteBudget:
             if size > self.limit_bytes:
                 raise errors.ResourceExhausted(
                     f"{what} of {size} bytes exceeds the {self.service}'s byte budget of {self.limit_bytes} bytes "
-                    "on its own; send it in smaller parts")
+                    "on its own; send it in smaller parts"
+                )
             raise errors.ResourceExhausted(
                 f"{what} of {size} bytes would take the {self.service} past its byte budget of {self.limit_bytes} "
                 f"bytes ({self.held_bytes} held by {self.held_requests} request(s)); retry after about {retry_ms} ms",
-                retry_after_ms=retry_ms)
+                retry_after_ms=retry_ms,
+            )
         self.held_bytes += size
         self.held_requests += 1
 
@@ -104,40 +106,70 @@ class ServingLimits:
 
     baseline_bytes: ClassVar[int] = 256 * MIB
 
-    memory_limit_bytes: int = dataclasses.field(default=1 * GIB, metadata={
-        "help": "the memory this process may use (its pod's limit); sizes request_budget_bytes when that is 0"})
-    request_budget_bytes: int = dataclasses.field(default=0, metadata={
-        "help": "bytes of the requests held at once, counted when one is accepted and released when it is "
-                f"answered; more is refused with RESOURCE_EXHAUSTED; 0: (memory_limit_bytes - the service's "
-                f"baseline) / {HELD_COPIES}"})
-    max_control_request_bytes: int = dataclasses.field(default=64 * KIB, metadata={
-        "help": "largest request of a control RPC (health, metadata, model control, listings); larger gets "
-                "RESOURCE_EXHAUSTED"})
-    max_connection_idle_s: float = dataclasses.field(default=300.0, metadata={
-        "help": "a connection with no call for this long is closed (GOAWAY); 0 keeps it"})
-    max_connection_age_s: float = dataclasses.field(default=1800.0, metadata={
-        "help": "a connection this old takes no new calls (GOAWAY) and its calls get max_connection_age_grace_s "
-                "to finish; 0: no age"})
-    max_connection_age_grace_s: float = dataclasses.field(default=60.0, metadata={
-        "help": "how long the calls of an aged connection may go on before it is closed"})
-    max_concurrent_streams: int = dataclasses.field(default=1024, metadata={
-        "help": "calls (HTTP/2 streams) open at once on one connection, so that one caller's idle streams "
-                "cannot take every call the server admits"})
+    memory_limit_bytes: int = dataclasses.field(
+        default=1 * GIB,
+        metadata={
+            "help": "the memory this process may use (its pod's limit); sizes request_budget_bytes when that is 0"
+        },
+    )
+    request_budget_bytes: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "bytes of the requests held at once, counted when one is accepted and released when it is "
+            f"answered; more is refused with RESOURCE_EXHAUSTED; 0: (memory_limit_bytes - the service's "
+            f"baseline) / {HELD_COPIES}"
+        },
+    )
+    max_control_request_bytes: int = dataclasses.field(
+        default=64 * KIB,
+        metadata={
+            "help": "largest request of a control RPC (health, metadata, model control, listings); larger gets "
+            "RESOURCE_EXHAUSTED"
+        },
+    )
+    max_connection_idle_s: float = dataclasses.field(
+        default=300.0, metadata={"help": "a connection with no call for this long is closed (GOAWAY); 0 keeps it"}
+    )
+    max_connection_age_s: float = dataclasses.field(
+        default=1800.0,
+        metadata={
+            "help": "a connection this old takes no new calls (GOAWAY) and its calls get max_connection_age_grace_s "
+            "to finish; 0: no age"
+        },
+    )
+    max_connection_age_grace_s: float = dataclasses.field(
+        default=60.0, metadata={"help": "how long the calls of an aged connection may go on before it is closed"}
+    )
+    max_concurrent_streams: int = dataclasses.field(
+        default=1024,
+        metadata={
+            "help": "calls (HTTP/2 streams) open at once on one connection, so that one caller's idle streams "
+            "cannot take every call the server admits"
+        },
+    )
 
     def __post_init__(self):
         baseline = self.baseline_bytes
-        require(self.memory_limit_bytes > baseline,
-                f"memory_limit_bytes must exceed the {type(self).__name__} baseline of {baseline} bytes, "
-                f"got {self.memory_limit_bytes}")
+        require(
+            self.memory_limit_bytes > baseline,
+            f"memory_limit_bytes must exceed the {type(self).__name__} baseline of {baseline} bytes, "
+            f"got {self.memory_limit_bytes}",
+        )
         require(self.request_budget_bytes >= 0, f"request_budget_bytes must be >= 0, got {self.request_budget_bytes}")
-        require(self.memory_needed_bytes <= self.memory_limit_bytes,
-                f"request_budget_bytes {self.budget_bytes} needs {self.memory_needed_bytes} bytes (baseline "
-                f"{baseline} + {HELD_COPIES} x the budget), more than memory_limit_bytes {self.memory_limit_bytes}")
-        require(self.max_control_request_bytes >= 1024,
-                f"max_control_request_bytes must be >= 1024, got {self.max_control_request_bytes}")
+        require(
+            self.memory_needed_bytes <= self.memory_limit_bytes,
+            f"request_budget_bytes {self.budget_bytes} needs {self.memory_needed_bytes} bytes (baseline "
+            f"{baseline} + {HELD_COPIES} x the budget), more than memory_limit_bytes {self.memory_limit_bytes}",
+        )
+        require(
+            self.max_control_request_bytes >= 1024,
+            f"max_control_request_bytes must be >= 1024, got {self.max_control_request_bytes}",
+        )
         for name in ("max_connection_idle_s", "max_connection_age_s", "max_connection_age_grace_s"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        require(self.max_concurrent_streams >= 1, f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")
+        require(
+            self.max_concurrent_streams >= 1, f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}"
+        )
 
     @property
     def budget_bytes(self) -> int:
@@ -151,6 +183,8 @@ class ServingLimits:
 
     def check_largest(self, name: str, largest_bytes: int) -> None:
         """A request as large as `name` allows must fit in the budget, or it could never be served."""
-        require(self.budget_bytes >= largest_bytes,
-                f"the byte budget ({self.budget_bytes} bytes) must hold one request of {name} "
-                f"({largest_bytes} bytes); raise request_budget_bytes or memory_limit_bytes")
+        require(
+            self.budget_bytes >= largest_bytes,
+            f"the byte budget ({self.budget_bytes} bytes) must hold one request of {name} "
+            f"({largest_bytes} bytes); raise request_budget_bytes or memory_limit_bytes",
+        )

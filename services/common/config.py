@@ -23,7 +23,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, env_prefix: st
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif typing.get_origin(kind) is tuple:
-            parser.add_argument(flag, default=default, type=lambda s: tuple(x for x in s.split(",") if x), help=help_text)
+            parser.add_argument(
+                flag, default=default, type=lambda s: tuple(x for x in s.split(",") if x), help=help_text
+            )
         else:
             parser.add_argument(flag, default=default, type=kind, help=help_text)
 

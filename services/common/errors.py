@@ -4,7 +4,6 @@ The core modules raise these; they never import grpc. `code` is the numeric
 grpc.StatusCode value, so an error can also travel inside a stream message.
 """
 
-
 MAX_MESSAGE_CHARS = 2000  # a status message travels in a header, which gRPC caps at 16 KiB
 SHOWN_CHARS = 120  # of one value a caller sent, echoed in a message
 SHOWN_ITEMS = 8  # of a list of them
@@ -156,8 +155,19 @@ class Unimplemented(InfermeshError):
 
 BY_CODE: dict[int, type[InfermeshError]] = {
     cls.code: cls
-    for cls in (InvalidArgument, DeadlineExceeded, NotFound, ResourceExhausted, Internal, Unavailable, Cancelled,
-                PermissionDenied, Unauthenticated, FailedPrecondition, Unimplemented)
+    for cls in (
+        InvalidArgument,
+        DeadlineExceeded,
+        NotFound,
+        ResourceExhausted,
+        Internal,
+        Unavailable,
+        Cancelled,
+        PermissionDenied,
+        Unauthenticated,
+        FailedPrecondition,
+        Unimplemented,
+    )
 }
 
 

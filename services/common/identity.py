@@ -76,7 +76,8 @@ class Tenant:
         if claimed > self.tier:
             raise errors.PermissionDenied(
                 f"tenant '{self.name}' may not use tier '{claimed.label}': it may use "
-                f"{self.allowed_tiers()}; ask for one of those or none")
+                f"{self.allowed_tiers()}; ask for one of those or none"
+            )
         return claimed
 
 
@@ -119,8 +120,15 @@ class Registry:
     """Tenants by credential. Lookups cost the same whichever entry matches:
     a presented key's hash is compared with every stored hash."""
 
-    def __init__(self, tenants: list[Tenant], keys: dict[str, str], certificates: dict[str, str],
-                 principals: dict[str, str], anonymous: Tenant | None, source: str = "registry"):
+    def __init__(
+        self,
+        tenants: list[Tenant],
+        keys: dict[str, str],
+        certificates: dict[str, str],
+        principals: dict[str, str],
+        anonymous: Tenant | None,
+        source: str = "registry",
+    ):
         self.tenants = {t.name: t for t in tenants}
         self._keys = list(keys.items())  # (stored hash, tenant): every one is compared (_by_key)
         self._certificates = certificates
@@ -129,7 +137,7 @@ class Registry:
         self.source = source
 
     @classmethod
-    def load(cls, path: str | pathlib.Path) -> "Registry":
+    def load(cls, path: str | pathlib.Path) -> Registry:
         import yaml
 
         path = pathlib.Path(path)
@@ -142,7 +150,7 @@ class Registry:
         return cls.from_document(doc, str(path))
 
     @classmethod
-    def from_document(cls, doc, where: str = "registry") -> "Registry":
+    def from_document(cls, doc, where: str = "registry") -> Registry:
         if not isinstance(doc, dict):
             raise RegistryError(f"{where}: must hold a mapping with 'tenants' (and 'anonymous')")
         unknown = set(doc) - {"tenants", "anonymous"}
@@ -160,8 +168,9 @@ class Registry:
                 raise RegistryError(f"{at}: a tenant's name must be a non-empty string other than '{ANONYMOUS}'")
             tenant, credentials = _tenant(name, body or {}, at)
             tenants.append(tenant)
-            for kind, table, found in zip(("keys", "certificates", "principals"), (keys, certificates, principals),
-                                          credentials):
+            for kind, table, found in zip(
+                ("keys", "certificates", "principals"), (keys, certificates, principals), credentials
+            ):
                 for value in found:
                     if value in table and table[value] != name:
                         raise RegistryError(f"{at}: {kind} entry {value!r} is also tenant '{table[value]}''s")
@@ -184,7 +193,8 @@ class Registry:
         if credentials.certificate:
             raise errors.Unauthenticated(
                 f"the client certificate (identities {', '.join(map(repr, credentials.certificate))}) names no tenant "
-                "in the registry")
+                "in the registry"
+            )
         if credentials.principal is not None:
             name = self._principals.get(credentials.principal)
             if name is None:
@@ -193,12 +203,14 @@ class Registry:
         if credentials.jwt_tenant is not None:
             tenant = self.tenants.get(credentials.jwt_tenant)
             if tenant is None:
-                raise errors.Unauthenticated(f"the token's tenant {errors.shown(credentials.jwt_tenant)} is not in "
-                                             "the registry")
+                raise errors.Unauthenticated(
+                    f"the token's tenant {errors.shown(credentials.jwt_tenant)} is not in the registry"
+                )
             return tenant
         if self.anonymous is None:
-            raise errors.Unauthenticated("this service needs credentials: send 'authorization: Bearer <key>' or a "
-                                         "client certificate")
+            raise errors.Unauthenticated(
+                "this service needs credentials: send 'authorization: Bearer <key>' or a client certificate"
+            )
         return self.anonymous
 
     def _by_key(self, key: str) -> Tenant:
@@ -217,8 +229,9 @@ class Registry:
         """The tenant, if it may do `action` (a control RPC); else UNAUTHENTICATED
         (no credentials) or PERMISSION_DENIED (a tenant without admin rights)."""
         if credentials == Credentials():
-            raise errors.Unauthenticated(f"{action} needs an admin credential: 'authorization: Bearer <key>' or a "
-                                         "client certificate")
+            raise errors.Unauthenticated(
+                f"{action} needs an admin credential: 'authorization: Bearer <key>' or a client certificate"
+            )
         tenant = self.authenticate(credentials)
         if not tenant.admin:
             raise errors.PermissionDenied(f"tenant '{tenant.name}' may not {action}: it has no admin rights")
@@ -234,8 +247,12 @@ def _strings(body: dict, key: str, at: str) -> list[str]:
 
 def _number(body: dict, key: str, at: str, default: float, minimum: float, maximum: float = math.inf) -> float:
     value = body.get(key, default)
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or not minimum <= value <= maximum):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not minimum <= value <= maximum
+    ):
         bounds = f">= {minimum:g}" if maximum == math.inf else f"in [{minimum:g}, {maximum:g}]"
         raise RegistryError(f"{at}: field '{key}' must be a finite number {bounds}, got {value!r}")
     return float(value)
@@ -257,8 +274,10 @@ def _tenant(name: str, body, at: str) -> tuple[Tenant, tuple[list[str], list[str
     keys = _strings(body, "keys", at)
     bad = [k for k in keys if not k.startswith(KEY_PREFIX) or len(k) != len(KEY_PREFIX) + 64]
     if bad:
-        raise RegistryError(f"{at}: keys are stored hashed, as '{KEY_PREFIX}<64 hex digits>' "
-                            f"(python -m services.meshctl tenants hash); got {bad[0][:20]!r}...")
+        raise RegistryError(
+            f"{at}: keys are stored hashed, as '{KEY_PREFIX}<64 hex digits>' "
+            f"(python -m services.meshctl tenants hash); got {bad[0][:20]!r}..."
+        )
     admin = body.get("admin", False)
     if not isinstance(admin, bool):
         raise RegistryError(f"{at}: field 'admin' must be true or false, got {admin!r}")
@@ -292,10 +311,17 @@ def development_registry() -> tuple[dict, dict[str, str]]:
         "anonymous": "standard",
         "tenants": {
             "dev-vip": {"tier": "vip", "keys": [hash_key(keys["dev-vip"])], "certificates": ["tenant-vip-dev"]},
-            "dev-standard": {"tier": "standard", "keys": [hash_key(keys["dev-standard"])],
-                             "certificates": ["tenant-standard-dev"]},
-            "dev-admin": {"tier": "standard", "admin": True, "keys": [hash_key(keys["dev-admin"])],
-                          "certificates": ["admin-dev"]},
+            "dev-standard": {
+                "tier": "standard",
+                "keys": [hash_key(keys["dev-standard"])],
+                "certificates": ["tenant-standard-dev"],
+            },
+            "dev-admin": {
+                "tier": "standard",
+                "admin": True,
+                "keys": [hash_key(keys["dev-admin"])],
+                "certificates": ["admin-dev"],
+            },
         },
     }
     return doc, keys
@@ -344,7 +370,7 @@ class AdminGate:
         self._service = service
 
     @classmethod
-    def from_file(cls, path: str, service: str) -> "AdminGate":
+    def from_file(cls, path: str, service: str) -> AdminGate:
         return cls(Registry.load(path) if path else None, service)
 
     @property
@@ -356,5 +382,6 @@ class AdminGate:
         if self._registry is None:
             raise errors.PermissionDenied(
                 f"{action} needs an admin credential, and this {self._service} has no tenant registry to check one "
-                "against (start it with --tenants-file)")
+                "against (start it with --tenants-file)"
+            )
         return self._registry.admin(call_credentials(context), action)

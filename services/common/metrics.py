@@ -47,8 +47,11 @@ def scrape(url: str, timeout_s: float = 5.0) -> dict[tuple[str, tuple], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 HELD_REQUEST_BYTES = prometheus_client.Gauge(
@@ -57,10 +60,12 @@ HELD_REQUEST_BYTES = prometheus_client.Gauge(
     ["service"],
 )
 BUDGET_BYTES = prometheus_client.Gauge(
-    "infermesh_request_budget_bytes", "The byte budget of the requests a service holds at once, by service.",
+    "infermesh_request_budget_bytes",
+    "The byte budget of the requests a service holds at once, by service.",
     ["service"],
 )
 BUDGET_REFUSALS = prometheus_client.Counter(
-    "infermesh_budget_refusals_total", "Requests refused because they would pass the service's byte budget.",
+    "infermesh_budget_refusals_total",
+    "Requests refused because they would pass the service's byte budget.",
     ["service"],
 )

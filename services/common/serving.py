@@ -54,7 +54,7 @@ class Malformed:
     request on it, can go on. `partial` is what the Decoder could read of it
     (its id, for the answer), or None."""
 
-    __slots__ = ("size", "error", "partial")
+    __slots__ = ("error", "partial", "size")
 
     def __init__(self, size: int, error: errors.InfermeshError, partial=None):
         self.size = size
@@ -93,7 +93,8 @@ class BoundedDecoder:
             except wire.BudgetExceeded:
                 raise errors.InvalidArgument(
                     f"{self._method} message of {len(raw)} bytes holds more than {self._max_fields} protobuf fields; "
-                    "this service takes at most that many in one message") from None
+                    "this service takes at most that many in one message"
+                ) from None
         return self._class.FromString(raw)
 
     def partial(self, raw: bytes):
@@ -122,9 +123,16 @@ class ErrorHandling:
     `max_control_request_bytes`, and those of data methods to `budget`. A
     method the servicer leaves unimplemented is UNIMPLEMENTED."""
 
-    def __init__(self, service: str, max_request_bytes: int | None = None, max_control_request_bytes: int | None = None,
-                 data_methods: frozenset[str] = frozenset(), budget: ByteBudget | None = None,
-                 max_stream_message_bytes: int | None = None, decoders: dict[str, Decoder] | None = None):
+    def __init__(
+        self,
+        service: str,
+        max_request_bytes: int | None = None,
+        max_control_request_bytes: int | None = None,
+        data_methods: frozenset[str] = frozenset(),
+        budget: ByteBudget | None = None,
+        max_stream_message_bytes: int | None = None,
+        decoders: dict[str, Decoder] | None = None,
+    ):
         self._service = service
         self._max_request_bytes = max_request_bytes
         self._max_stream_message_bytes = max_stream_message_bytes or max_request_bytes
@@ -134,8 +142,9 @@ class ErrorHandling:
         self._decoders = decoders or {}
         # One thread: large messages are decoded one at a time, so that the
         # loop shares the GIL with one decode at most.
-        self._decode_thread = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{service}-decode")
-                               if self._decoders else None)
+        self._decode_thread = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{service}-decode") if self._decoders else None
+        )
 
     def wrap(self, full_method: str, handler):
         """The handler of `full_method` ("/package.Service/Method"), wrapped."""
@@ -153,14 +162,17 @@ class ErrorHandling:
                 limit, budget = self._max_control_request_bytes, None
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(handler.unary_unary, method, parse, limit, budget),
-                response_serializer=handler.response_serializer)
+                response_serializer=handler.response_serializer,
+            )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                self._wrap_stream(handler.stream_stream, method, parse), response_serializer=handler.response_serializer)
+                self._wrap_stream(handler.stream_stream, method, parse), response_serializer=handler.response_serializer
+            )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
                 self._wrap_stream_unary(handler.stream_unary, method, parse),
-                response_serializer=handler.response_serializer)
+                response_serializer=handler.response_serializer,
+            )
         return handler
 
     async def _parse(self, parse, raw: bytes, method: str):
@@ -172,8 +184,10 @@ class ErrorHandling:
             return parse(raw)
         except errors.InfermeshError:
             raise
-        except Exception as exc:  # noqa: BLE001 - DecodeError and friends
-            raise errors.InvalidArgument(f"{method} request of {len(raw)} bytes is not a valid message: {exc}") from None
+        except Exception as exc:
+            raise errors.InvalidArgument(
+                f"{method} request of {len(raw)} bytes is not a valid message: {exc}"
+            ) from None
 
     def _too_large(self, raw: bytes) -> bool:
         return self._max_stream_message_bytes is not None and len(raw) > self._max_stream_message_bytes
@@ -199,18 +213,20 @@ class ErrorHandling:
     def _wrap_unary(self, behavior, method, parse, limit: int | None, budget: ByteBudget | None):
         """A unary method whose requests are at most `limit` bytes and, given a
         budget, held within it from before they are parsed until answered."""
+
         async def wrapper(raw, context):
             started = time.perf_counter()
             try:
                 if limit is not None and len(raw) > limit:
                     raise errors.ResourceExhausted(
-                        f"{method} request of {len(raw)} bytes exceeds the limit of {limit} bytes")
+                        f"{method} request of {len(raw)} bytes exceeds the limit of {limit} bytes"
+                    )
                 if budget is None:
                     response = await behavior(await self._parse(parse, raw, method), context)
                 else:
                     with budget.hold(len(raw), f"{method} request"):
                         response = await behavior(await self._parse(parse, raw, method), context)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            except Exception as exc:
                 await self._abort(context, exc, method, started)
             self._record(method, _code_name(context), started)
             return response
@@ -222,7 +238,7 @@ class ErrorHandling:
             started = time.perf_counter()
             try:
                 response = await behavior(self._messages(raw_iterator, parse, method), context)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 await self._abort(context, exc, method, started)
             self._record(method, _code_name(context), started)
             return response
@@ -235,7 +251,7 @@ class ErrorHandling:
             try:
                 async for response in behavior(self._messages(raw_iterator, parse, method), context):
                     yield response
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 await self._abort(context, exc, method, started)
             self._record(method, _code_name(context), started)
 
@@ -267,7 +283,7 @@ class _Decoding:
     """A method's Decoder, run on the event loop for a small message and in
     the decode thread for a large one."""
 
-    __slots__ = ("decoder", "_thread")
+    __slots__ = ("_thread", "decoder")
 
     def __init__(self, decoder: Decoder, thread: concurrent.futures.Executor):
         self.decoder = decoder
@@ -300,8 +316,10 @@ class ErrorHandledServer:
         self._server.add_generic_rpc_handlers(tuple(_WrappedGenericHandler(h, self._handling) for h in handlers))
 
     def add_registered_method_handlers(self, service: str, method_handlers: dict) -> None:
-        self._server.add_registered_method_handlers(service, {
-            name: self._handling.wrap(f"/{service}/{name}", handler) for name, handler in method_handlers.items()})
+        self._server.add_registered_method_handlers(
+            service,
+            {name: self._handling.wrap(f"/{service}/{name}", handler) for name, handler in method_handlers.items()},
+        )
 
     def __getattr__(self, name):
         return getattr(self._server, name)
@@ -329,11 +347,18 @@ class _WrappedGenericHandler(grpc.GenericRpcHandler):
         return handler
 
 
-def new_server(service: str, max_message_bytes: int, max_concurrent_rpcs: int | None = None,
-               max_request_bytes: int | None = None, reuse_port: bool = False, limits: ServingLimits | None = None,
-               data_methods: frozenset[str] = frozenset(), budget: ByteBudget | None = None,
-               max_stream_message_bytes: int | None = None,
-               decoders: dict[str, Decoder] | None = None) -> ErrorHandledServer:
+def new_server(
+    service: str,
+    max_message_bytes: int,
+    max_concurrent_rpcs: int | None = None,
+    max_request_bytes: int | None = None,
+    reuse_port: bool = False,
+    limits: ServingLimits | None = None,
+    data_methods: frozenset[str] = frozenset(),
+    budget: ByteBudget | None = None,
+    max_stream_message_bytes: int | None = None,
+    decoders: dict[str, Decoder] | None = None,
+) -> ErrorHandledServer:
     """A grpc.aio server whose handlers are error-handled (ErrorHandling).
     `max_message_bytes` is the transport's hard limit; `max_request_bytes`,
     when set and lower, is checked per request of the `data_methods` (the
@@ -344,18 +369,22 @@ def new_server(service: str, max_message_bytes: int, max_concurrent_rpcs: int | 
     bind the same port (SO_REUSEPORT) and the kernel spreads connections
     among them. `decoders` read the requests of the methods they name (by
     method name)."""
-    server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs,
-                             options=server_options(max_message_bytes, reuse_port, limits))
+    server = grpc.aio.server(
+        maximum_concurrent_rpcs=max_concurrent_rpcs, options=server_options(max_message_bytes, reuse_port, limits)
+    )
     control = limits.max_control_request_bytes if limits is not None else None
-    return ErrorHandledServer(server, ErrorHandling(service, max_request_bytes, control, data_methods, budget,
-                                                    max_stream_message_bytes, decoders))
+    return ErrorHandledServer(
+        server,
+        ErrorHandling(service, max_request_bytes, control, data_methods, budget, max_stream_message_bytes, decoders),
+    )
 
 
 KEEPALIVE_MS = 15_000  # how often our clients ping a connection with calls in flight
 
 
-def server_options(max_message_bytes: int, reuse_port: bool = False,
-                   limits: ServingLimits | None = None) -> list[tuple[str, int]]:
+def server_options(
+    max_message_bytes: int, reuse_port: bool = False, limits: ServingLimits | None = None
+) -> list[tuple[str, int]]:
     """Our clients ping long-lived streams every KEEPALIVE_MS to notice a frozen
     peer: the server must take pings that often while calls are open, or, at
     its default of one per 5 minutes, it answers the third with GOAWAY
@@ -374,9 +403,11 @@ def server_options(max_message_bytes: int, reuse_port: bool = False,
     ]
     if limits is not None:
         options.append(("grpc.max_concurrent_streams", limits.max_concurrent_streams))
-        for option, seconds in (("grpc.max_connection_idle_ms", limits.max_connection_idle_s),
-                                ("grpc.max_connection_age_ms", limits.max_connection_age_s),
-                                ("grpc.max_connection_age_grace_ms", limits.max_connection_age_grace_s)):
+        for option, seconds in (
+            ("grpc.max_connection_idle_ms", limits.max_connection_idle_s),
+            ("grpc.max_connection_age_ms", limits.max_connection_age_s),
+            ("grpc.max_connection_age_grace_ms", limits.max_connection_age_grace_s),
+        ):
             if seconds > 0:
                 options.append((option, max(1, min(int(1000 * seconds), 2**31 - 1))))
     return options
@@ -456,7 +487,10 @@ WITHDRAW_SIGNAL = signal.SIGUSR1
 
 
 async def run_until_signal(
-    server: grpc.aio.Server, health_servicer, grace_s: float, on_stop: Callable[[], object] | None = None,
+    server: grpc.aio.Server,
+    health_servicer,
+    grace_s: float,
+    on_stop: Callable[[], object] | None = None,
     draining: asyncio.Event | None = None,
 ) -> None:
     """Waits for SIGTERM or SIGINT, then drains: health NOT_SERVING, `draining`

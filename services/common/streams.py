@@ -48,9 +48,13 @@ class Framing:
     linger_s: float = 0.0
 
 
-async def framed(outbox: asyncio.Queue, framing: Framing | None, prepare: Callable[[object], object | None],
-                 sent: Callable[[int], None] | None = None,
-                 gather: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator:
+async def framed(
+    outbox: asyncio.Queue,
+    framing: Framing | None,
+    prepare: Callable[[object], object | None],
+    sent: Callable[[int], None] | None = None,
+    gather: Callable[[], Awaitable[None]] | None = None,
+) -> AsyncIterator:
     """The messages of `outbox` as they go on the wire, until a None: each
     item through prepare (None: nothing to send), in frames of what is queued
     when the next one is taken (one message each without a framing), after
@@ -160,8 +164,14 @@ class _Stream:
 class StreamMux:
     """`open_call(request_iterator)` starts the bidi call; responses carry `id`."""
 
-    def __init__(self, name: str, open_call: Callable, cancel_message: Callable[[int], object] | None = None,
-                 max_age_s: float | None = None, framing: Framing | None = None):
+    def __init__(
+        self,
+        name: str,
+        open_call: Callable,
+        cancel_message: Callable[[int], object] | None = None,
+        max_age_s: float | None = None,
+        framing: Framing | None = None,
+    ):
         self._name = name
         self._framing = framing
         self._open_call = open_call
@@ -207,8 +217,9 @@ class StreamMux:
                     if future is not None and not future.done():
                         future.set_result(response)
         except grpc.aio.AioRpcError as exc:
-            error = StreamLost(f"the stream to {self._name} ended before answering ({exc.code().name}: "
-                               f"{exc.details()})")
+            error = StreamLost(
+                f"the stream to {self._name} ended before answering ({exc.code().name}: {exc.details()})"
+            )
             log.warning("stream to %s failed: %s", self._name, exc.code().name)
         except asyncio.CancelledError:
             call.cancel()
@@ -240,8 +251,12 @@ class StreamMux:
             if entry is not None:
                 entry[2] = None  # answered: the heap must not keep its response alive until the deadline
                 self._timed -= 1
-            if (stream.pending.pop(request_id, None) is not None and not stream.closed and not stream.retired
-                    and self._cancel_message):
+            if (
+                stream.pending.pop(request_id, None) is not None
+                and not stream.closed
+                and not stream.retired
+                and self._cancel_message
+            ):
                 stream.put(self._cancel_message(request_id))
 
     def _expire_at(self, loop, deadline: float, request_id: int, future: asyncio.Future) -> list:
@@ -344,7 +359,7 @@ async def answer_concurrently(
             answer = await handle(request)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - the request still gets its one answer
+        except Exception as exc:
             log.exception("stream request failed unexpectedly")
             answer = on_error(request, exc)
         finally:
@@ -387,7 +402,7 @@ async def answer_concurrently(
                     return  # nothing more is read; the stream ends once these are answered
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - reported once the answers due are sent
+        except Exception as exc:
             broken.append(exc)
         ended.set()
         maybe_finish()
@@ -413,22 +428,32 @@ async def answer_concurrently(
             slots.release()
 
     reader = asyncio.create_task(read())
-    watchers = [asyncio.create_task(watch()) for watch, wanted in ((watch_drain, draining is not None),
-                                                                   (watch_idle, bool(idle_s))) if wanted]
+    watchers = [
+        asyncio.create_task(watch())
+        for watch, wanted in ((watch_drain, draining is not None), (watch_idle, bool(idle_s)))
+        if wanted
+    ]
     try:
         async with contextlib.aclosing(framed(outbox, framing, _unchanged, release)) as messages:
             async for message in messages:
                 yield message
         if broken:
             exc = broken[0]
-            raise exc if isinstance(exc, errors.InfermeshError) else errors.InvalidArgument(
-                f"the request stream could not be read: {type(exc).__name__}: {exc}")
+            raise (
+                exc
+                if isinstance(exc, errors.InfermeshError)
+                else errors.InvalidArgument(f"the request stream could not be read: {type(exc).__name__}: {exc}")
+            )
         if not ended.is_set() and idled:  # a request sent just now may be on the wire: not OK
-            raise errors.Unavailable(f"the stream was idle for {idled[0]:.1f}s and is closed; every request read "
-                                     f"on it was answered; open a new stream for more")
+            raise errors.Unavailable(
+                f"the stream was idle for {idled[0]:.1f}s and is closed; every request read "
+                f"on it was answered; open a new stream for more"
+            )
         if not ended.is_set() and is_draining():
-            raise errors.Unavailable("the server is draining: every request it read on this stream was answered, "
-                                     "any other was not read; send it again on a new stream")
+            raise errors.Unavailable(
+                "the server is draining: every request it read on this stream was answered, "
+                "any other was not read; send it again on a new stream"
+            )
     finally:
         reader.cancel()
         for watcher in watchers:

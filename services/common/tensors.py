@@ -93,15 +93,18 @@ def check_bytes_elements(data: bytes, shape, what: str, max_element_bytes: int |
     offset = seen = 0
     for offset, length in _bytes_spans(view, what, count):
         if max_element_bytes is not None and length > max_element_bytes:
-            raise InvalidArgument(f"{what}: element {seen} is {length} bytes long; the limit is {max_element_bytes} "
-                                  "bytes per element")
+            raise InvalidArgument(
+                f"{what}: element {seen} is {length} bytes long; the limit is {max_element_bytes} bytes per element"
+            )
         seen += 1
         offset += length
     if seen < count:
         raise InvalidArgument(f"{what} holds {seen} BYTES element(s) but shape {list(shape)} needs {count}")
     if offset < len(view):
-        raise InvalidArgument(f"{what} holds more than {count} BYTES element(s): shape {list(shape)} holds {count}, "
-                              f"and {len(view) - offset} byte(s) follow element {count - 1}")
+        raise InvalidArgument(
+            f"{what} holds more than {count} BYTES element(s): shape {list(shape)} holds {count}, "
+            f"and {len(view) - offset} byte(s) follow element {count - 1}"
+        )
 
 
 def check_tensor_data(tensor: "TensorData", what: str, max_element_bytes: int | None = None) -> None:
@@ -112,8 +115,10 @@ def check_tensor_data(tensor: "TensorData", what: str, max_element_bytes: int | 
         return
     need = element_count(tensor.shape) * NUMPY_DTYPES[tensor.datatype].itemsize
     if len(tensor.data) != need:
-        raise InvalidArgument(f"{what} has {len(tensor.data)} bytes of data but shape {list(tensor.shape)} of "
-                              f"{tensor.datatype} needs {need}")
+        raise InvalidArgument(
+            f"{what} has {len(tensor.data)} bytes of data but shape {list(tensor.shape)} of "
+            f"{tensor.datatype} needs {need}"
+        )
 
 
 def check_tensor_size(tensor: "TensorData", what: str) -> None:
@@ -122,13 +127,17 @@ def check_tensor_size(tensor: "TensorData", what: str) -> None:
     count = element_count(tensor.shape)
     if tensor.datatype == "BYTES":
         if len(tensor.data) < 4 * count:
-            raise InvalidArgument(f"{what} has {len(tensor.data)} bytes of data, too few for the {count} BYTES "
-                                  f"element(s) of shape {list(tensor.shape)} (4 bytes of length each at least)")
+            raise InvalidArgument(
+                f"{what} has {len(tensor.data)} bytes of data, too few for the {count} BYTES "
+                f"element(s) of shape {list(tensor.shape)} (4 bytes of length each at least)"
+            )
         return
     need = count * NUMPY_DTYPES[tensor.datatype].itemsize
     if len(tensor.data) != need:
-        raise InvalidArgument(f"{what} has {len(tensor.data)} bytes of data but shape {list(tensor.shape)} of "
-                              f"{tensor.datatype} needs {need}")
+        raise InvalidArgument(
+            f"{what} has {len(tensor.data)} bytes of data but shape {list(tensor.shape)} of "
+            f"{tensor.datatype} needs {need}"
+        )
 
 
 def bytes_elements(tensors) -> int:
@@ -146,8 +155,10 @@ def pack_bytes_elements(items: list[bytes]) -> bytes:
     if len(items) < PACK_INLINE_ITEMS:
         return b"".join(_LENGTH.pack(len(item)) + item for item in items)
     if len(items) > PACK_CHUNK_ITEMS:
-        return b"".join(pack_bytes_elements(items[start : start + PACK_CHUNK_ITEMS])
-                        for start in range(0, len(items), PACK_CHUNK_ITEMS))
+        return b"".join(
+            pack_bytes_elements(items[start : start + PACK_CHUNK_ITEMS])
+            for start in range(0, len(items), PACK_CHUNK_ITEMS)
+        )
     lengths = np.fromiter(map(len, items), dtype="<u4", count=len(items))
     out = np.empty(4 * len(items) + int(lengths.sum(dtype=np.int64)), dtype=np.uint8)
     starts = np.zeros(len(items), dtype=np.int64)  # where each prefix goes
@@ -207,7 +218,12 @@ def split_rows(tensor: TensorData, counts: list[int]) -> list[TensorData]:
     start = 0
     for count in counts:
         parts.append(
-            TensorData(tensor.name, tensor.datatype, (count, *tail), tensor.data[start * row_bytes : (start + count) * row_bytes])
+            TensorData(
+                tensor.name,
+                tensor.datatype,
+                (count, *tail),
+                tensor.data[start * row_bytes : (start + count) * row_bytes],
+            )
         )
         start += count
     return parts

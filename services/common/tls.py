@@ -18,28 +18,35 @@ from services.common.config import require
 
 TLS_HELP = {
     "tls_cert_file": "PEM certificate (chain) this service serves and presents to the services it calls; "
-                     "empty: plaintext",
+    "empty: plaintext",
     "tls_key_file": "PEM private key of tls_cert_file",
     "tls_ca_file": "PEM CA bundle that verifies client certificates and, with upstream_tls, the servers called",
     "tls_require_client_cert": "refuse, at the handshake, a client without a certificate from tls_ca_file",
-    "upstream_tls": "call the internal services over TLS, verified by tls_ca_file (presenting tls_cert_file "
-                    "when set)",
+    "upstream_tls": "call the internal services over TLS, verified by tls_ca_file (presenting tls_cert_file when set)",
 }
 
 
 def check(config) -> None:
     """Config check of the TLS fields of any service's config; raises ValueError naming the field."""
     cert, key, ca = config.tls_cert_file, config.tls_key_file, config.tls_ca_file
-    require(bool(cert) == bool(key),
-            f"tls_cert_file and tls_key_file go together, got tls_cert_file={cert!r} and tls_key_file={key!r}")
-    require(not config.tls_require_client_cert or bool(cert and ca),
-            "tls_require_client_cert needs tls_cert_file, tls_key_file and tls_ca_file, got "
-            f"tls_cert_file={cert!r}, tls_ca_file={ca!r}")
-    require(not getattr(config, "upstream_tls", False) or bool(ca),
-            "upstream_tls needs tls_ca_file to verify the servers called, got tls_ca_file=''")
+    require(
+        bool(cert) == bool(key),
+        f"tls_cert_file and tls_key_file go together, got tls_cert_file={cert!r} and tls_key_file={key!r}",
+    )
+    require(
+        not config.tls_require_client_cert or bool(cert and ca),
+        "tls_require_client_cert needs tls_cert_file, tls_key_file and tls_ca_file, got "
+        f"tls_cert_file={cert!r}, tls_ca_file={ca!r}",
+    )
+    require(
+        not getattr(config, "upstream_tls", False) or bool(ca),
+        "upstream_tls needs tls_ca_file to verify the servers called, got tls_ca_file=''",
+    )
     for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
         path = getattr(config, name)
-        require(not path or os.access(path, os.R_OK) and os.path.isfile(path), f"{name} {path!r} is not a readable file")
+        require(
+            not path or (os.access(path, os.R_OK) and os.path.isfile(path)), f"{name} {path!r} is not a readable file"
+        )
 
 
 def _read(path: str) -> bytes:
@@ -56,7 +63,8 @@ def server_credentials(config) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials(
         [(_read(config.tls_key_file), _read(config.tls_cert_file))],
         root_certificates=_read(config.tls_ca_file) if config.tls_require_client_cert else None,
-        require_client_auth=config.tls_require_client_cert)
+        require_client_auth=config.tls_require_client_cert,
+    )
 
 
 def channel_credentials(ca_file: str, cert_file: str = "", key_file: str = "") -> grpc.ChannelCredentials:
@@ -64,7 +72,8 @@ def channel_credentials(ca_file: str, cert_file: str = "", key_file: str = "") -
     return grpc.ssl_channel_credentials(
         root_certificates=_read(ca_file),
         private_key=_read(key_file) if cert_file else None,
-        certificate_chain=_read(cert_file) if cert_file else None)
+        certificate_chain=_read(cert_file) if cert_file else None,
+    )
 
 
 def upstream_credentials(config) -> grpc.ChannelCredentials | None:

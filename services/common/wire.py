@@ -67,7 +67,7 @@ class Reader:
     """Walks the fields of one serialised message, `budget` fields in all (a
     group's inner fields included); the walk raises BudgetExceeded past it."""
 
-    __slots__ = ("buf", "budget")
+    __slots__ = ("budget", "buf")
 
     def __init__(self, buf: bytes, budget: int):
         self.buf = buf
@@ -109,8 +109,10 @@ class Reader:
                 length, pos = varint(buf, pos, end)
             stop = pos + length
             if stop > end:
-                raise WireError(f"field {number} at offset {tag_at} declares {length} bytes but only "
-                                f"{end - pos} remain in its message")
+                raise WireError(
+                    f"field {number} at offset {tag_at} declares {length} bytes but only "
+                    f"{end - pos} remain in its message"
+                )
             return number, LEN, pos, stop, stop
         if wire_type == VARINT:
             value, after = varint(buf, pos, end)
@@ -123,8 +125,9 @@ class Reader:
         if wire_type == SGROUP:
             stop = self._skip_group(number, pos, end, tag_at)
             return number, SGROUP, pos, stop, stop
-        raise WireError(f"field {number} at offset {tag_at} has wire type {wire_type}, which no "
-                        "message may start a field with")
+        raise WireError(
+            f"field {number} at offset {tag_at} has wire type {wire_type}, which no message may start a field with"
+        )
 
     def repeated_len(self, tag: int, pos: int, end: int, most: int) -> tuple[int, int]:
         """Skips the run of length-delimited fields with the one-byte `tag` that
@@ -195,6 +198,12 @@ def _count(reader: Reader, descriptor, pos: int, end: int, depth: int) -> None:
         if field.message_type is not None:
             _count(reader, field.message_type, a, b, depth + 1)
         elif field.type not in (field.TYPE_STRING, field.TYPE_BYTES):  # a packed repeated scalar
-            width = {field.TYPE_FLOAT: 4, field.TYPE_FIXED32: 4, field.TYPE_SFIXED32: 4, field.TYPE_DOUBLE: 8,
-                     field.TYPE_FIXED64: 8, field.TYPE_SFIXED64: 8}.get(field.type)
+            width = {
+                field.TYPE_FLOAT: 4,
+                field.TYPE_FIXED32: 4,
+                field.TYPE_SFIXED32: 4,
+                field.TYPE_DOUBLE: 8,
+                field.TYPE_FIXED64: 8,
+                field.TYPE_SFIXED64: 8,
+            }.get(field.type)
             reader.spend((b - a) // width if width else packed_varints(reader.buf, a, b))

@@ -12,7 +12,6 @@ from services.launcher.mesh import Mesh, MeshConfig, MeshError
 from services.meshctl import tenants
 
 
-
 def write_run_file(path: pathlib.Path, where: dict, status: dict) -> None:
     """The run file, replaced whole: readers never see half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -24,32 +23,67 @@ def write_run_file(path: pathlib.Path, where: dict, status: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", default="build/models", help="model repository")
-    parser.add_argument("--host", default=os.environ.get("INFERMESH_HOST", "127.0.0.1"),
-                        help="the router's public address to bind")
-    parser.add_argument("--internal-host", default=os.environ.get("INFERMESH_INTERNAL_HOST", "127.0.0.1"),
-                        help="the address the internal services (batcher, model server, cache) bind")
-    parser.add_argument("--tls-dir", default=os.environ.get("INFERMESH_TLS_DIR", ""),
-                        help="run every hop on mutual TLS with the certificates of this folder (make certs)")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("INFERMESH_PORT", 8001)), help="router gRPC port")
-    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("INFERMESH_METRICS_PORT", 8002)),
-                        help="the first router's metrics port; the others take the next ones")
-    parser.add_argument("--routers", type=int, default=int(os.environ.get("INFERMESH_ROUTERS", 1)),
-                        help="router processes sharing the gRPC port (SO_REUSEPORT), for more than one core's worth")
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="use this Redis instead of starting one")
-    parser.add_argument("--l2-path", default=os.environ.get("INFERMESH_L2_PATH", "var/cache"),
-                        help="the cache's on-disk L2 folder; it survives restarts ('' disables L2)")
-    parser.add_argument("--run-file", type=pathlib.Path, default=pathlib.Path("var/run/mesh.json"),
-                        help="where to write every service's address while the mesh runs")
+    parser.add_argument(
+        "--host", default=os.environ.get("INFERMESH_HOST", "127.0.0.1"), help="the router's public address to bind"
+    )
+    parser.add_argument(
+        "--internal-host",
+        default=os.environ.get("INFERMESH_INTERNAL_HOST", "127.0.0.1"),
+        help="the address the internal services (batcher, model server, cache) bind",
+    )
+    parser.add_argument(
+        "--tls-dir",
+        default=os.environ.get("INFERMESH_TLS_DIR", ""),
+        help="run every hop on mutual TLS with the certificates of this folder (make certs)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=int(os.environ.get("INFERMESH_PORT", 8001)), help="router gRPC port"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("INFERMESH_METRICS_PORT", 8002)),
+        help="the first router's metrics port; the others take the next ones",
+    )
+    parser.add_argument(
+        "--routers",
+        type=int,
+        default=int(os.environ.get("INFERMESH_ROUTERS", 1)),
+        help="router processes sharing the gRPC port (SO_REUSEPORT), for more than one core's worth",
+    )
+    parser.add_argument(
+        "--redis-url", default=os.environ.get("REDIS_URL"), help="use this Redis instead of starting one"
+    )
+    parser.add_argument(
+        "--l2-path",
+        default=os.environ.get("INFERMESH_L2_PATH", "var/cache"),
+        help="the cache's on-disk L2 folder; it survives restarts ('' disables L2)",
+    )
+    parser.add_argument(
+        "--run-file",
+        type=pathlib.Path,
+        default=pathlib.Path("var/run/mesh.json"),
+        help="where to write every service's address while the mesh runs",
+    )
     parser.add_argument("--log-dir", default=os.environ.get("INFERMESH_LOG_DIR"), help="write each service's log here")
-    parser.add_argument("--traffic-policy", default="mesh/istio/model-server-traffic.yaml",
-                        help="the VirtualService/DestinationRule the batcher applies ('' for none)")
-    parser.add_argument("--model-server-labels", default="version=blue,pool=vip",
-                        help="labels of the model server, as a DestinationRule subset selects them (one local "
-                             "server is in both the blue subset and the VIP pool)")
-    parser.add_argument("--tenants-file", type=pathlib.Path,
-                        default=pathlib.Path(os.environ.get("INFERMESH_TENANTS_FILE", "var/tenants.yaml")),
-                        help="the router's tenant registry; made with development tenants (keys printed once) if "
-                             "missing (python -m services.meshctl tenants)")
+    parser.add_argument(
+        "--traffic-policy",
+        default="mesh/istio/model-server-traffic.yaml",
+        help="the VirtualService/DestinationRule the batcher applies ('' for none)",
+    )
+    parser.add_argument(
+        "--model-server-labels",
+        default="version=blue,pool=vip",
+        help="labels of the model server, as a DestinationRule subset selects them (one local "
+        "server is in both the blue subset and the VIP pool)",
+    )
+    parser.add_argument(
+        "--tenants-file",
+        type=pathlib.Path,
+        default=pathlib.Path(os.environ.get("INFERMESH_TENANTS_FILE", "var/tenants.yaml")),
+        help="the router's tenant registry; made with development tenants (keys printed once) if "
+        "missing (python -m services.meshctl tenants)",
+    )
     args = parser.parse_args()
     if args.routers < 1:
         parser.error(f"--routers must be at least 1, got {args.routers}")
@@ -64,7 +98,25 @@ def main() -> int:
     if not args.tenants_file.exists():
         tenants.parse_and_run(["--registry", str(args.tenants_file), "init"])
     try:
-        mesh = Mesh(MeshConfig(models=args.models, tenants_file=args.tenants_file, host=args.host, internal_host=args.internal_host, tls_dir=args.tls_dir or None, router_port=args.port, metrics_port=args.metrics_port, redis_url=args.redis_url, l2_path=args.l2_path, log_dir=args.log_dir, model_server_labels=(args.model_server_labels,) if args.model_server_labels else (), batcher_args=("--traffic-policy", args.traffic_policy) if args.traffic_policy else (), routers=args.routers, supervise=True), on_event=lambda message: print(f"infermesh: {message}", file=sys.stderr, flush=True))
+        mesh = Mesh(
+            MeshConfig(
+                models=args.models,
+                tenants_file=args.tenants_file,
+                host=args.host,
+                internal_host=args.internal_host,
+                tls_dir=args.tls_dir or None,
+                router_port=args.port,
+                metrics_port=args.metrics_port,
+                redis_url=args.redis_url,
+                l2_path=args.l2_path,
+                log_dir=args.log_dir,
+                model_server_labels=(args.model_server_labels,) if args.model_server_labels else (),
+                batcher_args=("--traffic-policy", args.traffic_policy) if args.traffic_policy else (),
+                routers=args.routers,
+                supervise=True,
+            ),
+            on_event=lambda message: print(f"infermesh: {message}", file=sys.stderr, flush=True),
+        )
     except MeshError as exc:
         print(f"infermesh cannot start: {exc}", file=sys.stderr)
         return 1
@@ -82,17 +134,24 @@ def main() -> int:
     # Where every service listens, for operators' tools (services.cache.admin, ...), and
     # how each is doing (meshctl services): written whole before "ready" is said, so
     # whoever waits for that line finds it, then again whenever a service's state changes.
-    where = ({name: p.info.get("grpc") for name, p in mesh.processes.items() if name != "redis"}
-             | ({"tls_dir": args.tls_dir} if args.tls_dir else {})  # services.cache.admin presents admin-dev's
-             | {"redis": mesh.redis_url,
-                "metrics": {name: mesh.metrics_url(name) for name in mesh.processes if name != "redis"},
-                "launcher": os.getpid()})
+    where = (
+        {name: p.info.get("grpc") for name, p in mesh.processes.items() if name != "redis"}
+        | ({"tls_dir": args.tls_dir} if args.tls_dir else {})  # services.cache.admin presents admin-dev's
+        | {
+            "redis": mesh.redis_url,
+            "metrics": {name: mesh.metrics_url(name) for name in mesh.processes if name != "redis"},
+            "launcher": os.getpid(),
+        }
+    )
     shown = mesh.status()
     write_run_file(args.run_file, where, shown)
     routers = f"{args.routers} routers on " if args.routers > 1 else "router "
-    print(f"infermesh ready: {routers}gRPC {mesh.router}{' (mutual TLS)' if mesh.tls_dir else ''}, "
-          f"metrics {mesh.router_metrics} "
-          f"(Ctrl-C drains and stops)", flush=True)
+    print(
+        f"infermesh ready: {routers}gRPC {mesh.router}{' (mutual TLS)' if mesh.tls_dir else ''}, "
+        f"metrics {mesh.router_metrics} "
+        f"(Ctrl-C drains and stops)",
+        flush=True,
+    )
     try:
         while not stopping:  # the supervisor restarts what exits; the run file follows its view
             status = mesh.status()

@@ -95,8 +95,9 @@ class MeshConfig:
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
         if len(self.model_server_labels) > self.model_servers:
-            raise ValueError(f"model_server_labels has {len(self.model_server_labels)} values for "
-                             f"{self.model_servers} model servers")
+            raise ValueError(
+                f"model_server_labels has {len(self.model_server_labels)} values for {self.model_servers} model servers"
+            )
         for name in ("router_args", "batcher_args", "model_server_args", "cache_args", "model_server_labels"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(item, str) for item in value):

@@ -31,8 +31,6 @@ from services.launcher.supervisor import Supervisor
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-
-
 def _lower_priority(pid: int, nice: int) -> None:
     """Lowers a child's CPU priority by `nice`. Where the kernel schedules
     each session as a group (autogroup, on by default in many distributions),
@@ -47,8 +45,12 @@ def _lower_priority(pid: int, nice: int) -> None:
 
 
 # The certificate (tools.certs) each service serves and presents.
-CERTIFICATES = {"services.router": "router", "services.batcher": "batcher", "services.cache": "cache",
-                "services.model_server": "model-server"}
+CERTIFICATES = {
+    "services.router": "router",
+    "services.batcher": "batcher",
+    "services.cache": "cache",
+    "services.model_server": "model-server",
+}
 
 
 class MeshError(RuntimeError):
@@ -59,8 +61,15 @@ class Process:
     """One child process; `respawn` starts it again with the same command line,
     pinned to the ports it announced the first time."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path | None, env: dict[str, str],
-                 announces: bool = True, nice: int = 0):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_dir: pathlib.Path | None,
+        env: dict[str, str],
+        announces: bool = True,
+        nice: int = 0,
+    ):
         self.name = name
         self.argv = argv
         self.log_path = log_dir / f"{name}.log" if log_dir else None
@@ -78,8 +87,14 @@ class Process:
         # A session of its own: a terminal's Ctrl-C reaches only the launcher,
         # which then stops the services in order; and the child dies with us
         # (die_with_parent, as it starts). No code runs between fork and exec.
-        self.popen = subprocess.Popen(argv, stdout=stdout, stderr=stderr, cwd=ROOT,
-                                      env={**self.env, DIE_WITH_PARENT: str(os.getpid())}, start_new_session=True)
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=stdout,
+            stderr=stderr,
+            cwd=ROOT,
+            env={**self.env, DIE_WITH_PARENT: str(os.getpid())},
+            start_new_session=True,
+        )
         if self.nice:
             _lower_priority(self.popen.pid, self.nice)
         if stderr is not None:
@@ -102,7 +117,9 @@ class Process:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
-                raise MeshError(f"{self.name} exited with code {self.popen.returncode} before it was ready\n{self.log_tail()}")
+                raise MeshError(
+                    f"{self.name} exited with code {self.popen.returncode} before it was ready\n{self.log_tail()}"
+                )
             if self.poll_ready(0.1):
                 return self.info
         raise MeshError(f"{self.name} was not ready within {timeout_s:.0f}s\n{self.log_tail()}")
@@ -159,7 +176,9 @@ class Mesh:
         self.models = str(config.models)
         self.tls_dir = pathlib.Path(config.tls_dir) if config.tls_dir else None
         if self.tls_dir is not None and not (self.tls_dir / "ca.pem").is_file():
-            raise MeshError(f"{self.tls_dir} has no ca.pem: run 'make certs' (python -m tools.certs --out {self.tls_dir})")
+            raise MeshError(
+                f"{self.tls_dir} has no ca.pem: run 'make certs' (python -m tools.certs --out {self.tls_dir})"
+            )
         self.redis_url = config.redis_url  # our own redis-server's, once started
         self.log_dir = pathlib.Path(config.log_dir) if config.log_dir else None
         if self.log_dir:
@@ -179,18 +198,33 @@ class Mesh:
             if self.config.cache and self.redis_url is None:
                 self.start_redis()
             servers = [
-                self._spawn(f"model_server-{i}" if self.config.model_servers > 1 else "model_server", "services.model_server",
-                            ["--model-repository", self.models, "--tenants-file", self._tenants(), *self._core_share(),
-                             *self.config.model_server_args,
-                             *(["--labels", self.config.model_server_labels[i]] if i < len(self.config.model_server_labels) else [])],
-                            nice=self._model_server_nice(i))
+                self._spawn(
+                    f"model_server-{i}" if self.config.model_servers > 1 else "model_server",
+                    "services.model_server",
+                    [
+                        "--model-repository",
+                        self.models,
+                        "--tenants-file",
+                        self._tenants(),
+                        *self._core_share(),
+                        *self.config.model_server_args,
+                        *(
+                            ["--labels", self.config.model_server_labels[i]]
+                            if i < len(self.config.model_server_labels)
+                            else []
+                        ),
+                    ],
+                    nice=self._model_server_nice(i),
+                )
                 for i in range(self.config.model_servers)
             ]
             addresses = ",".join(p.wait_ready(self.config.ready_timeout_s)["grpc"] for p in servers)
             if self.model_server_via is not None:
                 addresses = ",".join(self.model_server_via(a) for a in addresses.split(","))
-            batchers = [self._spawn(name, "services.batcher", ["--model-servers", addresses, *self.config.batcher_args])
-                        for name in self.batcher_names()]
+            batchers = [
+                self._spawn(name, "services.batcher", ["--model-servers", addresses, *self.config.batcher_args])
+                for name in self.batcher_names()
+            ]
             cache = None
             if self.config.cache:
                 cache = self.start_cache()
@@ -231,9 +265,17 @@ class Mesh:
             if self.config.routers > 1:
                 argv.append("--reuse-port")
             if self.log_dir is not None:  # requests that failed while a breaker counted, for analysis
-                argv += ["--failure-samples-path", str(self.log_dir / f"failure-samples-{name}.jsonl"
-                                                       if index else self.log_dir / "failure-samples.jsonl")]
-            info = self._spawn(name, "services.router", [*argv, *self.config.router_args]).wait_ready(self.config.ready_timeout_s)
+                argv += [
+                    "--failure-samples-path",
+                    str(
+                        self.log_dir / f"failure-samples-{name}.jsonl"
+                        if index
+                        else self.log_dir / "failure-samples.jsonl"
+                    ),
+                ]
+            info = self._spawn(name, "services.router", [*argv, *self.config.router_args]).wait_ready(
+                self.config.ready_timeout_s
+            )
             port = int(info["grpc"].rsplit(":", 1)[1])
 
     def router_names(self) -> list[str]:
@@ -247,7 +289,9 @@ class Mesh:
         node's by their CPU requests: each taking them all, their ONNX Runtime
         threads would outnumber the cores (a thread of a parallel operator
         then waits for one that lost its core). Unless the caller chose."""
-        if self.config.model_servers == 1 or any(a.startswith("--intra-op-threads") for a in self.config.model_server_args):
+        if self.config.model_servers == 1 or any(
+            a.startswith("--intra-op-threads") for a in self.config.model_server_args
+        ):
             return []
         cores = len(os.sched_getaffinity(0))
         return ["--intra-op-threads", str(max(1, cores // self.config.model_servers))]
@@ -262,8 +306,15 @@ class Mesh:
         """The command line of one of our services: the router binds the public
         host, the others the internal one; with a TLS folder, its certificates."""
         public = module == "services.router"
-        argv = [sys.executable, "-m", module, "--host", self.config.host if public else self.config.internal_host,
-                *self._tls_args(module), *args]
+        argv = [
+            sys.executable,
+            "-m",
+            module,
+            "--host",
+            self.config.host if public else self.config.internal_host,
+            *self._tls_args(module),
+            *args,
+        ]
         if not public:
             argv += ["--metrics-port", "0"]
         return argv
@@ -285,16 +336,30 @@ class Mesh:
         if self.supervisor is not None:
             return self.supervisor.status()
         with self.lock:
-            return {name: {"pid": p.popen.pid, "state": "running" if p.alive() else "stopped", "restarts": 0,
-                           "ready": p.alive(), "last_exit": ""} for name, p in self.processes.items()}
+            return {
+                name: {
+                    "pid": p.popen.pid,
+                    "state": "running" if p.alive() else "stopped",
+                    "restarts": 0,
+                    "ready": p.alive(),
+                    "last_exit": "",
+                }
+                for name, p in self.processes.items()
+            }
 
     def _tls_args(self, module: str) -> list[str]:
         if self.tls_dir is None:
             return []
         certificate = CERTIFICATES[module]
-        argv = ["--tls-cert-file", str(self.tls_dir / f"{certificate}.pem"),
-                "--tls-key-file", str(self.tls_dir / f"{certificate}.key"),
-                "--tls-ca-file", str(self.tls_dir / "ca.pem"), "--tls-require-client-cert"]
+        argv = [
+            "--tls-cert-file",
+            str(self.tls_dir / f"{certificate}.pem"),
+            "--tls-key-file",
+            str(self.tls_dir / f"{certificate}.key"),
+            "--tls-ca-file",
+            str(self.tls_dir / "ca.pem"),
+            "--tls-require-client-cert",
+        ]
         if module in ("services.router", "services.batcher"):  # they call other services
             argv.append("--upstream-tls")
         return argv
@@ -335,10 +400,30 @@ class Mesh:
         # redis-server cannot ask for a death signal itself as our services do; where
         # util-linux's setpriv is there it asks for it before it execs redis-server.
         setpriv = shutil.which("setpriv")
-        argv = [*([setpriv, "--pdeathsig", "TERM"] if setpriv else []), executable, "--port", "0",
-                "--bind", "127.0.0.1", "--unixsocket", socket_path, "--unixsocketperm", "700",
-                "--save", "", "--appendonly", "no", "--daemonize", "no", "--maxmemory", "512mb",
-                "--maxmemory-policy", "allkeys-lru", "--dir", self.redis_dir]
+        argv = [
+            *([setpriv, "--pdeathsig", "TERM"] if setpriv else []),
+            executable,
+            "--port",
+            "0",
+            "--bind",
+            "127.0.0.1",
+            "--unixsocket",
+            socket_path,
+            "--unixsocketperm",
+            "700",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--maxmemory",
+            "512mb",
+            "--maxmemory-policy",
+            "allkeys-lru",
+            "--dir",
+            self.redis_dir,
+        ]
         with self.lock:
             process = Process("redis", argv, self.log_dir, self.env, announces=False)
             self.processes["redis"] = process
@@ -361,8 +446,13 @@ class Mesh:
         """Drains the router first, then the services behind it, then Redis."""
         if self.supervisor is not None:
             self.supervisor.hold()  # nothing restarts what is being stopped
-        order = [*self.router_names(), *self.batcher_names(), "cache",
-                 *[n for n in self.processes if n.startswith("model_server")], "redis"]
+        order = [
+            *self.router_names(),
+            *self.batcher_names(),
+            "cache",
+            *[n for n in self.processes if n.startswith("model_server")],
+            "redis",
+        ]
         for name in self.router_names():  # the routers drain together, each finishing its own calls
             process = self.processes.get(name)
             if process is not None and process.alive():

@@ -44,8 +44,9 @@ class RestartPolicy:
         if self.failure_threshold < 1:
             raise ValueError(f"failure_threshold must be >= 1, got {self.failure_threshold}")
         if self.probe_period_s <= 0 or self.probe_timeout_s <= 0:
-            raise ValueError(f"probe_period_s and probe_timeout_s must be > 0, got {self.probe_period_s} "
-                             f"and {self.probe_timeout_s}")
+            raise ValueError(
+                f"probe_period_s and probe_timeout_s must be > 0, got {self.probe_period_s} and {self.probe_timeout_s}"
+            )
 
     def delay_s(self, restarts_in_a_row: int) -> float:
         """The wait before restart number `restarts_in_a_row` (1, 2, ...) since the service was last stable."""
@@ -69,8 +70,13 @@ class ServiceState:
     next_probe_at: float = 0.0
 
     def as_dict(self) -> dict:
-        return {"pid": self.pid, "state": self.state, "restarts": self.restarts, "ready": self.ready,
-                "last_exit": self.last_exit}
+        return {
+            "pid": self.pid,
+            "state": self.state,
+            "restarts": self.restarts,
+            "ready": self.ready,
+            "last_exit": self.last_exit,
+        }
 
 
 def exit_reason(returncode: int) -> str:
@@ -105,8 +111,9 @@ class Supervisor:
         now = time.monotonic()
         with self._lock:
             for name, process in self._mesh.processes.items():
-                self._states[name] = ServiceState(pid=process.popen.pid, ready=True, ready_since=now,
-                                                  started_at=now, next_probe_at=now)
+                self._states[name] = ServiceState(
+                    pid=process.popen.pid, ready=True, ready_since=now, started_at=now, next_probe_at=now
+                )
         self._thread.start()
 
     def status(self) -> dict[str, dict]:
@@ -138,7 +145,7 @@ class Supervisor:
                 continue
             try:
                 self._step(time.monotonic())
-            except Exception:  # noqa: BLE001 - supervision must outlive any one service's oddity
+            except Exception:
                 log.exception("supervisor step failed")
             self._closed.wait(0.1)
 
@@ -150,8 +157,10 @@ class Supervisor:
                 if name not in processes:  # stopped on purpose (Mesh.stop_service)
                     del self._states[name]
             for name in processes:
-                self._states.setdefault(name, ServiceState(pid=processes[name].popen.pid, started_at=now,
-                                                           state="starting", next_probe_at=now))
+                self._states.setdefault(
+                    name,
+                    ServiceState(pid=processes[name].popen.pid, started_at=now, state="starting", next_probe_at=now),
+                )
         for name, process in processes.items():
             if self._held.is_set():
                 return
@@ -166,8 +175,9 @@ class Supervisor:
                 state.last_exit = exit_reason(process.popen.returncode)
                 state.state, state.ready, state.ready_since = "backoff", False, None
                 state.next_start_at = now + policy.delay_s(state.in_a_row)
-            self._on_event(f"{name} (pid {state.pid}) {state.last_exit}; restarting in "
-                           f"{policy.delay_s(state.in_a_row):.1f}s")
+            self._on_event(
+                f"{name} (pid {state.pid}) {state.last_exit}; restarting in {policy.delay_s(state.in_a_row):.1f}s"
+            )
             return
         if state.state == "backoff":
             if now >= state.next_start_at and self._respawn(name, process):
@@ -180,8 +190,10 @@ class Supervisor:
             if process.poll_ready():
                 with self._lock:
                     state.state, state.ready, state.ready_since = "running", True, now
-                self._on_event(f"{name} is back (pid {state.pid}, restart {state.restarts}, "
-                               f"{now - state.started_at:.1f}s to start)")
+                self._on_event(
+                    f"{name} is back (pid {state.pid}, restart {state.restarts}, "
+                    f"{now - state.started_at:.1f}s to start)"
+                )
             elif now - state.started_at > policy.start_timeout_s:
                 self._on_event(f"{name} (pid {state.pid}) not ready within {policy.start_timeout_s:.0f}s; killing it")
                 process.popen.kill()
@@ -201,8 +213,9 @@ class Supervisor:
                     state.unanswered += 1
                     state.ready, state.ready_since = False, None
             if state.unanswered >= policy.failure_threshold:
-                self._on_event(f"{name} (pid {state.pid}) did not answer {state.unanswered} liveness checks in a "
-                               f"row; killing it")
+                self._on_event(
+                    f"{name} (pid {state.pid}) did not answer {state.unanswered} liveness checks in a row; killing it"
+                )
                 process.popen.kill()
                 process.popen.wait()
 
@@ -225,8 +238,9 @@ class Supervisor:
         timeout_s = self._policy.probe_timeout_s
         if name == "redis":
             if self._redis is None:  # one client: it reconnects by itself after a restart
-                self._redis = redis.Redis.from_url(self._mesh.redis_url, socket_timeout=timeout_s,
-                                                   socket_connect_timeout=timeout_s)
+                self._redis = redis.Redis.from_url(
+                    self._mesh.redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+                )
             try:
                 return True, bool(self._redis.ping())
             except (redis.RedisError, OSError):

@@ -22,8 +22,8 @@ import pathlib
 import sys
 import time
 
-from services.common.metrics import scrape
 from services.common.identity import RegistryError
+from services.common.metrics import scrape
 from services.meshctl import core, tenants
 
 DEFAULT_FILE = pathlib.Path("mesh/istio/model-server-traffic.yaml")
@@ -57,20 +57,28 @@ def _warn_of_unready_subsets(args, weights: dict[str, int]) -> None:
         return  # no mesh running here: the file is all there is to change
     for subset, weight in weights.items():
         if weight > 0 and core.subset_health(samples, subset)["ready_replicas"] == 0:
-            print(f"warning: subset {subset!r} now takes {weight} of the weight but the running batcher has no "
-                  f"ready replica in it: its share of batches fails UNAVAILABLE until one starts",
-                  file=sys.stderr)
+            print(
+                f"warning: subset {subset!r} now takes {weight} of the weight but the running batcher has no "
+                f"ready replica in it: its share of batches fails UNAVAILABLE until one starts",
+                file=sys.stderr,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="meshctl", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="meshctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--file", type=pathlib.Path, default=DEFAULT_FILE, help="the traffic policy YAML")
-    parser.add_argument("--apply", action="store_true",
-                        help="also patch the live VirtualService in Kubernetes (status: compare with it)")
+    parser.add_argument(
+        "--apply",
+        action="store_true",
+        help="also patch the live VirtualService in Kubernetes (status: compare with it)",
+    )
     parser.add_argument("--namespace", default="infermesh", help="with --apply: the VirtualService's namespace")
     parser.add_argument("--context", help="with --apply: the kubeconfig context (default: the current one)")
-    parser.add_argument("--kubeconfig", help="with --apply: the kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
+    parser.add_argument(
+        "--kubeconfig", help="with --apply: the kubeconfig file (default: $KUBECONFIG or ~/.kube/config)"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="weights per subset, ready replicas, success rate and p99")
     status.add_argument("host")
@@ -87,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     for edit in (weights, promote, rollback):  # a running mesh, to warn of a subset with no ready replica
         edit.add_argument("--run-file", type=pathlib.Path, default=DEFAULT_RUN_FILE)
         edit.add_argument("--metrics", help="the batcher's metrics URL (instead of --run-file)")
-    rollout = commands.add_parser("rollout", help="progressive delivery: raise the canary step by step while its "
-                                                  "checks pass; promote at the end, roll back on failure")
+    rollout = commands.add_parser(
+        "rollout",
+        help="progressive delivery: raise the canary step by step while its "
+        "checks pass; promote at the end, roll back on failure",
+    )
     rollout.add_argument("host")
     rollout.add_argument("canary", help="the subset to roll out, e.g. green")
     rollout.add_argument("--step", type=int, default=10, help="weight added per interval (Flagger's stepWeight)")
@@ -115,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             raise core.MeshctlError(
                 "rollout --apply is not supported: in a cluster the canary's figures are Istio's telemetry "
                 "(istio_requests_total by destination_version), which meshctl does not read yet; step the weights "
-                "with set-weights --apply and watch that telemetry, or let Flagger drive the rollout")
+                "with set-weights --apply and watch that telemetry, or let Flagger drive the rollout"
+            )
         live = None
         if args.apply:
             from services.meshctl.live import Cluster
@@ -127,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "status":
             current = core.weights(args.file, args.host)
             if live is not None and live.weights(args.host) != current:
-                print(f"warning: the live VirtualService has {live.weights(args.host)}, the file {current}",
-                      file=sys.stderr)
+                print(
+                    f"warning: the live VirtualService has {live.weights(args.host)}, the file {current}",
+                    file=sys.stderr,
+                )
             samples = _scrape(args.metrics or core.batcher_metrics_url(args.run_file))
             print(f"{'subset':<10} {'weight':>6} {'ready':>5} {'batches':>8} {'success':>8} {'p99':>8}")
             for subset, weight in current.items():
@@ -148,13 +162,25 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "rollout":
             url = args.metrics or core.batcher_metrics_url(args.run_file)
             checks = core.Checks(args.min_success_rate, args.max_p99_ms / 1000)
-            promoted = core.rollout(args.file, args.host, args.canary, args.step, args.max_weight, args.interval_s,
-                                    checks, lambda: _scrape(url), time.sleep,
-                                    lambda line: print(line, flush=True), args.threshold)
+            promoted = core.rollout(
+                args.file,
+                args.host,
+                args.canary,
+                args.step,
+                args.max_weight,
+                args.interval_s,
+                checks,
+                lambda: _scrape(url),
+                time.sleep,
+                lambda line: print(line, flush=True),
+                args.threshold,
+            )
             return 0 if promoted else 1
         elif args.command == "rollback":
             # In a cluster, the live object's record: another operator may have changed it from elsewhere.
-            target = live.previous_weights(args.host) if live is not None else core.previous_weights(args.file, args.host)
+            target = (
+                live.previous_weights(args.host) if live is not None else core.previous_weights(args.file, args.host)
+            )
             old = core.set_weights(args.file, args.host, target, live)
             print(f"{args.host}: rolled back {old} -> {target}")
         if args.command in ("set-weights", "promote", "rollback") and live is None:

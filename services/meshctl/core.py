@@ -72,8 +72,10 @@ def set_weights(path: pathlib.Path, host: str, wanted: dict[str, int], live=None
     for http in routes:
         subsets = {r["destination"].get("subset", "") for r in http["route"]}
         if subsets != set(wanted):
-            raise MeshctlError(f"route {http.get('name', '?')} splits between {sorted(subsets)}; give a weight for "
-                               f"each of them (got {sorted(wanted)})")
+            raise MeshctlError(
+                f"route {http.get('name', '?')} splits between {sorted(subsets)}; give a weight for "
+                f"each of them (got {sorted(wanted)})"
+            )
         if old is None:
             old = route_weights(http)
         for destination in http["route"]:
@@ -118,11 +120,18 @@ def _write_checked(path: pathlib.Path, text: str, before_replace=lambda: None) -
 def subset_health(samples: dict, subset: str) -> dict:
     """Ready replicas, answered batches, success rate and p99 (histogram bucket bound) of one subset."""
     total, ok, buckets = _subset_counters(samples, subset)
-    ready = sum(v for (n, ls), v in samples.items()
-                if n == "infermesh_batcher_subset_ready_replicas" and dict(ls).get("subset") == subset)
+    ready = sum(
+        v
+        for (n, ls), v in samples.items()
+        if n == "infermesh_batcher_subset_ready_replicas" and dict(ls).get("subset") == subset
+    )
     p99 = _p99(buckets)
-    return {"ready_replicas": int(ready), "batches": int(total), "success_rate": (ok / total) if total else None,
-            "p99_s": None if math.isinf(p99) else p99}
+    return {
+        "ready_replicas": int(ready),
+        "batches": int(total),
+        "success_rate": (ok / total) if total else None,
+        "p99_s": None if math.isinf(p99) else p99,
+    }
 
 
 def services_table(run_file: pathlib.Path) -> list[str]:
@@ -140,8 +149,10 @@ def services_table(run_file: pathlib.Path) -> list[str]:
         raise MeshctlError(f"{run_file} is stale: its launcher (pid {launcher}) is gone")
     lines = [f"{'service':<16} {'pid':>8} {'state':<9} {'restarts':>8} {'ready':<5} last exit"]
     for name, s in services.items():
-        lines.append(f"{name:<16} {s.get('pid') or '-':>8} {s.get('state', '?'):<9} {s.get('restarts', 0):>8} "
-                     f"{'yes' if s.get('ready') else 'no':<5} {s.get('last_exit') or '-'}")
+        lines.append(
+            f"{name:<16} {s.get('pid') or '-':>8} {s.get('state', '?'):<9} {s.get('restarts', 0):>8} "
+            f"{'yes' if s.get('ready') else 'no':<5} {s.get('last_exit') or '-'}"
+        )
     return lines
 
 
@@ -204,8 +215,19 @@ def judge(before: dict, after: dict, subset: str, checks: Checks) -> tuple[bool,
     return True, verdict
 
 
-def rollout(path: pathlib.Path, host: str, canary: str, step: int, max_weight: int, interval_s: float,
-            checks: Checks, read_metrics, sleep, say, threshold: int = 1) -> bool:
+def rollout(
+    path: pathlib.Path,
+    host: str,
+    canary: str,
+    step: int,
+    max_weight: int,
+    interval_s: float,
+    checks: Checks,
+    read_metrics,
+    sleep,
+    say,
+    threshold: int = 1,
+) -> bool:
     """Flagger's loop: raise the canary's weight by `step` up to `max_weight`,
     judging each interval; after `threshold` failed checks go back to the
     stable subset and return False; after the last step promote the canary."""

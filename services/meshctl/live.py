@@ -24,16 +24,19 @@ def weight_patch(live: dict, wanted: dict[str, int]) -> tuple[list[dict], dict[s
     split = [id(http) for http in weighted_routes(live)]
     if not split:
         raise MeshctlError(f"the live VirtualService {live['metadata']['name']} has no route split between subsets")
-    ops: list[dict] = [{"op": "test", "path": "/metadata/resourceVersion",
-                        "value": live["metadata"]["resourceVersion"]}]
+    ops: list[dict] = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": live["metadata"]["resourceVersion"]}
+    ]
     old = None
     for i, http in enumerate(live["spec"]["http"]):  # by position: two routes may be equal
         if id(http) not in split:
             continue
         subsets = [r["destination"].get("subset", "") for r in http["route"]]
         if set(subsets) != set(wanted):
-            raise MeshctlError(f"live route {http.get('name', i)} splits between {sorted(subsets)}; give a weight "
-                               f"for each of them (got {sorted(wanted)})")
+            raise MeshctlError(
+                f"live route {http.get('name', i)} splits between {sorted(subsets)}; give a weight "
+                f"for each of them (got {sorted(wanted)})"
+            )
         if old is None:
             old = route_weights(http)
         for j, subset in enumerate(subsets):
@@ -42,8 +45,13 @@ def weight_patch(live: dict, wanted: dict[str, int]) -> tuple[list[dict], dict[s
             ops.append({"op": "add", "path": f"{at}/weight", "value": wanted[subset]})  # add replaces a member
     if "annotations" not in live["metadata"]:
         ops.append({"op": "add", "path": "/metadata/annotations", "value": {}})
-    ops.append({"op": "add", "path": "/metadata/annotations/" + PREVIOUS.replace("~", "~0").replace("/", "~1"),
-                "value": json.dumps(old, sort_keys=True)})
+    ops.append(
+        {
+            "op": "add",
+            "path": "/metadata/annotations/" + PREVIOUS.replace("~", "~0").replace("/", "~1"),
+            "value": json.dumps(old, sort_keys=True),
+        }
+    )
     return ops, old
 
 
@@ -99,13 +107,19 @@ class Cluster:
         live = self.virtual_service(host)
         recorded = (live["metadata"].get("annotations") or {}).get(PREVIOUS)
         if recorded is None:
-            raise MeshctlError(f"the live VirtualService {live['metadata']['name']!r} records no earlier weights "
-                               f"to roll back to")
+            raise MeshctlError(
+                f"the live VirtualService {live['metadata']['name']!r} records no earlier weights to roll back to"
+            )
         return {k: int(v) for k, v in json.loads(recorded).items()}
 
     def set_weights(self, host: str, wanted: dict[str, int]) -> dict[str, int]:
         live = self.virtual_service(host)
         ops, old = weight_patch(live, wanted)
-        self._call(f"patching VirtualService {live['metadata']['name']}", self._api.patch_namespaced_custom_object,
-                   live["metadata"]["name"], ops, _content_type="application/json-patch+json")
+        self._call(
+            f"patching VirtualService {live['metadata']['name']}",
+            self._api.patch_namespaced_custom_object,
+            live["metadata"]["name"],
+            ops,
+            _content_type="application/json-patch+json",
+        )
         return old

@@ -29,8 +29,9 @@ def add_commands(commands) -> None:
     tenants = commands.add_parser("tenants", help="the tenant registry: init, add, list, hash")
     tenants.add_argument("--registry", type=pathlib.Path, default=DEFAULT_REGISTRY, help="the registry YAML")
     actions = tenants.add_subparsers(dest="action", required=True)
-    init = actions.add_parser("init", help="a registry with a VIP, a standard and an admin development tenant; "
-                                           "prints their keys once")
+    init = actions.add_parser(
+        "init", help="a registry with a VIP, a standard and an admin development tenant; prints their keys once"
+    )
     init.add_argument("--if-missing", action="store_true", help="do nothing (and succeed) if the registry exists")
     add = actions.add_parser("add", help="a new tenant with a new key (printed once)")
     add.add_argument("name")
@@ -62,7 +63,9 @@ def run(args) -> int:
         print(f"wrote the tenant registry {args.registry}; these keys are shown once (the file keeps their hashes):")
         for name, key in keys.items():
             body = doc["tenants"][name]
-            print(f"  {name:<14} {body['tier']:<9}{' admin' if body.get('admin') else '':<7}authorization: Bearer {key}")
+            print(
+                f"  {name:<14} {body['tier']:<9}{' admin' if body.get('admin') else '':<7}authorization: Bearer {key}"
+            )
         return 0
     doc = _load(args.registry)
     if args.action == "list":
@@ -70,9 +73,11 @@ def run(args) -> int:
         print(f"{'tenant':<20} {'tier':<9} {'admin':<6} {'keys':>4} {'rate/s':>8} {'burst':>8} {'weight':>6}")
         for name, body in tenants.items():
             body = body or {}
-            print(f"{name:<20} {body.get('tier', 'standard'):<9} {'yes' if body.get('admin') else 'no':<6} "
-                  f"{len(body.get('keys') or []):>4} {body.get('rate_per_s', '-'):>8} {body.get('burst', '-'):>8} "
-                  f"{body.get('weight', 1):>6}")
+            print(
+                f"{name:<20} {body.get('tier', 'standard'):<9} {'yes' if body.get('admin') else 'no':<6} "
+                f"{len(body.get('keys') or []):>4} {body.get('rate_per_s', '-'):>8} {body.get('burst', '-'):>8} "
+                f"{body.get('weight', 1):>6}"
+            )
         print(f"anonymous callers: {doc.get('anonymous', 'standard')}")
         return 0
     # add

@@ -20,8 +20,12 @@ async def serve(config: ModelServerConfig) -> None:
     sampler = asyncio.create_task(gpu.sample_forever(config.gpu_sample_s)) if has_nvidia_gpu() else None
     metrics_port = start_metrics_server(config.host, config.metrics_port)
     server, port, health = await build_server(config, manager, readiness=readiness)
-    serving.announce("model_server", grpc=f"{config.host}:{port}", metrics=f"{config.host}:{metrics_port}",
-                     providers=manager.providers)
+    serving.announce(
+        "model_server",
+        grpc=f"{config.host}:{port}",
+        metrics=f"{config.host}:{metrics_port}",
+        providers=manager.providers,
+    )
     try:
         await serving.run_until_signal(server, health, config.drain_grace_s, manager.close)
     finally:

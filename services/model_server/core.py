@@ -22,7 +22,7 @@ from services.model_server.versions import Model, Versions
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ControlMode", "IndexEntry", "ManagerConfig", "Model", "ModelManager", "PROBE_TIER"]
+__all__ = ["PROBE_TIER", "ControlMode", "IndexEntry", "ManagerConfig", "Model", "ModelManager"]
 MAX_OVERRIDES_BYTES = 64 << 10  # a load's overrides: a few config fields
 
 
@@ -55,8 +55,11 @@ class ModelManager:
         """Loads the startup models (a model that fails is logged and left
         unloaded), then starts the probe and, in poll mode, the watcher."""
         names = [d.name for d in model_dirs(self._config.repository_path)]
-        wanted = names if "*" in self._config.startup_models or self._config.control_mode is not ControlMode.EXPLICIT else [
-            n for n in self._config.startup_models if n in names]
+        wanted = (
+            names
+            if "*" in self._config.startup_models or self._config.control_mode is not ControlMode.EXPLICIT
+            else [n for n in self._config.startup_models if n in names]
+        )
         missing = set(self._config.startup_models) - set(names) - {"*"}
         if missing:
             raise ConfigError(f"{self._config.repository}: no model folder for startup model(s) {sorted(missing)}")
@@ -124,8 +127,15 @@ class ModelManager:
             except Exception:
                 log.exception("repository poll failed")
 
-    async def execute(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                      tier: int = Tier.STANDARD, timeout_s: float | None = None) -> tuple[str, list[TensorData]]:
+    async def execute(
+        self,
+        model: str,
+        version: str,
+        inputs: list[TensorData],
+        outputs: list[str],
+        tier: int = Tier.STANDARD,
+        timeout_s: float | None = None,
+    ) -> tuple[str, list[TensorData]]:
         """Runs one batch off the event loop; returns the version used and the outputs.
         `timeout_s` is the time left before the caller's deadline (see LoadedVersion.execute)."""
         loaded = self.versions.resolve(model, version)
@@ -165,9 +175,13 @@ def _check_inputs(config: ModelConfig, inputs: list[TensorData]) -> dict[str, Te
         spec = expected[name]
         if tensor.datatype != spec.datatype:
             raise errors.InvalidArgument(f"input '{name}' has datatype {tensor.datatype}; expected {spec.datatype}")
-        if len(tensor.shape) != len(spec.shape) or any(d < 0 or s not in (-1, d) for s, d in zip(spec.shape, tensor.shape)):
-            raise errors.InvalidArgument(f"input '{name}' of model '{config.name}' has shape {list(tensor.shape)}; "
-                                         f"expected {list(spec.shape)} (-1: any size)")
+        if len(tensor.shape) != len(spec.shape) or any(
+            d < 0 or s not in (-1, d) for s, d in zip(spec.shape, tensor.shape)
+        ):
+            raise errors.InvalidArgument(
+                f"input '{name}' of model '{config.name}' has shape {list(tensor.shape)}; "
+                f"expected {list(spec.shape)} (-1: any size)"
+            )
         if tensor.rows > config.max_batch_size:
             raise errors.InvalidArgument(
                 f"batch of {tensor.rows} rows exceeds max_batch_size {config.max_batch_size} of model '{config.name}'"

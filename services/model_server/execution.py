@@ -32,8 +32,14 @@ from services.common.latency import CAUTIOUS_DEVIATIONS, LatencyProfile
 from services.common.tensors import NUMPY_DTYPES, TensorData, concat_rows, from_numpy, split_rows, to_numpy
 from services.common.tier import Tier
 from services.model_server import metrics
-from services.model_server.repository import (MAX_TOKENIZER_BYTES, ConfigError, Golden, ModelConfig, read_bounded,
-                                              version_fingerprint)
+from services.model_server.repository import (
+    MAX_TOKENIZER_BYTES,
+    ConfigError,
+    Golden,
+    ModelConfig,
+    read_bounded,
+    version_fingerprint,
+)
 from services.model_server.shards import ShardedSession, ShardError, ShardFailed
 
 log = logging.getLogger(__name__)
@@ -129,8 +135,15 @@ class TierGate:
     would leave its cores idle. The first such batch after a lull may then wait
     for one lent batch; the reservation holds again from its arrival on."""
 
-    def __init__(self, capacity: int = 1, queued=None, reserved: int = 0, reserved_tier: int = Tier.VIP,
-                 lend_after_s: float | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        capacity: int = 1,
+        queued=None,
+        reserved: int = 0,
+        reserved_tier: int = Tier.VIP,
+        lend_after_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._capacity = capacity
         self._general = capacity - reserved
         self._reserved_tier = reserved_tier
@@ -220,8 +233,11 @@ class TierGate:
 
     def lending(self) -> bool:
         """Whether the reserved instances run lower batches too (see the class)."""
-        return (self._general < self._capacity and self._lend_after_s is not None
-                and self._clock() - self._reserved_seen_at >= self._lend_after_s)
+        return (
+            self._general < self._capacity
+            and self._lend_after_s is not None
+            and self._clock() - self._reserved_seen_at >= self._lend_after_s
+        )
 
     def may_use(self, instance: int, tier: int) -> bool:
         return instance < self._general or tier >= self._reserved_tier or self.lending()
@@ -277,8 +293,11 @@ class TierGate:
 
     def _give(self, instance: int, at_least: int | None = None) -> None:
         self._waiting = [entry for entry in self._waiting if not entry[2].done()]
-        eligible = [entry for entry in self._waiting if self.may_use(instance, -entry[0])
-                    and (at_least is None or -entry[0] >= at_least)]
+        eligible = [
+            entry
+            for entry in self._waiting
+            if self.may_use(instance, -entry[0]) and (at_least is None or -entry[0] >= at_least)
+        ]
         if not eligible:
             heapq.heapify(self._waiting)
             self._free.append(instance)
@@ -311,7 +330,8 @@ class Instance:
         binding = self.session.io_binding()
         for name, array in feeds.items():
             binding.bind_ortvalue_input(
-                name, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), "cuda", self.device_id))
+                name, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), "cuda", self.device_id)
+            )
         for name in graph_outputs:
             binding.bind_output(name, "cuda", self.device_id)
         self.session.run_with_iobinding(binding)
@@ -321,8 +341,16 @@ class Instance:
 class LoadedVersion:
     """One version of one model, loaded, warmed up and verified; runs batches."""
 
-    def __init__(self, config: ModelConfig, version: str, instances: list[Instance], tokenizer,
-                 fingerprint: str, memory_bytes: int, revision: str = ""):
+    def __init__(
+        self,
+        config: ModelConfig,
+        version: str,
+        instances: list[Instance],
+        tokenizer,
+        fingerprint: str,
+        memory_bytes: int,
+        revision: str = "",
+    ):
         self.config = config
         self.version = version
         self.instances = instances
@@ -331,9 +359,12 @@ class LoadedVersion:
         self.revision = revision  # a hash of the contents that decide the outputs
         self.memory_bytes = memory_bytes
         self.loaded_at = time.time()
-        self.gate = TierGate(len(instances), metrics.QUEUED.labels(config.name, version),
-                                 reserved=config.instances.reserved_for_vip,
-                                 lend_after_s=config.instances.lend_reserved_after_s)
+        self.gate = TierGate(
+            len(instances),
+            metrics.QUEUED.labels(config.name, version),
+            reserved=config.instances.reserved_for_vip,
+            lend_after_s=config.instances.lend_reserved_after_s,
+        )
         self.run_s = 0.0  # a first guess at a batch's time, from warm-up, until batches have run
         self.profile = LatencyProfile()  # what batches took, per size class
         # What the runs themselves took, without the hand-off to an instance's thread
@@ -355,8 +386,14 @@ class LoadedVersion:
     def in_flight(self) -> int:
         return self._in_flight
 
-    async def execute(self, inputs: dict[str, TensorData], outputs: list[str], tier: int,
-                      timeout_s: float | None = None, slice_rows: int | None = None) -> list[TensorData]:
+    async def execute(
+        self,
+        inputs: dict[str, TensorData],
+        outputs: list[str],
+        tier: int,
+        timeout_s: float | None = None,
+        slice_rows: int | None = None,
+    ) -> list[TensorData]:
         """Runs one batch on a free instance, VIP batches first; counts as in flight from the call on.
 
         A batch with `timeout_s` that finds every instance busy is refused
@@ -381,8 +418,11 @@ class LoadedVersion:
         try:
             if wait_s is not None and self.gate.busy(tier):
                 now = loop.time()
-                running_s = sum(max(self.estimate_s(r.rows_ahead_of(tier)) - (now - r.started), 0.0)
-                                for i, r in self._running.items() if self.gate.may_use(i, tier))
+                running_s = sum(
+                    max(self.estimate_s(r.rows_ahead_of(tier)) - (now - r.started), 0.0)
+                    for i, r in self._running.items()
+                    if self.gate.may_use(i, tier)
+                )
                 running_s += max(self.gate.in_use() - len(self._running), 0) * own_s  # held, size unknown
                 queued_s = sum(self.estimate_s(n) for n in self.gate.rows_ahead_of(tier))
                 expected_wait_s = (running_s + queued_s) / self.gate.usable(tier)
@@ -416,11 +456,15 @@ class LoadedVersion:
                 f"model '{self.config.name}' version {self.version} is busy: this batch would not finish before its "
                 f"deadline ({1000 * timeout_s:.0f} ms left, a batch of {rows} takes about "
                 f"{1000 * self.estimate_s(rows):.0f} ms); "
-                f"retry shortly", retry_after_ms=max(1, round(1000 * retry_s))) from None
+                f"retry shortly",
+                retry_after_ms=max(1, round(1000 * retry_s)),
+            ) from None
         except ShardFailed as exc:
             self.broken = str(exc)
-            raise errors.Unavailable(f"model '{self.config.name}' version {self.version} lost a tensor-parallel "
-                                     f"shard ({exc}); retry on another replica") from None
+            raise errors.Unavailable(
+                f"model '{self.config.name}' version {self.version} lost a tensor-parallel "
+                f"shard ({exc}); retry on another replica"
+            ) from None
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
@@ -428,10 +472,18 @@ class LoadedVersion:
             took_s = loop.time() - arrived
             if timeout_s is not None and took_s > timeout_s:
                 metrics.LATE.labels(self.config.name).inc()
-                log.info("%s version %s: a batch of %d rows (tier %d) finished %.0f ms after its deadline: "
-                         "%.0f ms with %.0f ms left, its run estimated at %.0f ms", self.config.name, self.version,
-                         rows, tier, 1000 * (took_s - timeout_s), 1000 * took_s, 1000 * timeout_s,
-                         1000 * own_s)
+                log.info(
+                    "%s version %s: a batch of %d rows (tier %d) finished %.0f ms after its deadline: "
+                    "%.0f ms with %.0f ms left, its run estimated at %.0f ms",
+                    self.config.name,
+                    self.version,
+                    rows,
+                    tier,
+                    1000 * (took_s - timeout_s),
+                    1000 * took_s,
+                    1000 * timeout_s,
+                    1000 * own_s,
+                )
 
     def _time_lacking(self, arrived: float, timeout_s: float | None, counts: list[int]) -> float:
         """Checked again when a batch's turn comes, and before each slice after
@@ -454,8 +506,9 @@ class LoadedVersion:
         if tier >= 0 and self.gate.lent(index, tier):
             metrics.LENT.labels(self.config.name).inc()
 
-    async def _run_on(self, index: int, inputs: dict[str, TensorData], outputs: list[str],
-                      running: Running) -> list[TensorData]:
+    async def _run_on(
+        self, index: int, inputs: dict[str, TensorData], outputs: list[str], running: Running
+    ) -> list[TensorData]:
         """Runs `inputs` (running.rows rows) on instance `index`."""
         loop = asyncio.get_running_loop()
         instance = self.instances[index]
@@ -468,15 +521,18 @@ class LoadedVersion:
                 # here, the event loop held no longer than by a handful of requests' own work.
                 result, run_s = self._timed_run(instance, inputs, outputs)
             else:
-                result, run_s = await loop.run_in_executor(instance.executor, self._timed_run, instance, inputs, outputs)
+                result, run_s = await loop.run_in_executor(
+                    instance.executor, self._timed_run, instance, inputs, outputs
+                )
         finally:
             del self._running[index]
         self.profile.observe(running.rows, loop.time() - running.started)
         self.run_profile.observe(running.rows, run_s)
         return result
 
-    def _timed_run(self, instance: Instance, inputs: dict[str, TensorData],
-                   outputs: list[str]) -> tuple[list[TensorData], float]:
+    def _timed_run(
+        self, instance: Instance, inputs: dict[str, TensorData], outputs: list[str]
+    ) -> tuple[list[TensorData], float]:
         started = time.perf_counter()
         result = self.run(instance, inputs, outputs)
         return result, time.perf_counter() - started
@@ -500,8 +556,11 @@ class LoadedVersion:
             del self._seen_at[min(self._seen_at, key=self._seen_at.__getitem__)]
         if slice_rows is not None:
             size = slice_rows
-        elif self.slice_s > 0 and rows > 1 and any(
-                other > tier and now - seen < HIGHER_TIER_MEMORY_S for other, seen in self._seen_at.items()):
+        elif (
+            self.slice_s > 0
+            and rows > 1
+            and any(other > tier and now - seen < HIGHER_TIER_MEMORY_S for other, seen in self._seen_at.items())
+        ):
             size = rows
             while size > 1 and self.estimate_s(size) > self.slice_s:
                 size = (size + 1) // 2
@@ -536,7 +595,8 @@ class LoadedVersion:
                 texts.append(item.decode("utf-8"))
             except UnicodeDecodeError as exc:
                 raise errors.InvalidArgument(
-                    f"input '{text.name}' element {i} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+                    f"input '{text.name}' element {i} is not UTF-8 text (byte {exc.start}: {exc.reason})"
+                ) from None
         encodings = self.tokenizer.encode_batch(texts)
         limit = self.config.preprocess.max_text_tokens
         for i, encoding in enumerate(encodings):
@@ -545,7 +605,8 @@ class LoadedVersion:
                 raise errors.InvalidArgument(
                     f"input '{text.name}' element {i} of model '{self.config.name}' has more than {limit} tokens; "
                     f"the limit is {limit} tokens per text (preprocess.max_text_tokens), and the model reads the "
-                    f"first {self.config.preprocess.max_length}")
+                    f"first {self.config.preprocess.max_length}"
+                )
         mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
         metrics.PADDING.labels(self.config.name).observe(1.0 - mask.sum() / max(mask.size, 1))
         feeds = {"attention_mask": mask}
@@ -576,8 +637,9 @@ def _rss_bytes() -> int:
         return 0
 
 
-def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int,
-                 golden: Golden | None) -> LoadedVersion:
+def load_version(
+    config: ModelConfig, version: str, use_cuda: bool, threads: int, golden: Golden | None
+) -> LoadedVersion:
     """Loads one version beside whatever serves now, warms it up with
     representative batches and checks it against the golden probe. Blocking:
     call it off the event loop. Raises LoadFailed; nothing is left running then."""
@@ -608,10 +670,13 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
                 session = _session(model_file, config, device_id, intra)
                 if device_id is not None and session.get_providers()[0] != "CUDAExecutionProvider":
                     device_id = None  # ORT fell back to the CPU
-            executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ort-{config.name}-{version}")
+            executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"ort-{config.name}-{version}"
+            )
             instances.append(Instance(session, executor, device_id, frozenset(i.name for i in session.get_inputs())))
-        loaded = LoadedVersion(config, version, instances, tokenizer, fingerprint, 0,
-                               _revision(config, model_file, tokenizer_bytes))
+        loaded = LoadedVersion(
+            config, version, instances, tokenizer, fingerprint, 0, _revision(config, model_file, tokenizer_bytes)
+        )
         _check_signature(loaded, model_file)
         for instance in instances:
             for size in config.warmup_batch_sizes:
@@ -620,8 +685,9 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
                     loaded.run(instance, warmup_inputs(config, golden, size), [])
                     loaded.run_s = time.perf_counter() - started  # a first guess at a batch's time
                 except Exception as exc:
-                    raise LoadFailed("warmup", f"{config.name} version {version} failed warm-up at batch {size}: "
-                                               f"{first_line(exc)}") from None
+                    raise LoadFailed(
+                        "warmup", f"{config.name} version {version} failed warm-up at batch {size}: {first_line(exc)}"
+                    ) from None
         if golden is not None:
             passed, detail = compare(loaded.run(instances[0], golden_feeds(config, golden), []), golden, config)
             if not passed:
@@ -633,9 +699,16 @@ def load_version(config: ModelConfig, version: str, use_cuda: bool, threads: int
             if isinstance(instance.session, ShardedSession):
                 instance.session.close()
         raise
-    log.info("loaded %s version %s on %s (%d instance(s), %d threads each) in %.2fs, +%.0f MB resident",
-             config.name, version, loaded.provider, count, intra, time.perf_counter() - started,
-             loaded.memory_bytes / 1e6)
+    log.info(
+        "loaded %s version %s on %s (%d instance(s), %d threads each) in %.2fs, +%.0f MB resident",
+        config.name,
+        version,
+        loaded.provider,
+        count,
+        intra,
+        time.perf_counter() - started,
+        loaded.memory_bytes / 1e6,
+    )
     return loaded
 
 
@@ -650,11 +723,13 @@ def _revision(config: ModelConfig, model_file: pathlib.Path, tokenizer_bytes: by
     settings and the version policy are left out: they change how and where a
     batch runs, not its answer (beyond rounding, which the golden probe bounds)."""
     digest = hashlib.blake2b(digest_size=12)
-    deciding = {"inputs": [dataclasses.astuple(s) for s in config.inputs],
-                "outputs": [dataclasses.astuple(s) for s in config.outputs],
-                # max_text_tokens decides which texts are refused, not what an answer holds
-                "preprocess": None if config.preprocess is None else dataclasses.astuple(config.preprocess)[:3],
-                "graph_outputs": config.graph_outputs}
+    deciding = {
+        "inputs": [dataclasses.astuple(s) for s in config.inputs],
+        "outputs": [dataclasses.astuple(s) for s in config.outputs],
+        # max_text_tokens decides which texts are refused, not what an answer holds
+        "preprocess": None if config.preprocess is None else dataclasses.astuple(config.preprocess)[:3],
+        "graph_outputs": config.graph_outputs,
+    }
     digest.update(json.dumps(deciding, sort_keys=True).encode() + b"\0")
     with open(model_file, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -681,7 +756,9 @@ def _session(path: pathlib.Path, config: ModelConfig, device_id: int | None, thr
         raise LoadFailed("session", f"{path}: ONNX Runtime cannot load it: {first_line(exc)}") from None
 
 
-def _sharded_session(config: ModelConfig, folder: pathlib.Path, first_device: int | None, threads: int) -> ShardedSession:
+def _sharded_session(
+    config: ModelConfig, folder: pathlib.Path, first_device: int | None, threads: int
+) -> ShardedSession:
     """The version's shard set for tp_degree: shard i on GPU gpus[i] (CPU here), one thread pool each."""
     degree = config.tp_degree
     devices: list[int | None] = [None] * degree
@@ -689,8 +766,9 @@ def _sharded_session(config: ModelConfig, folder: pathlib.Path, first_device: in
         devices = [config.instances.gpus[i % len(config.instances.gpus)] for i in range(degree)]
     per_shard = max(1, threads // degree)
     try:
-        return ShardedSession(folder / f"tp{degree}", degree,
-                              lambda path, device: _session(path, config, device, per_shard), devices)
+        return ShardedSession(
+            folder / f"tp{degree}", degree, lambda path, device: _session(path, config, device, per_shard), devices
+        )
     except ShardError as exc:
         raise LoadFailed("file", f"{config.name} tp_degree {degree}: {exc}") from None
 
@@ -709,8 +787,11 @@ def _tokenizer_bytes(config: ModelConfig, version: str) -> bytes:
     try:
         path = config.tokenizer_path(version)
         if not path.exists():
-            raise LoadFailed("file", f"{config.path / version / config.preprocess.tokenizer_file}: missing "
-                                     "(named by preprocess.tokenizer_file)")
+            raise LoadFailed(
+                "file",
+                f"{config.path / version / config.preprocess.tokenizer_file}: missing "
+                "(named by preprocess.tokenizer_file)",
+            )
         return read_bounded(path, MAX_TOKENIZER_BYTES, "preprocess.tokenizer_file")
     except ConfigError as exc:
         raise LoadFailed("file", str(exc)) from None
@@ -735,13 +816,22 @@ def _check_signature(loaded: LoadedVersion, model_file: pathlib.Path) -> None:
     graph_outputs = {o.name for o in session.get_outputs()}
     if config.preprocess is not None:
         if "attention_mask" not in graph_inputs or graph_inputs - set(TEXT_FEEDS):
-            raise LoadFailed("file", f"{model_file}: a text model's graph takes a subset of {list(TEXT_FEEDS)} "
-                                     f"including attention_mask, this one takes {sorted(graph_inputs)}")
+            raise LoadFailed(
+                "file",
+                f"{model_file}: a text model's graph takes a subset of {list(TEXT_FEEDS)} "
+                f"including attention_mask, this one takes {sorted(graph_inputs)}",
+            )
     elif graph_inputs != {s.name for s in config.inputs}:
-        raise LoadFailed("file", f"{model_file}: the graph's inputs {sorted(graph_inputs)} are not the config's "
-                                 f"{sorted(s.name for s in config.inputs)}")
-    missing = [config.graph_outputs.get(s.name, s.name) for s in config.outputs
-               if config.graph_outputs.get(s.name, s.name) not in graph_outputs]
+        raise LoadFailed(
+            "file",
+            f"{model_file}: the graph's inputs {sorted(graph_inputs)} are not the config's "
+            f"{sorted(s.name for s in config.inputs)}",
+        )
+    missing = [
+        config.graph_outputs.get(s.name, s.name)
+        for s in config.outputs
+        if config.graph_outputs.get(s.name, s.name) not in graph_outputs
+    ]
     if missing:
         raise LoadFailed("file", f"{model_file}: the graph has no output(s) {missing}; it has {sorted(graph_outputs)}")
 
@@ -768,8 +858,9 @@ def warmup_inputs(config: ModelConfig, golden: Golden | None, rows: int) -> dict
             source = golden.inputs[spec.name]
             array = source[np.arange(rows) % len(source)]
         elif spec.datatype == "BYTES":
-            array = np.array([b"warm up the model", b"a second, longer sentence to warm up padding"] * rows,
-                             dtype=object)[:rows].reshape([rows] + [1] * (len(spec.shape) - 1))
+            array = np.array(
+                [b"warm up the model", b"a second, longer sentence to warm up padding"] * rows, dtype=object
+            )[:rows].reshape([rows] + [1] * (len(spec.shape) - 1))
         else:
             shape = [rows] + [d if d > 0 else 1 for d in spec.shape[1:]]
             array = np.zeros(shape, dtype=NUMPY_DTYPES[spec.datatype])
@@ -787,15 +878,19 @@ def compare(results: list[TensorData], golden: Golden, config: ModelConfig) -> t
     for name, expected in golden.outputs.items():
         got = by_name.get(name)
         if got is None or got.shape != expected.shape:
-            return False, f"output {name} has shape {None if got is None else list(got.shape)}, expected {list(expected.shape)}"
+            return (
+                False,
+                f"output {name} has shape {None if got is None else list(got.shape)}, expected {list(expected.shape)}",
+            )
         got64 = got.reshape(len(got), -1).astype(np.float64)
         want64 = expected.reshape(len(expected), -1).astype(np.float64)
         if not np.isfinite(got64).all():
             return False, f"output {name} holds NaN or infinity"
         abs_diff = np.abs(got64 - want64).max(axis=1)
         norms = np.linalg.norm(got64, axis=1) * np.linalg.norm(want64, axis=1)
-        cosine = np.where(norms > 0, (got64 * want64).sum(axis=1) / np.maximum(norms, 1e-30),
-                          np.where(abs_diff == 0, 1.0, 0.0))
+        cosine = np.where(
+            norms > 0, (got64 * want64).sum(axis=1) / np.maximum(norms, 1e-30), np.where(abs_diff == 0, 1.0, 0.0)
+        )
         worst_cos, worst_abs = min(worst_cos, float(cosine.min())), max(worst_abs, float(abs_diff.max()))
         if probe.min_cosine is not None and (cosine < probe.min_cosine).any():
             row = int(cosine.argmin())
@@ -805,4 +900,3 @@ def compare(results: list[TensorData], golden: Golden, config: ModelConfig) -> t
             failures.append(f"output {name} row {row} differs by {abs_diff[row]:.3g} > max_abs {probe.max_abs}")
     figures = f"worst cosine {worst_cos:.6f}, largest difference {worst_abs:.3g}"
     return (False, "; ".join(failures) + f" ({figures})") if failures else (True, figures)
-

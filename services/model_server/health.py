@@ -39,8 +39,7 @@ class IndexEntry:
 async def probe(loaded: LoadedVersion, golden: Golden, config: ModelConfig) -> tuple[bool, str]:
     """Runs the golden probe on a version, below every caller's tier: (passed, what differed)."""
     try:
-        results = await loaded.execute(golden_feeds(config, golden), [], PROBE_TIER,
-                                       slice_rows=PROBE_SLICE_ROWS)
+        results = await loaded.execute(golden_feeds(config, golden), [], PROBE_TIER, slice_rows=PROBE_SLICE_ROWS)
     except Exception as exc:  # a probe that cannot even run is a failed probe
         return False, f"the probe batch failed: {type(exc).__name__}: {exc}"
     return compare(results, golden, config)
@@ -72,8 +71,12 @@ class Health:
                 if model.serving.get(version) is not loaded:
                     continue  # swapped out while probing
                 if not passed and version not in model.drifted:
-                    log.error("model %s version %s failed its correctness probe, readiness withdrawn: %s",
-                              model.name, version, detail)
+                    log.error(
+                        "model %s version %s failed its correctness probe, readiness withdrawn: %s",
+                        model.name,
+                        version,
+                        detail,
+                    )
                     model.drifted[version] = f"correctness probe failed: {detail}"
                     changed = True
                 elif passed and version in model.drifted:
@@ -99,8 +102,9 @@ class Health:
         for name, model in sorted(self._versions.models.items()):
             loaded = model.loaded()
             if loaded and model.config is not None:
-                listed.append((model.config, list(loaded), model.ready_versions(),
-                               {v: lv.revision for v, lv in loaded.items()}))
+                listed.append(
+                    (model.config, list(loaded), model.ready_versions(), {v: lv.revision for v, lv in loaded.items()})
+                )
         return listed
 
     def instances(self, name: str) -> tuple[int, int, bool]:
@@ -138,8 +142,14 @@ class Health:
                 drift = model.drifted.get(version)
                 entries.append(IndexEntry(folder.name, version, "UNAVAILABLE" if drift else "READY", drift or ""))
             for version, (_, until) in model.standby.items():
-                entries.append(IndexEntry(folder.name, version, "UNAVAILABLE",
-                                          f"standby for rollback until {time.strftime('%H:%M:%S', time.localtime(until))}"))
+                entries.append(
+                    IndexEntry(
+                        folder.name,
+                        version,
+                        "UNAVAILABLE",
+                        f"standby for rollback until {time.strftime('%H:%M:%S', time.localtime(until))}",
+                    )
+                )
             if model.last_error:
                 entries.append(IndexEntry(folder.name, "", "UNAVAILABLE", f"last load failed: {model.last_error}"))
         return [e for e in entries if e.state == "READY"] if ready_only else entries

@@ -22,31 +22,41 @@ BATCH_ROWS = prometheus_client.Histogram(
 PADDING = prometheus_client.Histogram(
     "infermesh_model_padding_fraction",
     "Share of the token positions of a batch that are padding (texts padded to the longest), by model.",
-    ["model"], buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9))
+    ["model"],
+    buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+)
 QUEUED = prometheus_client.Gauge(
     "infermesh_model_queued_batches",
     "Batches waiting for a free session instance, by model and version: the model server's own queue, "
     "which the Kubernetes autoscaler reads (mesh/kubernetes).",
-    ["model", "version"])
+    ["model", "version"],
+)
 SLICED = prometheus_client.Counter(
     "infermesh_model_sliced_batches_total",
-    "Batches run in slices (--slice-ms) because batches of a higher tier came lately, by model.", ["model"])
+    "Batches run in slices (--slice-ms) because batches of a higher tier came lately, by model.",
+    ["model"],
+)
 LENT = prometheus_client.Counter(
     "infermesh_model_lent_batches_total",
     "Standard batches run on an instance reserved for VIP, lent while no VIP batch came lately, by model.",
-    ["model"])
+    ["model"],
+)
 STEPPED_ASIDE = prometheus_client.Counter(
     "infermesh_model_stepped_aside_total",
     "Times a sliced batch let a waiting batch of a higher tier run between two of its slices, by model.",
-    ["model"])
+    ["model"],
+)
 SHED = prometheus_client.Counter(
     "infermesh_model_shed_batches_total",
     "Batches refused with RESOURCE_EXHAUSTED because they would have waited past their deadline, by model.",
-    ["model"])
+    ["model"],
+)
 LATE = prometheus_client.Counter(
     "infermesh_model_late_batches_total",
     "Batches with a deadline that were let run and finished after it: the latency estimates behind "
-    "the deadline checks were too optimistic, by model.", ["model"])
+    "the deadline checks were too optimistic, by model.",
+    ["model"],
+)
 BATCHES = prometheus_client.Counter(
     "infermesh_model_batches_total", "Batches executed, by model and outcome.", ["model", "outcome"]
 )
@@ -69,7 +79,8 @@ LOADS = prometheus_client.Counter(
 SWAP_SECONDS = prometheus_client.Histogram(
     "infermesh_model_swap_duration_seconds",
     "From a load request to traffic on the model's new versions, by model.",
-    ["model"], buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+    ["model"],
+    buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
 )
 PROBES = prometheus_client.Counter(
     "infermesh_model_probes_total",
@@ -77,9 +88,11 @@ PROBES = prometheus_client.Counter(
     ["model", "version", "outcome"],
 )
 GPU_UTILIZATION = prometheus_client.Gauge(
-    "infermesh_gpu_utilization_ratio", "GPU busy share over NVML's last sample period, by device.", ["device"])
+    "infermesh_gpu_utilization_ratio", "GPU busy share over NVML's last sample period, by device.", ["device"]
+)
 GPU_MEMORY = prometheus_client.Gauge(
-    "infermesh_gpu_memory_used_bytes", "GPU memory in use, by device (NVML).", ["device"])
+    "infermesh_gpu_memory_used_bytes", "GPU memory in use, by device (NVML).", ["device"]
+)
 
 
 def batch_label(rows: int) -> str:

@@ -21,8 +21,20 @@ from services.common.config import field, typed
 from services.common.tensors import DATATYPES, NUMPY_DTYPES
 
 KNOWN_FIELDS = {
-    "name", "platform", "max_batch_size", "inputs", "outputs", "preprocess", "graph_outputs",
-    "version_policy", "instances", "execution", "tp_degree", "warmup", "golden_probe", "fallback",
+    "name",
+    "platform",
+    "max_batch_size",
+    "inputs",
+    "outputs",
+    "preprocess",
+    "graph_outputs",
+    "version_policy",
+    "instances",
+    "execution",
+    "tp_degree",
+    "warmup",
+    "golden_probe",
+    "fallback",
 }
 PROVIDERS = ("cuda", "cpu")
 MAX_THREADS = 1024  # far above any machine's cores, and within ONNX Runtime's C int
@@ -152,8 +164,12 @@ class ModelConfig:
     def tokenizer_path(self, version: str) -> pathlib.Path:
         """The version's tokenizer file, resolved; ConfigError unless it lies inside the version's folder."""
         assert self.preprocess is not None
-        return confine(self.path / version, self.preprocess.tokenizer_file, "preprocess.tokenizer_file",
-                       str(self.path / "config.json"))
+        return confine(
+            self.path / version,
+            self.preprocess.tokenizer_file,
+            "preprocess.tokenizer_file",
+            str(self.path / "config.json"),
+        )
 
 
 def version_fingerprint(folder: pathlib.Path) -> str:
@@ -194,8 +210,9 @@ def _number(value, key: str, where: str) -> float:
     try:
         return float(value)
     except OverflowError:
-        raise ConfigError(f"{where}: field '{key}' is an integer of {value.bit_length()} bits, "
-                          "too large for any sensible value") from None
+        raise ConfigError(
+            f"{where}: field '{key}' is an integer of {value.bit_length()} bits, too large for any sensible value"
+        ) from None
 
 
 def _tensor_specs(doc: dict, key: str, where: str) -> tuple[TensorSpec, ...]:
@@ -210,10 +227,14 @@ def _tensor_specs(doc: dict, key: str, where: str) -> tuple[TensorSpec, ...]:
         if datatype not in DATATYPES:
             raise ConfigError(f"{at}: field 'datatype' is {datatype!r}; expected one of {sorted(DATATYPES)}")
         shape = _field(item, "shape", list, at)
-        if not shape or len(shape) > 8 or any(not isinstance(d, int) or isinstance(d, bool) or d < -1 or d == 0
-                                              or d > MAX_DIM for d in shape):
-            raise ConfigError(f"{at}: field 'shape' is {shape!r}; expected 1 to 8 sizes of 1..{MAX_DIM} or -1, "
-                              "batch first")
+        if (
+            not shape
+            or len(shape) > 8
+            or any(not isinstance(d, int) or isinstance(d, bool) or d < -1 or d == 0 or d > MAX_DIM for d in shape)
+        ):
+            raise ConfigError(
+                f"{at}: field 'shape' is {shape!r}; expected 1 to 8 sizes of 1..{MAX_DIM} or -1, batch first"
+            )
         specs.append(TensorSpec(name, datatype, tuple(shape)))
     if not specs:
         raise ConfigError(f"{where}: field '{key}' is empty")
@@ -226,9 +247,11 @@ def _version_policy(doc: dict, where: str) -> VersionPolicy:
     policy = _field(doc, "version_policy", dict, where)
     at = f"{where}: version_policy"
     if len(policy) != 1 or next(iter(policy)) not in ("latest", "all", "specific"):
-        raise ConfigError(f"{at} is {policy!r}; expected one of {{'latest': {{'num_versions': N}}}}, "
-                          "{'all': {}}, {'specific': {'versions': [...]}}")
-    (kind, body), = policy.items()
+        raise ConfigError(
+            f"{at} is {policy!r}; expected one of {{'latest': {{'num_versions': N}}}}, "
+            "{'all': {}}, {'specific': {'versions': [...]}}"
+        )
+    ((kind, body),) = policy.items()
     body = _typed(body, kind, dict, at)
     _known(body, {"latest": ("num_versions",), "all": (), "specific": ("versions",)}[kind], f"{at}.{kind}")
     if kind == "latest":
@@ -240,7 +263,9 @@ def _version_policy(doc: dict, where: str) -> VersionPolicy:
         return VersionPolicy("all")
     versions = _field(body, "versions", list, f"{at}.specific")
     if not versions or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in versions):
-        raise ConfigError(f"{at}.specific: field 'versions' is {versions!r}; expected a non-empty list of version numbers >= 1")
+        raise ConfigError(
+            f"{at}.specific: field 'versions' is {versions!r}; expected a non-empty list of version numbers >= 1"
+        )
     return VersionPolicy("specific", versions=tuple(str(v) for v in versions))
 
 
@@ -252,22 +277,29 @@ def _instances(doc: dict, where: str) -> Instances:
     if not 1 <= count <= 64:
         raise ConfigError(f"{at}: field 'count' must be 1..64, got {count}")
     gpus = _optional(body, "gpus", list, at, [0])
-    if not 1 <= len(gpus) <= MAX_GPUS or any(not isinstance(g, int) or isinstance(g, bool) or not 0 <= g < MAX_GPUS
-                                             for g in gpus):
-        raise ConfigError(f"{at}: field 'gpus' is {_shown_list(gpus)}; expected a list of 1..{MAX_GPUS} device ids "
-                          f"in 0..{MAX_GPUS - 1}")
+    if not 1 <= len(gpus) <= MAX_GPUS or any(
+        not isinstance(g, int) or isinstance(g, bool) or not 0 <= g < MAX_GPUS for g in gpus
+    ):
+        raise ConfigError(
+            f"{at}: field 'gpus' is {_shown_list(gpus)}; expected a list of 1..{MAX_GPUS} device ids "
+            f"in 0..{MAX_GPUS - 1}"
+        )
     reserved = _optional(body, "reserved_for_vip", int, at, 0)
     if not 0 <= reserved < count:
-        raise ConfigError(f"{at}: field 'reserved_for_vip' must be 0..count-1 ({count - 1}), got {reserved}: "
-                          "standard batches need an instance of their own")
+        raise ConfigError(
+            f"{at}: field 'reserved_for_vip' must be 0..count-1 ({count - 1}), got {reserved}: "
+            "standard batches need an instance of their own"
+        )
     lend_after_s = LEND_RESERVED_AFTER_S
     if "lend_reserved_after_s" in body:
         lend_after_s = body["lend_reserved_after_s"]
         if lend_after_s is not None:
             lend_after_s = _number(lend_after_s, "lend_reserved_after_s", at)
             if not math.isfinite(lend_after_s) or lend_after_s < 0:
-                raise ConfigError(f"{at}: field 'lend_reserved_after_s' must be a finite number of seconds >= 0, "
-                                  f"or null (never lend), got {lend_after_s:g}")
+                raise ConfigError(
+                    f"{at}: field 'lend_reserved_after_s' must be a finite number of seconds >= 0, "
+                    f"or null (never lend), got {lend_after_s:g}"
+                )
     return Instances(count, tuple(gpus), reserved, lend_after_s)
 
 
@@ -281,8 +313,10 @@ def _execution(doc: dict, where: str) -> Execution:
     intra = _optional(body, "intra_op_threads", int, at, 0)
     inter = _optional(body, "inter_op_threads", int, at, 1)
     if not 0 <= intra <= MAX_THREADS or not 1 <= inter <= MAX_THREADS:
-        raise ConfigError(f"{at}: intra_op_threads must be 0..{MAX_THREADS} and inter_op_threads 1..{MAX_THREADS}, "
-                          f"got {intra} and {inter}")
+        raise ConfigError(
+            f"{at}: intra_op_threads must be 0..{MAX_THREADS} and inter_op_threads 1..{MAX_THREADS}, "
+            f"got {intra} and {inter}"
+        )
     level = _optional(body, "graph_optimization", str, at, "all")
     if level not in GRAPH_OPTIMIZATION:
         raise ConfigError(f"{at}: field 'graph_optimization' is {level!r}; expected one of {list(GRAPH_OPTIMIZATION)}")
@@ -337,10 +371,13 @@ def parse_config(doc, model_dir: pathlib.Path, where: str) -> ModelConfig:
             raise ConfigError(f"{at}: field 'max_length' must be 2..{MAX_TOKENS}, got {max_length}")
         tokenizer_file = _field(pre, "tokenizer_file", str, at)
         check_file_name(tokenizer_file, "preprocess.tokenizer_file", at)
-        max_text_tokens = _field(pre, "max_text_tokens", int, at) if "max_text_tokens" in pre else DEFAULT_MAX_TEXT_TOKENS
+        max_text_tokens = (
+            _field(pre, "max_text_tokens", int, at) if "max_text_tokens" in pre else DEFAULT_MAX_TEXT_TOKENS
+        )
         if not max_length <= max_text_tokens <= MAX_TOKENS:
-            raise ConfigError(f"{at}: field 'max_text_tokens' must be {max_length} (max_length)..{MAX_TOKENS}, "
-                              f"got {max_text_tokens}")
+            raise ConfigError(
+                f"{at}: field 'max_text_tokens' must be {max_length} (max_length)..{MAX_TOKENS}, got {max_text_tokens}"
+            )
         preprocess = Preprocess(kind, tokenizer_file, max_length, max_text_tokens)
     inputs = _tensor_specs(doc, "inputs", where)
     if preprocess is not None and (len(inputs) != 1 or inputs[0].datatype != "BYTES"):
@@ -355,20 +392,27 @@ def parse_config(doc, model_dir: pathlib.Path, where: str) -> ModelConfig:
     _known(warmup, ("batch_sizes",), f"{where}: warmup")
     sizes = _optional(warmup, "batch_sizes", list, f"{where}: warmup", [1, min(8, max_batch_size)])
     if not 1 <= len(sizes) <= MAX_WARMUP_SIZES or any(
-            not isinstance(s, int) or isinstance(s, bool) or not 1 <= s <= max_batch_size for s in sizes):
-        raise ConfigError(f"{where}: warmup: field 'batch_sizes' is {_shown_list(sizes)}; expected 1 to "
-                          f"{MAX_WARMUP_SIZES} sizes in 1..max_batch_size ({max_batch_size})")
+        not isinstance(s, int) or isinstance(s, bool) or not 1 <= s <= max_batch_size for s in sizes
+    ):
+        raise ConfigError(
+            f"{where}: warmup: field 'batch_sizes' is {_shown_list(sizes)}; expected 1 to "
+            f"{MAX_WARMUP_SIZES} sizes in 1..max_batch_size ({max_batch_size})"
+        )
     fallback = _optional(doc, "fallback", str, where, "")
     if fallback == name:
         raise ConfigError(f"{where}: field 'fallback' names the model itself")
     if fallback and not is_model_name(fallback):
-        raise ConfigError(f"{where}: field 'fallback' is {errors.shown(fallback)}; name another model of the "
-                          "repository (a folder name)")
+        raise ConfigError(
+            f"{where}: field 'fallback' is {errors.shown(fallback)}; name another model of the "
+            "repository (a folder name)"
+        )
     for spec in inputs:
         elements = max(sizes) * math.prod(d if d > 0 else 1 for d in spec.shape[1:])
         if elements > MAX_WARMUP_ELEMENTS:
-            raise ConfigError(f"{where}: warm-up at batch {max(sizes)} of input {spec.name!r} shape {list(spec.shape)} "
-                              f"would allocate {elements} elements, more than {MAX_WARMUP_ELEMENTS}")
+            raise ConfigError(
+                f"{where}: warm-up at batch {max(sizes)} of input {spec.name!r} shape {list(spec.shape)} "
+                f"would allocate {elements} elements, more than {MAX_WARMUP_ELEMENTS}"
+            )
     return ModelConfig(
         name=name,
         platform=platform,
@@ -408,8 +452,9 @@ def load_config(model_dir: pathlib.Path, overrides: dict | None = None) -> Model
         for version in config.versions():  # checked by name and kind now, read only by the load
             path = config.tokenizer_path(version)
             if path.exists():
-                check_file(path, MAX_TOKENIZER_BYTES, "preprocess.tokenizer_file", config.preprocess.tokenizer_file,
-                           where)
+                check_file(
+                    path, MAX_TOKENIZER_BYTES, "preprocess.tokenizer_file", config.preprocess.tokenizer_file, where
+                )
     return config
 
 
@@ -489,7 +534,6 @@ def _golden_tensors(doc: dict, key: str, specs: tuple[TensorSpec, ...], where: s
     return found
 
 
-
 def is_model_name(name: str) -> bool:
     """A model folder's name: one path component, not hidden."""
     return bool(name) and "/" not in name and "\\" not in name and "\x00" not in name and not name.startswith(".")
@@ -502,12 +546,21 @@ def _shown_list(values: list) -> str:
 def check_file_name(name: str, key: str, where: str) -> None:
     """A file a config field names, by its name alone: a relative path that
     stays inside its folder (no '..'), before anything is looked up."""
-    complaint = ("is empty" if not name else "holds a NUL character" if "\x00" in name
-                 else "is an absolute path" if name.startswith("/")
-                 else "contains '..'" if ".." in pathlib.PurePosixPath(name).parts else "")
+    complaint = (
+        "is empty"
+        if not name
+        else "holds a NUL character"
+        if "\x00" in name
+        else "is an absolute path"
+        if name.startswith("/")
+        else "contains '..'"
+        if ".." in pathlib.PurePosixPath(name).parts
+        else ""
+    )
     if complaint:
-        raise ConfigError(f"{where}: field '{key}' is {errors.shown(name)}, which {complaint}; "
-                          "name a file inside the model's folder")
+        raise ConfigError(
+            f"{where}: field '{key}' is {errors.shown(name)}, which {complaint}; name a file inside the model's folder"
+        )
 
 
 def confine(folder: pathlib.Path, name: str, key: str, where: str) -> pathlib.Path:
@@ -517,14 +570,22 @@ def confine(folder: pathlib.Path, name: str, key: str, where: str) -> pathlib.Pa
     base = folder.resolve()
     resolved = (base / name).resolve()
     if not resolved.is_relative_to(base):
-        raise ConfigError(f"{where}: field '{key}' is {errors.shown(name)}, which resolves to {resolved}, outside "
-                          f"{base}; name a file inside the model's folder")
+        raise ConfigError(
+            f"{where}: field '{key}' is {errors.shown(name)}, which resolves to {resolved}, outside "
+            f"{base}; name a file inside the model's folder"
+        )
     return resolved
 
 
 def _kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a link")):
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a link"),
+    ):
         if test(mode):
             return kind
     return "not a plain file"
@@ -534,11 +595,14 @@ def check_file(path: pathlib.Path, max_bytes: int, key: str, name: str, where: s
     """A regular file of at most `max_bytes`, looked at (lstat) without opening it."""
     info = os.lstat(path)
     if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"{where}: field '{key}' is {errors.shown(name)}, which is {_kind(info.st_mode)}, "
-                          "not a regular file")
+        raise ConfigError(
+            f"{where}: field '{key}' is {errors.shown(name)}, which is {_kind(info.st_mode)}, not a regular file"
+        )
     if info.st_size > max_bytes:
-        raise ConfigError(f"{where}: field '{key}' is {errors.shown(name)}, which holds {info.st_size} bytes, "
-                          f"more than the {max_bytes} it may hold")
+        raise ConfigError(
+            f"{where}: field '{key}' is {errors.shown(name)}, which holds {info.st_size} bytes, "
+            f"more than the {max_bytes} it may hold"
+        )
 
 
 def read_bounded(path: pathlib.Path, max_bytes: int, what: str) -> bytes:

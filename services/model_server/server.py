@@ -36,16 +36,22 @@ class ModelServerServicer(model_server_pb2_grpc.ModelServerServicer):
         # Only models of the repository become label values: callers cannot grow the series.
         label = request.model if self._manager.is_known(request.model) else "unknown"
         with metrics.track(label, rows) as record:
-            version, outputs = await self._manager.execute(request.model, request.version, inputs, list(request.outputs),
-                                                           tier=request.tier,
-                                                           timeout_s=context.time_remaining())
+            version, outputs = await self._manager.execute(
+                request.model,
+                request.version,
+                inputs,
+                list(request.outputs),
+                tier=request.tier,
+                timeout_s=context.time_remaining(),
+            )
             record(version)
         return model_server_pb2.ExecuteResponse(model=request.model, version=version, outputs=tensors_to_proto(outputs))
 
     async def ListModels(self, request, context):
         return model_server_pb2.ListModelsResponse(
             models=[_model_info(*entry, self._manager.instances(entry[0].name)) for entry in self._manager.models()],
-            labels=self._labels)
+            labels=self._labels,
+        )
 
 
 class RepositoryServicer(oip_grpc.GRPCInferenceServiceServicer):
@@ -70,17 +76,29 @@ class RepositoryServicer(oip_grpc.GRPCInferenceServiceServicer):
         versions = [v for c, loaded, _, _ in self._manager.models() if c.name == request.name for v in loaded]
 
         def specs(items):
-            return [oip_pb2.ModelMetadataResponse.TensorMetadata(name=s.name, datatype=s.datatype, shape=s.shape)
-                    for s in items]
+            return [
+                oip_pb2.ModelMetadataResponse.TensorMetadata(name=s.name, datatype=s.datatype, shape=s.shape)
+                for s in items
+            ]
 
-        return oip_pb2.ModelMetadataResponse(name=config.name, versions=versions, platform=config.platform,
-                                             inputs=specs(config.inputs), outputs=specs(config.outputs))
+        return oip_pb2.ModelMetadataResponse(
+            name=config.name,
+            versions=versions,
+            platform=config.platform,
+            inputs=specs(config.inputs),
+            outputs=specs(config.outputs),
+        )
 
     async def RepositoryIndex(self, request, context):
         entries = self._manager.index(ready_only=request.ready)
-        return oip_pb2.RepositoryIndexResponse(models=[
-            oip_pb2.RepositoryIndexResponse.ModelIndex(name=e.name, version=e.version, state=e.state, reason=e.reason)
-            for e in entries])
+        return oip_pb2.RepositoryIndexResponse(
+            models=[
+                oip_pb2.RepositoryIndexResponse.ModelIndex(
+                    name=e.name, version=e.version, state=e.state, reason=e.reason
+                )
+                for e in entries
+            ]
+        )
 
     async def RepositoryModelLoad(self, request, context):
         self._admin.check(context, f"load model {errors.shown(request.model_name)}")
@@ -88,8 +106,9 @@ class RepositoryServicer(oip_grpc.GRPCInferenceServiceServicer):
         overrides = None
         for key, value in request.parameters.items():
             if key != "config" or value.WhichOneof("parameter_choice") != "string_param":
-                raise errors.InvalidArgument(f"load parameter '{key}' is not supported; the only one is 'config', "
-                                             "a JSON string of config fields")
+                raise errors.InvalidArgument(
+                    f"load parameter '{key}' is not supported; the only one is 'config', a JSON string of config fields"
+                )
             overrides = parse_overrides(value.string_param)
         await self._manager.load(request.model_name, overrides)
         return oip_pb2.RepositoryModelLoadResponse()
@@ -106,7 +125,8 @@ class RepositoryServicer(oip_grpc.GRPCInferenceServiceServicer):
             raise errors.FailedPrecondition(
                 f"cannot {action} models by request: model control mode is '{mode.value}' "
                 f"({'the repository on disk decides' if mode is ControlMode.POLL else 'models are fixed at startup'}); "
-                "start the model server with --model-control-mode explicit")
+                "start the model server with --model-control-mode explicit"
+            )
 
 
 def _model_info(config, versions, ready_versions, revisions, instances: tuple[int, int, bool]) -> tensor_pb2.ModelInfo:
@@ -156,23 +176,29 @@ class Readiness:
 MAX_FIELDS = 1 << 17  # of one Execute message, all its tensors' included
 
 
-async def build_server(config: ModelServerConfig, manager: ModelManager, port: int | None = None,
-                       readiness: Readiness | None = None):
+async def build_server(
+    config: ModelServerConfig, manager: ModelManager, port: int | None = None, readiness: Readiness | None = None
+):
     """Returns (server, bound_port, health servicer); the server is started and
     health follows the models' readiness."""
     # A batch holds a few fields per input whatever its size: a message of
     # many more was built to be slow to parse, and is refused unparsed. Execute
     # holds its batch in the byte budget from before it is parsed until it is answered.
     execute = serving.BoundedDecoder(model_server_pb2.ExecuteRequest, MAX_FIELDS, "Execute")
-    server = serving.new_server("model_server", config.max_message_bytes, config.max_concurrent_rpcs, limits=config,
-                                data_methods=frozenset({"Execute"}),
-                                budget=ByteBudget("model_server", config.budget_bytes), decoders={"Execute": execute})
+    server = serving.new_server(
+        "model_server",
+        config.max_message_bytes,
+        config.max_concurrent_rpcs,
+        limits=config,
+        data_methods=frozenset({"Execute"}),
+        budget=ByteBudget("model_server", config.budget_bytes),
+        decoders={"Execute": execute},
+    )
     model_server_pb2_grpc.add_ModelServerServicer_to_server(ModelServerServicer(manager, config.label_map), server)
     admin = identity.AdminGate.from_file(config.tenants_file, "model server")
     oip_grpc.add_GRPCInferenceServiceServicer_to_server(RepositoryServicer(manager, admin), server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME, OIP_SERVICE_NAME])
-    bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}",
-                     tls.server_credentials(config))
+    bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}", tls.server_credentials(config))
     await server.start()
     await serving.set_serving(health, [SERVICE_NAME, OIP_SERVICE_NAME], True)
     if readiness is not None:

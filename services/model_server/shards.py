@@ -32,13 +32,16 @@ def read_manifest(folder: pathlib.Path, degree: int, verify_checksums: bool = Tr
     path = folder / MANIFEST
     manifest = read_json_object(path, ShardError, f"missing; build the shard set for tp_degree {degree}")
     if manifest.get("format") != FORMAT or manifest.get("degree") != degree:
-        raise ShardError(f"{path}: format {manifest.get('format')!r} degree {manifest.get('degree')!r}; "
-                         f"expected {FORMAT} at degree {degree}")
+        raise ShardError(
+            f"{path}: format {manifest.get('format')!r} degree {manifest.get('degree')!r}; "
+            f"expected {FORMAT} at degree {degree}"
+        )
     where = str(path)
     segments = field(manifest, "segments", list, where, ShardError)
     if len(segments) < 2 or not all(isinstance(s, str) for s in segments) or len(set(segments)) != len(segments):
-        raise ShardError(f"{where}: field 'segments' is {str(segments)[:200]}; expected two or more segment names, "
-                         "each once")
+        raise ShardError(
+            f"{where}: field 'segments' is {str(segments)[:200]}; expected two or more segment names, each once"
+        )
     field(field(manifest, "shape", dict, where, ShardError), "hidden", int, f"{where}: shape", ShardError)
     shards = field(manifest, "shards", list, where, ShardError)
     if len(shards) != degree:
@@ -95,7 +98,8 @@ class ShardedSession:
 
     def get_inputs(self):
         return self._segments[0][1][0].get_inputs() + [
-            i for i in self._segments[1][1][0].get_inputs() if i.name == "attention_mask"]
+            i for i in self._segments[1][1][0].get_inputs() if i.name == "attention_mask"
+        ]
 
     def get_outputs(self):
         return self._segments[-1][1][0].get_outputs()
@@ -114,8 +118,13 @@ class ShardedSession:
         types = feeds.get("token_type_ids", np.zeros_like(ids))
         total = residual = None
         for name, sessions, takes in self._segments:
-            available = {"input_ids": ids, "token_type_ids": types, "attention_mask": mask,
-                         "hidden_sum": total, "residual": residual}
+            available = {
+                "input_ids": ids,
+                "token_type_ids": types,
+                "attention_mask": mask,
+                "hidden_sum": total,
+                "residual": residual,
+            }
             step = {key: value for key, value in available.items() if key in takes}
             if name == "pool":
                 return sessions[0].run(list(output_names), step)
@@ -133,10 +142,15 @@ class ShardedSession:
         the embeddings come down. On the CPU it binds CPU memory."""
         kind = "cpu" if self.devices[0] is None else "cuda"
         devices = [device or 0 for device in self.devices]
-        host = {"input_ids": feeds["input_ids"], "attention_mask": feeds["attention_mask"],
-                "token_type_ids": feeds.get("token_type_ids", np.zeros_like(feeds["input_ids"]))}
-        on = {d: {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), kind, d) for k, v in host.items()}
-              for d in set(devices)}
+        host = {
+            "input_ids": feeds["input_ids"],
+            "attention_mask": feeds["attention_mask"],
+            "token_type_ids": feeds.get("token_type_ids", np.zeros_like(feeds["input_ids"])),
+        }
+        on = {
+            d: {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), kind, d) for k, v in host.items()}
+            for d in set(devices)
+        }
         total = None
         residual: list = [None] * len(devices)
 
@@ -155,10 +169,16 @@ class ShardedSession:
             if name == "pool":
                 return bound(sessions[0], 0, takes, list(output_names)).copy_outputs_to_cpu()
             # Bound in graph order: "hidden" (every segment but embed), then "partial".
-            results = self._all_shards(name, [
-                lambda s=s, i=i: bound(s, i, takes, [o.name for o in s.get_outputs()]).get_outputs()
-                for i, s in enumerate(sessions)])
-            total = results[0][-1] if len(results) == 1 else self._all_reduce(kind, devices[0], [r[-1] for r in results])
+            results = self._all_shards(
+                name,
+                [
+                    lambda s=s, i=i: bound(s, i, takes, [o.name for o in s.get_outputs()]).get_outputs()
+                    for i, s in enumerate(sessions)
+                ],
+            )
+            total = (
+                results[0][-1] if len(results) == 1 else self._all_reduce(kind, devices[0], [r[-1] for r in results])
+            )
             if name != "embed":
                 residual = [r[0] for r in results]
         raise ShardError("the shard set has no pool segment")
@@ -213,8 +233,12 @@ def _sum_graph(inputs: int) -> bytes:
 
     names = [f"partial{i}" for i in range(inputs)]
     node = b"".join(message(1, n.encode()) for n in names) + message(2, b"sum") + message(4, b"Sum")
-    graph = (message(1, node) + message(2, b"all_reduce") + b"".join(message(11, tensor(n)) for n in names)
-             + message(12, tensor("sum")))
+    graph = (
+        message(1, node)
+        + message(2, b"all_reduce")
+        + b"".join(message(11, tensor(n)) for n in names)
+        + message(12, tensor("sum"))
+    )
     # ModelProto: ir_version 8 and opset 18 of the default domain, as the shard sets' graphs.
     return integer(1, 8) + message(7, graph) + message(8, message(1, b"") + integer(2, 18))
 

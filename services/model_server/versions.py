@@ -21,7 +21,14 @@ from services.model_server import metrics
 from services.model_server.config import ManagerConfig
 from services.model_server.execution import LoadedVersion, LoadFailed, first_line, load_version
 from services.model_server.health import probe
-from services.model_server.repository import ConfigError, Golden, ModelConfig, load_config, load_golden, version_fingerprint
+from services.model_server.repository import (
+    ConfigError,
+    Golden,
+    ModelConfig,
+    load_config,
+    load_golden,
+    version_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +59,9 @@ class Model:
 class Versions:
     """The models of one repository and their loaded versions."""
 
-    def __init__(self, config: ManagerConfig, use_cuda: bool, spawn: Callable, on_readiness: Callable[[str, bool], None]):
+    def __init__(
+        self, config: ManagerConfig, use_cuda: bool, spawn: Callable, on_readiness: Callable[[str, bool], None]
+    ):
         self._config = config
         self.repository = config.repository_path
         self._use_cuda = use_cuda
@@ -79,15 +88,25 @@ class Versions:
             return self._failed(model, "config", errors.InvalidArgument(f"failed to load model '{name}': {exc}"))
         except Exception as exc:  # a case the checks missed: still this model's failure alone
             log.exception("model %s: unexpected error reading its config", name)
-            return self._failed(model, "error", errors.FailedPrecondition(
-                f"failed to load model '{name}': reading {folder / 'config.json'} or its golden probe failed: "
-                f"{_unexpected(exc)}"))
+            return self._failed(
+                model,
+                "error",
+                errors.FailedPrecondition(
+                    f"failed to load model '{name}': reading {folder / 'config.json'} or its golden probe failed: "
+                    f"{_unexpected(exc)}"
+                ),
+            )
         async with model.lock:
             wanted = config.versions()
             if not wanted:
-                return self._failed(model, "config", errors.InvalidArgument(
-                    f"failed to load model '{name}': version policy '{config.version_policy.describe()}' selects none "
-                    f"of the version folders {config.available_versions()} in {folder}"))
+                return self._failed(
+                    model,
+                    "config",
+                    errors.InvalidArgument(
+                        f"failed to load model '{name}': version policy '{config.version_policy.describe()}' selects none "
+                        f"of the version folders {config.available_versions()} in {folder}"
+                    ),
+                )
             fresh: dict[str, LoadedVersion] = {}
             loaded_now: list[LoadedVersion] = []
             try:
@@ -97,7 +116,8 @@ class Versions:
                         fresh[version] = reusable
                         continue
                     loaded = await loop.run_in_executor(
-                        None, load_version, config, version, self._use_cuda, self._config.threads, golden)
+                        None, load_version, config, version, self._use_cuda, self._config.threads, golden
+                    )
                     loaded.slice_s = self._config.slice_s
                     loaded_now.append(loaded)
                     fresh[version] = loaded
@@ -107,21 +127,32 @@ class Versions:
                 if not isinstance(exc, LoadFailed):  # a case the checks missed: still this model's failure alone
                     log.exception("model %s version %s: unexpected error while loading", name, version)
                     exc = LoadFailed("error", f"version {version} failed to load: {_unexpected(exc)}")
-                return self._failed(model, exc.reason, errors.FailedPrecondition(
-                    f"failed to load model '{name}': {exc.message}; the versions serving before "
-                    f"({list(model.serving) or 'none'}) keep serving"))
+                return self._failed(
+                    model,
+                    exc.reason,
+                    errors.FailedPrecondition(
+                        f"failed to load model '{name}': {exc.message}; the versions serving before "
+                        f"({list(model.serving) or 'none'}) keep serving"
+                    ),
+                )
             self._swap(model, config, golden, fresh)
         metrics.LOADS.labels(name, "ok").inc()
         metrics.SWAP_SECONDS.labels(name).observe(time.perf_counter() - started)
-        log.info("model %s now serves version(s) %s (%.2fs from the load request)", name, list(fresh),
-                 time.perf_counter() - started)
+        log.info(
+            "model %s now serves version(s) %s (%.2fs from the load request)",
+            name,
+            list(fresh),
+            time.perf_counter() - started,
+        )
         return list(fresh)
 
     def _read_config(self, folder: pathlib.Path, overrides: dict | None) -> tuple[ModelConfig, Golden | None]:
         config = load_config(folder, overrides)
         if config.fallback and not (self._config.repository_path / config.fallback / "config.json").is_file():
-            raise ConfigError(f"{folder / 'config.json'}: field 'fallback' names {config.fallback!r}, "
-                              f"which has no folder with a config.json in {self._config.repository_path}")
+            raise ConfigError(
+                f"{folder / 'config.json'}: field 'fallback' names {config.fallback!r}, "
+                f"which has no folder with a config.json in {self._config.repository_path}"
+            )
         return config, (load_golden(config) if config.golden_probe is not None else None)
 
     def _failed(self, model: Model, reason: str, error: errors.InfermeshError):
@@ -135,8 +166,12 @@ class Versions:
         current = model.loaded().get(version)
         if current is None or current.broken or current.fingerprint != version_fingerprint(config.path / version):
             return None  # not loaded, lost a shard, or its files changed: load it afresh
-        ignore_policy = {"version_policy": config.version_policy, "golden_probe": config.golden_probe,
-                         "fallback": config.fallback, "warmup_batch_sizes": config.warmup_batch_sizes}
+        ignore_policy = {
+            "version_policy": config.version_policy,
+            "golden_probe": config.golden_probe,
+            "fallback": config.fallback,
+            "warmup_batch_sizes": config.warmup_batch_sizes,
+        }
         return current if dataclasses.replace(current.config, **ignore_policy) == config else None
 
     async def _still_right(self, loaded: LoadedVersion, golden: Golden | None, config: ModelConfig) -> bool:
@@ -145,8 +180,12 @@ class Versions:
             return True
         passed, detail = await probe(loaded, golden, config)
         if not passed:
-            log.warning("%s version %s no longer passes its golden probe (%s); reloading it", config.name,
-                        loaded.version, detail)
+            log.warning(
+                "%s version %s no longer passes its golden probe (%s); reloading it",
+                config.name,
+                loaded.version,
+                detail,
+            )
         return passed
 
     def _swap(self, model: Model, config: ModelConfig, golden: Golden | None, fresh: dict[str, LoadedVersion]) -> None:
@@ -209,7 +248,7 @@ class Versions:
     def publish(self, model: Model) -> None:
         """Metrics and health follow the model's state."""
         for gauge in (metrics.VERSIONS, metrics.MEMORY):  # drop the versions gone from this model
-            for labels in list(gauge._metrics):  # noqa: SLF001
+            for labels in list(gauge._metrics):
                 if labels[0] == model.name:
                     gauge.remove(*labels)
         for version, loaded in model.loaded().items():
@@ -231,8 +270,9 @@ class Versions:
             return model.serving[ready[0]]
         loaded = model.serving.get(version) or model.standby.get(version, (None, 0.0))[0]  # per batch: no sorting
         if loaded is None:
-            raise errors.NotFound(f"model '{name}' has no version '{version}' loaded; loaded versions: "
-                                  f"{list(model.loaded())}")
+            raise errors.NotFound(
+                f"model '{name}' has no version '{version}' loaded; loaded versions: {list(model.loaded())}"
+            )
         return loaded
 
     def withdraw(self, name: str, loaded: LoadedVersion) -> None:

@@ -23,19 +23,42 @@ log = logging.getLogger("services.router")
 async def serve(config: RouterConfig) -> None:
     catalog = Catalog()
     upstream = tls.upstream_credentials(config)
-    batcher = BatcherClient(config.batcher, config.batcher_streams, catalog, config.catalog_poll_s,
-                            config.stream_max_age_s, config.batcher_linger_ms / 1000, upstream)
-    cache = (CacheClient(config.cache, config.cache_lookup_timeout_ms / 1000, stream_max_age_s=config.stream_max_age_s,
-                         credentials=upstream)
-             if config.cache else None)
+    batcher = BatcherClient(
+        config.batcher,
+        config.batcher_streams,
+        catalog,
+        config.catalog_poll_s,
+        config.stream_max_age_s,
+        config.batcher_linger_ms / 1000,
+        upstream,
+    )
+    cache = (
+        CacheClient(
+            config.cache,
+            config.cache_lookup_timeout_ms / 1000,
+            stream_max_age_s=config.stream_max_age_s,
+            credentials=upstream,
+        )
+        if config.cache
+        else None
+    )
     bypass = AdaptiveBypass(config.cache_bypass_window, config.cache_min_hit_rate, config.cache_bypass_memory)
     near = NearCache(config.near_cache_ttl_s, config.near_cache_max_bytes)
     try:
         authenticator = Authenticator(settings_from(config))
     except RegistryError as exc:  # before anything listens: a registry that cannot be used stops the start
         sys.exit(f"router: {exc}")
-    router = Router(catalog, batcher, cache, config.settings(), bypass=bypass, near=near,
-                    failure_samples=config.failure_samples(), limiter=RateLimiter(), tenant_label=authenticator.label)
+    router = Router(
+        catalog,
+        batcher,
+        cache,
+        config.settings(),
+        bypass=bypass,
+        near=near,
+        failure_samples=config.failure_samples(),
+        limiter=RateLimiter(),
+        tenant_label=authenticator.label,
+    )
     await batcher.start()
     metrics_port = start_metrics_server(config.host, config.metrics_port)
     draining = asyncio.Event()
@@ -55,12 +78,17 @@ async def serve(config: RouterConfig) -> None:
             await serving.set_serving(health, [], catalog.is_ready())  # readiness: "" follows the models
             if catalog.is_ready() and not announced:
                 announced = True
-                serving.announce("router", grpc=f"{config.host}:{port}", metrics=f"{config.host}:{metrics_port}",
-                                 models=catalog.names())
+                serving.announce(
+                    "router",
+                    grpc=f"{config.host}:{port}",
+                    metrics=f"{config.host}:{metrics_port}",
+                    models=catalog.names(),
+                )
 
     follower = asyncio.create_task(follow_readiness())
-    registry_follower = (asyncio.create_task(follow_registry(config.tenants_file, authenticator))
-                         if config.tenants_file else None)
+    registry_follower = (
+        asyncio.create_task(follow_registry(config.tenants_file, authenticator)) if config.tenants_file else None
+    )
 
     async def close() -> None:
         follower.cancel()

@@ -153,8 +153,14 @@ class FailureSamples:
             return
         self._written += 1
         inputs = [self._describe(tensor) for tensor in request.inputs]
-        line = {"time": round(now, 3), "model": model, "status": error.code_name,
-                "message": errors.clipped(error.message), "tier": request.tier, "inputs": inputs}
+        line = {
+            "time": round(now, 3),
+            "model": model,
+            "status": error.code_name,
+            "message": errors.clipped(error.message),
+            "tier": request.tier,
+            "inputs": inputs,
+        }
         data = (json.dumps(line, ensure_ascii=False) + "\n").encode()
         if self._size and self._size + len(data) > self._max_bytes:
             os.replace(self._path, self._rotated)
@@ -166,10 +172,9 @@ class FailureSamples:
     def _describe(self, tensor) -> dict:
         described = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
         if tensor.datatype == "BYTES":
-            texts = split_bytes_elements(tensor.data, tensor.name)[:self.TEXTS_PER_TENSOR]
+            texts = split_bytes_elements(tensor.data, tensor.name)[: self.TEXTS_PER_TENSOR]
             if self._content == "full":
-                described["texts"] = [t.decode("utf-8", "replace")[:self.TEXT_CHARS] for t in texts]
+                described["texts"] = [t.decode("utf-8", "replace")[: self.TEXT_CHARS] for t in texts]
             else:
-                described["text_hashes"] = [hashlib.blake2b(t, digest_size=8, key=self._key).hexdigest()
-                                            for t in texts]
+                described["text_hashes"] = [hashlib.blake2b(t, digest_size=8, key=self._key).hexdigest() for t in texts]
         return described

@@ -8,8 +8,8 @@ from infermesh.batcher.v1 import batcher_pb2, batcher_pb2_grpc
 from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from services.common import errors, tls
-from services.common.serving import client_options
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
+from services.common.serving import client_options
 from services.common.streams import Framing, StreamLost, StreamMux
 from services.common.tensors import TensorData
 from services.common.tier import Tier
@@ -37,30 +37,49 @@ def batcher_target(address: str) -> tuple[str, list]:
     stream, hands its callers to the others."""
     if "," not in address:
         return address, client_options()
-    return f"ipv4:{address}", [*client_options(), ("grpc.lb_policy_name", "round_robin"),
-                                ("grpc.default_authority", address.split(",", 1)[0])]
+    return f"ipv4:{address}", [
+        *client_options(),
+        ("grpc.lb_policy_name", "round_robin"),
+        ("grpc.default_authority", address.split(",", 1)[0]),
+    ]
 
 
 def submit_framing(linger_s: float) -> Framing:
     """Submits go several to a message (SubmitMany): whatever is queued when
     gRPC takes the next one, after up to `linger_s` for company while others
     are in flight."""
-    return Framing(pack=lambda requests: batcher_pb2.SubmitManyRequest(requests=requests),
-                   unpack=lambda frame: frame.responses, linger_s=linger_s)
+    return Framing(
+        pack=lambda requests: batcher_pb2.SubmitManyRequest(requests=requests),
+        unpack=lambda frame: frame.responses,
+        linger_s=linger_s,
+    )
 
 
 class BatcherClient:
     """Submits requests over a few multiplexed bidi streams and keeps the catalog fresh."""
 
-    def __init__(self, address: str, streams: int, catalog: Catalog, poll_s: float, stream_max_age_s: float = 0.0,
-                 linger_s: float = 0.0, credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self,
+        address: str,
+        streams: int,
+        catalog: Catalog,
+        poll_s: float,
+        stream_max_age_s: float = 0.0,
+        linger_s: float = 0.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         target, options = batcher_target(address)
         self._channel = tls.aio_channel(target, credentials, options)
         self._stub = batcher_pb2_grpc.BatcherStub(self._channel)
         framing = submit_framing(linger_s)
         self._muxes = [
-            StreamMux(f"batcher {address}", self._stub.SubmitMany,
-                      lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True), stream_max_age_s or None, framing)
+            StreamMux(
+                f"batcher {address}",
+                self._stub.SubmitMany,
+                lambda i: batcher_pb2.SubmitRequest(id=i, cancel=True),
+                stream_max_age_s or None,
+                framing,
+            )
             for _ in range(streams)
         ]
         self._catalog = catalog
@@ -86,17 +105,34 @@ class BatcherClient:
                     self._catalog.replace([])
             await asyncio.sleep(self._poll_s)
 
-    async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                     tier: Tier, timeout_s: float, tenant: str = "", weight: float = 1.0) -> tuple[str, list[TensorData]]:
+    async def submit(
+        self,
+        model: str,
+        version: str,
+        inputs: list[TensorData],
+        outputs: list[str],
+        tier: Tier,
+        timeout_s: float,
+        tenant: str = "",
+        weight: float = 1.0,
+    ) -> tuple[str, list[TensorData]]:
         proto_inputs = tensors_to_proto(inputs)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
 
         def build(request_id: int):  # when it is sent: the batcher counts timeout_ms from when it reads it
             timeout_ms = min(max(1, int((deadline - loop.time()) * 1000)), 2**32 - 1)
-            return batcher_pb2.SubmitRequest(id=request_id, model=model, version=version, inputs=proto_inputs,
-                                             outputs=outputs, tier=tier, timeout_ms=timeout_ms, tenant=tenant,
-                                             tenant_weight=weight)
+            return batcher_pb2.SubmitRequest(
+                id=request_id,
+                model=model,
+                version=version,
+                inputs=proto_inputs,
+                outputs=outputs,
+                tier=tier,
+                timeout_ms=timeout_ms,
+                tenant=tenant,
+                tenant_weight=weight,
+            )
 
         # The batcher answers DEADLINE_EXCEEDED by then; past it (plus a margin
         # for the answer's trip), the batcher is not answering at all.
@@ -126,7 +162,9 @@ class BatcherClient:
         except TimeoutError:
             pass  # the second try says why it fails
         try:
-            response = await self._mux(loop).request(build, max(0.0, deadline - loop.time()) + 1.0, at_once=tier == Tier.VIP)
+            response = await self._mux(loop).request(
+                build, max(0.0, deadline - loop.time()) + 1.0, at_once=tier == Tier.VIP
+            )
         except StreamLost as again:
             metrics.RETRIES.labels("failed").inc()
             raise errors.Unavailable(f"{lost}; sent again: {again}") from None
@@ -152,17 +190,31 @@ def _signature(info) -> ModelSignature:
     def specs(items):
         return tuple(Spec(s.name, s.datatype, tuple(s.shape)) for s in items)
 
-    return ModelSignature(info.name, tuple(info.versions), tuple(info.ready_versions), info.platform,
-                          specs(info.inputs), specs(info.outputs), info.max_batch_size,
-                          tuple(sorted(info.revisions.items())), info.fallback)
+    return ModelSignature(
+        info.name,
+        tuple(info.versions),
+        tuple(info.ready_versions),
+        info.platform,
+        specs(info.inputs),
+        specs(info.outputs),
+        info.max_batch_size,
+        tuple(sorted(info.revisions.items())),
+        info.fallback,
+    )
 
 
 class CacheClient:
     """Lookups on a multiplexed stream with a short timeout; stores on a
     client stream that nobody waits for. Failures are misses, never errors."""
 
-    def __init__(self, address: str, lookup_timeout_s: float, max_pending_stores: int = 10000,
-                 stream_max_age_s: float = 0.0, credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self,
+        address: str,
+        lookup_timeout_s: float,
+        max_pending_stores: int = 10000,
+        stream_max_age_s: float = 0.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         self._channel = tls.aio_channel(address, credentials, client_options())
         self._stub = cache_pb2_grpc.CacheStub(self._channel)
         self._lookups = StreamMux(f"cache {address}", self._stub.Lookup, max_age_s=stream_max_age_s or None)
@@ -175,7 +227,8 @@ class CacheClient:
         """(outputs or None, the generation the lookup read); a failed lookup is a miss of no known generation."""
         try:
             response = await self._lookups.request(
-                lambda i: cache_pb2.LookupRequest(id=i, model=model, digest=digest, tier=tier), self._timeout_s)
+                lambda i: cache_pb2.LookupRequest(id=i, model=model, digest=digest, tier=tier), self._timeout_s
+            )
         except (errors.InfermeshError, TimeoutError) as exc:
             metrics.CACHE.labels("error").inc()
             metrics.CACHE_ERRORS.labels("lookup").inc()

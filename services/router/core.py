@@ -99,9 +99,17 @@ class InferResult:
 
 
 class Batcher(Protocol):
-    async def submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str],
-                     tier: Tier, timeout_s: float, tenant: str = identity.ANONYMOUS,
-                     weight: float = 1.0) -> tuple[str, list[TensorData]]: ...
+    async def submit(
+        self,
+        model: str,
+        version: str,
+        inputs: list[TensorData],
+        outputs: list[str],
+        tier: Tier,
+        timeout_s: float,
+        tenant: str = identity.ANONYMOUS,
+        weight: float = 1.0,
+    ) -> tuple[str, list[TensorData]]: ...
 
 
 class Cache(Protocol):
@@ -153,10 +161,19 @@ class Router:
     """The data plane behind the router's protocol adapters: validation, the
     cache, single-flight, the breaker and its fallback, shedding, the batcher."""
 
-    def __init__(self, catalog: Catalog, batcher: Batcher, cache: Cache | None,
-                 settings: RouterSettings = RouterSettings(), *, bypass: AdaptiveBypass | None = None,
-                 near: NearCache | None = None, failure_samples: FailureSamples | None = None,
-                 limiter: RateLimiter | None = None, tenant_label: Callable[[str], str] = lambda name: name):
+    def __init__(
+        self,
+        catalog: Catalog,
+        batcher: Batcher,
+        cache: Cache | None,
+        settings: RouterSettings = RouterSettings(),
+        *,
+        bypass: AdaptiveBypass | None = None,
+        near: NearCache | None = None,
+        failure_samples: FailureSamples | None = None,
+        limiter: RateLimiter | None = None,
+        tenant_label: Callable[[str], str] = lambda name: name,
+    ):
         self.catalog = catalog
         self._limiter = limiter if limiter is not None else RateLimiter()
         self._tenant_label = tenant_label
@@ -181,11 +198,14 @@ class Router:
         """The model's signature and the concrete version a request would use."""
         sig = self.catalog.get(model)
         if sig is None:
-            raise errors.NotFound(f"model {errors.shown(model)} is not served; available models: {self.catalog.names()}")
+            raise errors.NotFound(
+                f"model {errors.shown(model)} is not served; available models: {self.catalog.names()}"
+            )
         if version:
             if version not in sig.versions:
                 raise errors.NotFound(
-                    f"model '{model}' has no version {errors.shown(version)}; versions: {list(sig.versions)}")
+                    f"model '{model}' has no version {errors.shown(version)}; versions: {list(sig.versions)}"
+                )
             return sig, version
         return sig, (sig.ready_versions[0] if sig.ready_versions else (sig.versions[0] if sig.versions else ""))
 
@@ -267,11 +287,14 @@ class Router:
         try:
             result = await self._infer_primary(dataclasses.replace(request, model=sig.fallback, version=""))
         except (errors.NotFound, errors.Unavailable) as exc:
-            raise errors.Unavailable(f"model '{sig.name}' is failing (its circuit breaker is open) and its fallback "
-                                     f"'{sig.fallback}' cannot answer either: {exc.message}") from None
+            raise errors.Unavailable(
+                f"model '{sig.name}' is failing (its circuit breaker is open) and its fallback "
+                f"'{sig.fallback}' cannot answer either: {exc.message}"
+            ) from None
         metrics.DEGRADED.labels(sig.name, "fallback").inc()
-        return dataclasses.replace(result, model=sig.name, version="",
-                                   degraded=f"fallback {sig.fallback}/{result.version}")
+        return dataclasses.replace(
+            result, model=sig.name, version="", degraded=f"fallback {sig.fallback}/{result.version}"
+        )
 
     async def _infer_primary(self, request: InferRequest) -> InferResult:
         sig, version = self.signature(request.model, request.version)
@@ -285,12 +308,14 @@ class Router:
         deadline = asyncio.get_running_loop().time() + timeout - max(0.005, 0.1 * timeout)
         if request.cache_bypass:
             metrics.CACHE_BY["bypassed"].inc()
-            used, outputs = await self._submit(sig.name, request.version, inputs, request.outputs, request.tier,
-                                               deadline, request.tenant)
+            used, outputs = await self._submit(
+                sig.name, request.version, inputs, request.outputs, request.tier, deadline, request.tenant
+            )
             return InferResult(sig.name, used, request.id, outputs, cached=False)
         digest = request_digest(sig.name, version, inputs, request.outputs, sig.revision(version))
-        flight = Flight(digest, sig.name, version, inputs, request.outputs, request.tier, deadline, request.version,
-                        request.tenant)
+        flight = Flight(
+            digest, sig.name, version, inputs, request.outputs, request.tier, deadline, request.version, request.tenant
+        )
         used, outputs, cached = await self._single_flight(flight)
         return InferResult(sig.name, used, request.id, outputs, cached=cached)
 
@@ -315,8 +340,9 @@ class Router:
                 if self._cache is None or self._bypass.is_bypassed(flight.model):
                     # Nothing to look up first: a shed level is refused right here, in the
                     # caller's own step, not one turn of the event loop later in a task.
-                    self._refuse_if_shed(flight.model, flight.tier, flight.deadline, flight.inputs[0].rows,
-                                         flight.tenant.name)
+                    self._refuse_if_shed(
+                        flight.model, flight.tier, flight.deadline, flight.inputs[0].rows, flight.tenant.name
+                    )
                 task, runs_until = asyncio.create_task(self._resolve(flight)), flight.deadline
                 self._running[key] = (task, runs_until)
                 task.add_done_callback(lambda done, key=key, model=flight.model: self._finished(key, model, done))
@@ -329,7 +355,8 @@ class Router:
                 except TimeoutError:
                     raise errors.DeadlineExceeded(
                         f"request for model '{flight.model}' reached its deadline while an identical request's "
-                        f"computation, which it shared, was still running") from None
+                        f"computation, which it shared, was still running"
+                    ) from None
             except (errors.DeadlineExceeded, errors.ResourceExhausted):
                 if not joined or flight.deadline <= runs_until or loop.time() >= flight.deadline:
                     raise
@@ -371,16 +398,25 @@ class Router:
         elif self._cache is not None:
             metrics.CACHE_BY["bypassed"].inc()
             self._bypass.observe(flight.model, flight.digest)
-        used, outputs = await self._submit(flight.model, flight.requested, flight.inputs, flight.outputs, flight.tier,
-                                           flight.deadline, flight.tenant)
+        used, outputs = await self._submit(
+            flight.model, flight.requested, flight.inputs, flight.outputs, flight.tier, flight.deadline, flight.tenant
+        )
         if use_cache and used == flight.version:  # an answer from another version is not this key's
             # Under the generation the lookup read: a purge since makes it unreachable, as it should.
             self._cache.store(flight.model, flight.digest, outputs, generation)
             self._near.put(flight.digest, outputs)
         return used, outputs, False
 
-    async def _submit(self, model: str, version: str, inputs: list[TensorData], outputs: list[str], tier: Tier,
-                      deadline: float, tenant: identity.Tenant) -> tuple[str, list[TensorData]]:
+    async def _submit(
+        self,
+        model: str,
+        version: str,
+        inputs: list[TensorData],
+        outputs: list[str],
+        tier: Tier,
+        deadline: float,
+        tenant: identity.Tenant,
+    ) -> tuple[str, list[TensorData]]:
         now = asyncio.get_running_loop().time()
         remaining = deadline - now
         if remaining <= 0:
@@ -388,14 +424,19 @@ class Router:
         rows = inputs[0].rows
         self._refuse_if_shed(model, tier, deadline, rows, tenant.name)
         try:
-            return await self._batcher.submit(model, version, inputs, outputs, tier, remaining, tenant.name,
-                                              tenant.weight)
+            return await self._batcher.submit(
+                model, version, inputs, outputs, tier, remaining, tenant.name, tenant.weight
+            )
         except errors.ResourceExhausted as exc:
             if exc.retry_after_ms:
                 # The hint is how long until a place frees, or how much time this request
                 # lacked: a request as large then needs about its own time plus the hint.
-                self._shedding[(model, tier, tenant.name)] = Shed(now + min(exc.retry_after_ms, MAX_SHED_MS) / 1000,
-                                                     remaining + exc.retry_after_ms / 1000, rows, exc.message)
+                self._shedding[(model, tier, tenant.name)] = Shed(
+                    now + min(exc.retry_after_ms, MAX_SHED_MS) / 1000,
+                    remaining + exc.retry_after_ms / 1000,
+                    rows,
+                    exc.message,
+                )
             raise
 
     def _refuse_if_shed(self, model: str, tier: Tier, deadline: float, rows: int, tenant: str) -> None:
@@ -417,7 +458,9 @@ class Router:
             f"model '{model}' is refusing {tier.label} requests of {shed.rows} row(s) or more "
             f"that cannot wait about {1000 * shed.needs_s:.0f} ms (this one: {rows} row(s), {1000 * remaining:.0f} "
             f"ms left) for about {retry_ms} ms more, after the batcher refused one so: {shed.reason}; retry after "
-            f"about {retry_ms} ms", retry_after_ms=retry_ms)
+            f"about {retry_ms} ms",
+            retry_after_ms=retry_ms,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,28 +536,38 @@ def check_signature(sig: ModelSignature, request: InferRequest) -> list[TensorDa
     for spec in sig.inputs:
         tensor = by_name[spec.name]
         if tensor.datatype != spec.datatype:
-            raise errors.InvalidArgument(f"{_where(spec, model)} has datatype {errors.shown(tensor.datatype)}; "
-                                         f"expected {spec.datatype}")
+            raise errors.InvalidArgument(
+                f"{_where(spec, model)} has datatype {errors.shown(tensor.datatype)}; expected {spec.datatype}"
+            )
         shape = tensor.shape
-        if len(shape) != len(spec.shape) or any(d < 0 for d in shape) or any(
-                want != -1 and got != want for got, want in zip(shape[1:], spec.shape[1:])):
+        if (
+            len(shape) != len(spec.shape)
+            or any(d < 0 for d in shape)
+            or any(want != -1 and got != want for got, want in zip(shape[1:], spec.shape[1:]))
+        ):
             _shape_error(spec, model, list(shape))
         batch = shape[0]
         if batch == 0:
             raise errors.InvalidArgument(f"{_where(spec, model)} has shape {list(shape)}: the batch dimension is 0")
         if batch > sig.max_batch_size:
-            raise errors.InvalidArgument(f"{_where(spec, model)} has shape {list(shape)}: batch of {batch} exceeds "
-                                         f"max_batch_size {sig.max_batch_size}")
+            raise errors.InvalidArgument(
+                f"{_where(spec, model)} has shape {list(shape)}: batch of {batch} exceeds "
+                f"max_batch_size {sig.max_batch_size}"
+            )
         if rows is not None and batch != rows:
-            raise errors.InvalidArgument(f"{_where(spec, model)} has batch dimension {batch} but another input has {rows}")
+            raise errors.InvalidArgument(
+                f"{_where(spec, model)} has batch dimension {batch} but another input has {rows}"
+            )
         rows = batch
         ordered.append(tensor)
     if request.outputs:
         known = sig.output_names
         unknown = [name for name in request.outputs if name not in known]
         if unknown:
-            raise errors.InvalidArgument(f"requested output(s) {errors.shown_list(unknown)} do not exist in model "
-                                         f"'{model}'; outputs: {sorted(known)}")
+            raise errors.InvalidArgument(
+                f"requested output(s) {errors.shown_list(unknown)} do not exist in model "
+                f"'{model}'; outputs: {sorted(known)}"
+            )
         if len(set(request.outputs)) != len(request.outputs):
             raise errors.InvalidArgument(f"requested outputs {errors.shown_list(request.outputs)} name an output twice")
     return ordered
@@ -530,13 +583,16 @@ def _check_input_names(sig: ModelSignature, inputs: list[TensorData], by_name: d
     seen = set()
     for tensor in inputs:
         if tensor.name in seen:
-            raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} appears twice in the request for model '{model}'")
+            raise errors.InvalidArgument(
+                f"input {errors.shown(tensor.name)} appears twice in the request for model '{model}'"
+            )
         seen.add(tensor.name)
     expected = sig.input_names
     unexpected = sorted(set(by_name) - expected)
     if unexpected:
         raise errors.InvalidArgument(
-            f"unexpected input(s) {errors.shown_list(unexpected)} for model '{model}'; it takes {sorted(expected)}")
+            f"unexpected input(s) {errors.shown_list(unexpected)} for model '{model}'; it takes {sorted(expected)}"
+        )
     missing = sorted(expected - set(by_name))
     raise errors.InvalidArgument(f"missing input(s) {missing} for model '{model}'; it takes {sorted(expected)}")
 
@@ -546,10 +602,14 @@ def _shape_error(spec: Spec, model: str, shape: list[int]) -> None:
     if any(d < 0 for d in shape):
         raise errors.InvalidArgument(f"{where} has shape {shape} with a negative dimension")
     if len(shape) != len(spec.shape):
-        raise errors.InvalidArgument(f"{where} has shape {shape}; expected {len(spec.shape)} dimension(s) like {list(spec.shape)}")
+        raise errors.InvalidArgument(
+            f"{where} has shape {shape}; expected {len(spec.shape)} dimension(s) like {list(spec.shape)}"
+        )
     for axis, (got, want) in enumerate(zip(shape[1:], spec.shape[1:]), start=1):
         if want != -1 and got != want:
-            raise errors.InvalidArgument(f"{where} has shape {shape}; dimension {axis} must be {want}, expected {list(spec.shape)}")
+            raise errors.InvalidArgument(
+                f"{where} has shape {shape}; dimension {axis} must be {want}, expected {list(spec.shape)}"
+            )
 
 
 _DIGEST_PREFIXES: dict[tuple, "hashlib._Hash"] = {}  # (model, version, outputs, revision) -> hashed so far

@@ -19,8 +19,16 @@ MAX_DIMS = 32
 SLACK_FIELDS = 1024
 
 # The typed contents fields of InferTensorContents, by field number.
-CONTENTS_FIELDS = {1: "bool_contents", 2: "int_contents", 3: "int64_contents", 4: "uint_contents",
-                   5: "uint64_contents", 6: "fp32_contents", 7: "fp64_contents", 8: "bytes_contents"}
+CONTENTS_FIELDS = {
+    1: "bool_contents",
+    2: "int_contents",
+    3: "int64_contents",
+    4: "uint_contents",
+    5: "uint64_contents",
+    6: "fp32_contents",
+    7: "fp64_contents",
+    8: "bytes_contents",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +67,15 @@ def element_count(shape) -> int:
 
 
 def too_many(what: str, limit: int, option: str) -> errors.InvalidArgument:
-    return errors.InvalidArgument(f"request carries more than {limit} {what}; the router takes at most {limit} "
-                                  f"(--{option.replace('_', '-')})")
+    return errors.InvalidArgument(
+        f"request carries more than {limit} {what}; the router takes at most {limit} (--{option.replace('_', '-')})"
+    )
 
 
 def too_many_parameters(where: str, limit: int) -> errors.InvalidArgument:
-    return errors.InvalidArgument(f"{where} carries more than {limit} parameters; the router takes at most {limit} "
-                                  "per map (--max-parameters)")
+    return errors.InvalidArgument(
+        f"{where} carries more than {limit} parameters; the router takes at most {limit} per map (--max-parameters)"
+    )
 
 
 def too_many_dims(name: str) -> errors.InvalidArgument:
@@ -77,15 +87,21 @@ def negative_dimension(name: str, shape) -> errors.InvalidArgument:
 
 
 def too_many_elements(name: str, field: str, shape, allowed: int) -> errors.InvalidArgument:
-    return errors.InvalidArgument(f"input {errors.shown(name)} carries more than {allowed} {field} elements; its "
-                                  f"shape {shape_text(shape)} holds {allowed}")
+    return errors.InvalidArgument(
+        f"input {errors.shown(name)} carries more than {allowed} {field} elements; its "
+        f"shape {shape_text(shape)} holds {allowed}"
+    )
 
 
 def too_many_typed(limit: int) -> errors.InvalidArgument:
-    return errors.InvalidArgument(f"request carries more than {limit} typed contents elements in all; send larger "
-                                  "tensors as raw_input_contents (--max-typed-elements)")
+    return errors.InvalidArgument(
+        f"request carries more than {limit} typed contents elements in all; send larger "
+        "tensors as raw_input_contents (--max-typed-elements)"
+    )
 
 
 def too_many_fields(budget: int) -> errors.InvalidArgument:
-    return errors.InvalidArgument(f"request holds more than {budget} protobuf fields besides its contents, more than "
-                                  "any request within the router's limits has")
+    return errors.InvalidArgument(
+        f"request holds more than {budget} protobuf fields besides its contents, more than "
+        "any request within the router's limits has"
+    )

@@ -5,18 +5,22 @@ from inference import grpc_predict_v2_pb2 as pb
 
 from services.common import errors
 from services.common.tensors import NUMPY_DTYPES, TensorData, element_count, pack_bytes_elements
+from services.common.tier import BY_LABEL, Tier
 from services.router import limits as rules
 from services.router import precheck
-from services.common.tier import BY_LABEL, Tier
 from services.router.core import InferRequest, InferResult, ModelSignature
 from services.router.limits import MAX_DIMS, RequestLimits
 
 # The typed `contents` field that carries each datatype (FP16 has none: raw only).
 CONTENTS_FIELD = {
     "BOOL": "bool_contents",
-    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
     "INT64": "int64_contents",
-    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
     "UINT64": "uint64_contents",
     "FP32": "fp32_contents",
     "FP64": "fp64_contents",
@@ -102,21 +106,26 @@ def move_contents_to_raw(request: pb.ModelInferRequest) -> None:
     request.raw_input_contents.extend(packed)
 
 
-def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], timeout_s: float | None) -> InferRequest:
+def request_from_proto(
+    request: pb.ModelInferRequest, metadata: dict[str, str], timeout_s: float | None
+) -> InferRequest:
     """Converts a ModelInferRequest; raises InvalidArgument for wire-level faults."""
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise errors.InvalidArgument(
             f"raw_input_contents has {len(raw)} entries but the request has {len(request.inputs)} inputs; "
-            "give one entry per input, in order")
+            "give one entry per input, in order"
+        )
     _refuse_unsupported(request)
     inputs = []
     for i, tensor in enumerate(request.inputs):
         if raw:
             if tensor.HasField("contents") and any(
-                    len(getattr(tensor.contents, f.name)) for f in tensor.contents.DESCRIPTOR.fields):
+                len(getattr(tensor.contents, f.name)) for f in tensor.contents.DESCRIPTOR.fields
+            ):
                 raise errors.InvalidArgument(
-                    f"input {errors.shown(tensor.name)} has both contents and raw_input_contents; use one of them")
+                    f"input {errors.shown(tensor.name)} has both contents and raw_input_contents; use one of them"
+                )
             data = raw[i]
         else:
             data = _contents_bytes(tensor)
@@ -126,11 +135,19 @@ def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], 
     if header is not None:
         claimed = BY_LABEL.get(header.lower())
         if claimed is None:
-            raise errors.InvalidArgument(f"metadata x-user-tier is {errors.shown(header.lower())}; expected one of "
-                                         f"{sorted(BY_LABEL)}")
+            raise errors.InvalidArgument(
+                f"metadata x-user-tier is {errors.shown(header.lower())}; expected one of {sorted(BY_LABEL)}"
+            )
     if not request.parameters:  # the usual case: none of the checks below applies
-        return InferRequest(model=request.model_name, version=request.model_version, id=request.id, inputs=inputs,
-                            outputs=[o.name for o in request.outputs], claimed_tier=claimed, timeout_s=timeout_s)
+        return InferRequest(
+            model=request.model_name,
+            version=request.model_version,
+            id=request.id,
+            inputs=inputs,
+            outputs=[o.name for o in request.outputs],
+            claimed_tier=claimed,
+            timeout_s=timeout_s,
+        )
     # The OIP/Triton request parameters: priority (1 is the highest, 0 the
     # default), converted to a Tier here and nowhere else, and timeout in
     # microseconds, which may only shorten the deadline.
@@ -138,7 +155,8 @@ def request_from_proto(request: pb.ModelInferRequest, metadata: dict[str, str], 
     if priority is not None and priority != 0:
         if priority not in OIP_PRIORITY_TIERS:
             raise errors.InvalidArgument(
-                f"parameter 'priority' is {priority}; levels are 1 (VIP) and 2 (standard), 0 for the default")
+                f"parameter 'priority' is {priority}; levels are 1 (VIP) and 2 (standard), 0 for the default"
+            )
         claimed = OIP_PRIORITY_TIERS[priority]
     timeout_us = _int_parameter(request, "timeout")
     if timeout_us is not None:
@@ -163,7 +181,8 @@ OIP_PRIORITY_TIERS = {1: Tier.VIP, 2: Tier.STANDARD}  # the public protocol's pr
 # is refused, rather than answered as if it had not asked.
 UNSUPPORTED_TENSOR_PARAMETERS = dict.fromkeys(
     ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"),
-    "shared-memory tensors are not supported; send the data in the request")
+    "shared-memory tensors are not supported; send the data in the request",
+)
 UNSUPPORTED_OUTPUT_PARAMETERS = {
     **UNSUPPORTED_TENSOR_PARAMETERS,
     "classification": "classification outputs (class_count) are not supported; ask for the raw output",
@@ -175,18 +194,23 @@ def _refuse_unsupported(request: pb.ModelInferRequest) -> None:
     for tensor in request.inputs:
         for name in tensor.parameters or ():
             if name in UNSUPPORTED_TENSOR_PARAMETERS:
-                raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} has parameter '{name}': "
-                                             f"{UNSUPPORTED_TENSOR_PARAMETERS[name]}")
+                raise errors.InvalidArgument(
+                    f"input {errors.shown(tensor.name)} has parameter '{name}': {UNSUPPORTED_TENSOR_PARAMETERS[name]}"
+                )
     for output in request.outputs:
         for name in output.parameters or ():
             if name in UNSUPPORTED_OUTPUT_PARAMETERS:
-                raise errors.InvalidArgument(f"requested output {errors.shown(output.name)} has parameter '{name}': "
-                                             f"{UNSUPPORTED_OUTPUT_PARAMETERS[name]}")
+                raise errors.InvalidArgument(
+                    f"requested output {errors.shown(output.name)} has parameter '{name}': "
+                    f"{UNSUPPORTED_OUTPUT_PARAMETERS[name]}"
+                )
     parameters = request.parameters
     for name in SEQUENCE_PARAMETERS if parameters else ():
         if name in parameters and _parameter_set(parameters[name]):
-            raise errors.InvalidArgument(f"parameter '{name}' is set: sequence batching (stateful models) is not "
-                                         "supported; send each request on its own")
+            raise errors.InvalidArgument(
+                f"parameter '{name}' is set: sequence batching (stateful models) is not "
+                "supported; send each request on its own"
+            )
 
 
 def _parameter_set(parameter) -> bool:
@@ -211,7 +235,8 @@ def _bool_parameter(request: pb.ModelInferRequest, name: str) -> bool:
     parameter = request.parameters[name]
     if parameter.WhichOneof("parameter_choice") != "bool_param":
         raise errors.InvalidArgument(
-            f"parameter '{name}' must be a bool_param, got {parameter.WhichOneof('parameter_choice')}")
+            f"parameter '{name}' must be a bool_param, got {parameter.WhichOneof('parameter_choice')}"
+        )
     return parameter.bool_param
 
 
@@ -222,27 +247,36 @@ def _contents_bytes(tensor) -> bytes:
     used = [f.name for f in contents.DESCRIPTOR.fields if len(getattr(contents, f.name))]
     if field is None:
         if datatype in NUMPY_DTYPES:
-            raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} of datatype {datatype} must use raw_input_contents")
+            raise errors.InvalidArgument(
+                f"input {errors.shown(tensor.name)} of datatype {datatype} must use raw_input_contents"
+            )
         raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} has unknown datatype {errors.shown(datatype)}")
     wrong = [name for name in used if name != field]
     if wrong:
         raise errors.InvalidArgument(
-            f"input {errors.shown(tensor.name)} of datatype {datatype} carries {wrong[0]}; expected {field}")
+            f"input {errors.shown(tensor.name)} of datatype {datatype} carries {wrong[0]}; expected {field}"
+        )
     values = getattr(contents, field)
     count = element_count(tensor.shape)
     if len(values) != count:
-        raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} holds {len(values)} {field} element(s) but "
-                                     f"shape {list(tensor.shape)} needs {count}")
+        raise errors.InvalidArgument(
+            f"input {errors.shown(tensor.name)} holds {len(values)} {field} element(s) but "
+            f"shape {list(tensor.shape)} needs {count}"
+        )
     if datatype == "BYTES":
         return pack_bytes_elements(values[:])
     dtype = NUMPY_DTYPES[datatype]
     try:
         if len(values) <= CONVERT_CHUNK:
             return np.asarray(values, dtype=dtype).tobytes()
-        return b"".join(np.asarray(values[start : start + CONVERT_CHUNK], dtype=dtype).tobytes()
-                        for start in range(0, len(values), CONVERT_CHUNK))
+        return b"".join(
+            np.asarray(values[start : start + CONVERT_CHUNK], dtype=dtype).tobytes()
+            for start in range(0, len(values), CONVERT_CHUNK)
+        )
     except (OverflowError, ValueError) as exc:
-        raise errors.InvalidArgument(f"input {errors.shown(tensor.name)} has a value out of range for {datatype}: {exc}") from None
+        raise errors.InvalidArgument(
+            f"input {errors.shown(tensor.name)} has a value out of range for {datatype}: {exc}"
+        ) from None
 
 
 def response_to_proto(result: InferResult) -> pb.ModelInferResponse:
@@ -259,5 +293,10 @@ def metadata_to_proto(sig: ModelSignature) -> pb.ModelMetadataResponse:
     def specs(items):
         return [pb.ModelMetadataResponse.TensorMetadata(name=s.name, datatype=s.datatype, shape=s.shape) for s in items]
 
-    return pb.ModelMetadataResponse(name=sig.name, versions=list(sig.versions), platform=sig.platform,
-                                    inputs=specs(sig.inputs), outputs=specs(sig.outputs))
+    return pb.ModelMetadataResponse(
+        name=sig.name,
+        versions=list(sig.versions),
+        platform=sig.platform,
+        inputs=specs(sig.inputs),
+        outputs=specs(sig.outputs),
+    )

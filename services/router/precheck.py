@@ -11,8 +11,18 @@ elements, whatever the message holds.
 """
 
 from services.common import errors
-from services.common.wire import (I32, I64, LEN, VARINT, BudgetExceeded, Reader, WireError, decode_packed_varints,
-                                  packed_varints, signed64)
+from services.common.wire import (
+    I32,
+    I64,
+    LEN,
+    VARINT,
+    BudgetExceeded,
+    Reader,
+    WireError,
+    decode_packed_varints,
+    packed_varints,
+    signed64,
+)
 from services.router import limits as rules
 from services.router.limits import CONTENTS_FIELDS, MAX_DIMS, RequestLimits
 
@@ -118,8 +128,9 @@ def _walk_input(reader: Reader, start: int, stop: int, limits: RequestLimits, ty
 BYTES_TAG = 8 << 3 | LEN  # bytes_contents, the field whose elements are most numerous for their bytes
 
 
-def _walk_contents(reader: Reader, spans, name: str, shape: list[int], allowed: int, limits: RequestLimits,
-                   typed: list[int]) -> None:
+def _walk_contents(
+    reader: Reader, spans, name: str, shape: list[int], allowed: int, limits: RequestLimits, typed: list[int]
+) -> None:
     raw = reader.buf
     counts = dict.fromkeys(CONTENTS_FIELDS, 0)
     for pos, stop in spans:  # a field given twice is one, concatenated, as the parser merges it
@@ -139,8 +150,10 @@ def _walk_contents(reader: Reader, spans, name: str, shape: list[int], allowed: 
                     elif number in PACKED_WIDTH:
                         width = PACKED_WIDTH[number]
                         if (b - a) % width:
-                            raise WireError(f"packed {CONTENTS_FIELDS[number]} of input {name!r} holds {b - a} "
-                                            f"bytes, not a multiple of {width}")
+                            raise WireError(
+                                f"packed {CONTENTS_FIELDS[number]} of input {name!r} holds {b - a} "
+                                f"bytes, not a multiple of {width}"
+                            )
                         found = (b - a) // width
                     else:
                         found = packed_varints(raw, a, b)

@@ -27,9 +27,16 @@ DATA_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, router: Router, max_stream_inflight: int, max_request_bytes: int,
-                 draining: asyncio.Event | None = None, authenticator: Authenticator | None = None,
-                 budget: ByteBudget | None = None, stream_idle_s: float | None = None):
+    def __init__(
+        self,
+        router: Router,
+        max_stream_inflight: int,
+        max_request_bytes: int,
+        draining: asyncio.Event | None = None,
+        authenticator: Authenticator | None = None,
+        budget: ByteBudget | None = None,
+        stream_idle_s: float | None = None,
+    ):
         self._router = router
         self._auth = authenticator if authenticator is not None else Authenticator(_NO_REGISTRY)
         self._max_stream_inflight = max_stream_inflight
@@ -96,9 +103,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 raise request.error
             if isinstance(request, serving.Oversized):
                 raise errors.ResourceExhausted(
-                    f"request of {request.size} bytes exceeds the limit of {self._max_request_bytes} bytes")
-            result = await self._router.infer(self._as(tenant, request_from_proto(request, metadata,
-                                                                                  context.time_remaining())))
+                    f"request of {request.size} bytes exceeds the limit of {self._max_request_bytes} bytes"
+                )
+            result = await self._router.infer(
+                self._as(tenant, request_from_proto(request, metadata, context.time_remaining()))
+            )
             return pb.ModelStreamInferResponse(infer_response=response_to_proto(result))
 
         async def handle(request):
@@ -110,9 +119,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         def on_error(request, exc):
             return _stream_error(request, errors.Internal("internal error in the router; see its log"))
 
-        async for response in answer_concurrently(request_iterator, handle, on_error, self._max_stream_inflight,
-                                                  self._draining, budget=self._budget, on_refused=_stream_error,
-                                                  size=_message_size, idle_s=self._stream_idle_s):
+        async for response in answer_concurrently(
+            request_iterator,
+            handle,
+            on_error,
+            self._max_stream_inflight,
+            self._draining,
+            budget=self._budget,
+            on_refused=_stream_error,
+            size=_message_size,
+            idle_s=self._stream_idle_s,
+        ):
             yield response
 
 
@@ -128,7 +145,8 @@ _NO_REGISTRY = Settings(registry=None)
 def _model_control_elsewhere(method: str) -> errors.InfermeshError:
     return errors.Unimplemented(
         f"{method} is not served by the router: models are loaded and unloaded on the model servers "
-        "(their GRPCInferenceService, or python -m services.meshctl), and the router follows their catalog")
+        "(their GRPCInferenceService, or python -m services.meshctl), and the router follows their catalog"
+    )
 
 
 def _stream_error(request, exc: errors.InfermeshError) -> pb.ModelStreamInferResponse:
@@ -142,17 +160,24 @@ def _stream_error(request, exc: errors.InfermeshError) -> pb.ModelStreamInferRes
     if request is None:
         response = pb.ModelInferResponse()
     else:
-        response = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
-                                         id=request.id)
+        response = pb.ModelInferResponse(
+            model_name=request.model_name, model_version=request.model_version, id=request.id
+        )
     response.parameters["grpc_status"].string_param = exc.code_name
     if getattr(exc, "retry_after_ms", 0):
         response.parameters[errors.RETRY_AFTER_METADATA.replace("-", "_")].int64_param = exc.retry_after_ms
-    return pb.ModelStreamInferResponse(error_message=errors.clipped(f"{exc.code_name}: {exc.message}"),
-                                       infer_response=response)
+    return pb.ModelStreamInferResponse(
+        error_message=errors.clipped(f"{exc.code_name}: {exc.message}"), infer_response=response
+    )
 
 
-async def build_server(config: RouterConfig, router: Router, port: int | None = None,
-                       draining: asyncio.Event | None = None, authenticator: Authenticator | None = None):
+async def build_server(
+    config: RouterConfig,
+    router: Router,
+    port: int | None = None,
+    draining: asyncio.Event | None = None,
+    authenticator: Authenticator | None = None,
+):
     """Returns (server, bound_port, health servicer); the server is started.
     Once `draining` is set, each stream ends as soon as nothing is in flight on it."""
     # The transport takes up to 4x the limit so that on a stream one oversized
@@ -160,16 +185,29 @@ async def build_server(config: RouterConfig, router: Router, port: int | None = 
     decoder = RequestDecoder(router.limits)
     largest = max(config.max_request_bytes, config.stream_message_bytes)
     budget = ByteBudget("router", config.budget_bytes)
-    server = serving.new_server("router", min(4 * largest, 2**31 - 1), config.max_concurrent_rpcs,
-                                max_request_bytes=config.max_request_bytes, reuse_port=config.reuse_port,
-                                limits=config, data_methods=DATA_METHODS, budget=budget,
-                                max_stream_message_bytes=config.stream_message_bytes,
-                                decoders={"ModelInfer": decoder, "ModelStreamInfer": decoder})
-    servicer = InferenceServicer(router, config.max_stream_inflight, config.stream_message_bytes, draining,
-                                 authenticator, budget, config.stream_idle_timeout_s or None)
+    server = serving.new_server(
+        "router",
+        min(4 * largest, 2**31 - 1),
+        config.max_concurrent_rpcs,
+        max_request_bytes=config.max_request_bytes,
+        reuse_port=config.reuse_port,
+        limits=config,
+        data_methods=DATA_METHODS,
+        budget=budget,
+        max_stream_message_bytes=config.stream_message_bytes,
+        decoders={"ModelInfer": decoder, "ModelStreamInfer": decoder},
+    )
+    servicer = InferenceServicer(
+        router,
+        config.max_stream_inflight,
+        config.stream_message_bytes,
+        draining,
+        authenticator,
+        budget,
+        config.stream_idle_timeout_s or None,
+    )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
-    bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}",
-                     tls.server_credentials(config))
+    bound = tls.bind(server, f"{config.host}:{config.port if port is None else port}", tls.server_credentials(config))
     await server.start()
     return server, bound, health

@@ -41,9 +41,12 @@ def settings_from(config) -> Settings:
     now, and one that cannot be used raises RegistryError naming the file."""
     registry = identity.Registry.load(config.tenants_file) if config.tenants_file else None
     if registry is not None:
-        log.info("tenant registry %s: %d tenant(s); anonymous callers %s", config.tenants_file,
-                 len(registry.tenants), "refused" if registry.anonymous is None else
-                 f"run as {registry.anonymous.tier.label}")
+        log.info(
+            "tenant registry %s: %d tenant(s); anonymous callers %s",
+            config.tenants_file,
+            len(registry.tenants),
+            "refused" if registry.anonymous is None else f"run as {registry.anonymous.tier.label}",
+        )
     elif config.trust_tier_header:
         log.warning("trust_tier_header is on: every caller gets the tier it claims")
     return Settings(registry, config.trust_tier_header, config.trust_sidecar_identity, config.jwt_tenant_header)
@@ -64,19 +67,21 @@ class Authenticator:
         names = sorted(registry.tenants) if registry else []
         self._labels = {name: name for name in names[:LABELLED_TENANTS]} | {identity.ANONYMOUS: identity.ANONYMOUS}
 
-    def caller(self, metadata: dict[str, str], certificate: tuple[str, ...] = (),
-               raw: tuple = ()) -> identity.Tenant:
+    def caller(self, metadata: dict[str, str], certificate: tuple[str, ...] = (), raw: tuple = ()) -> identity.Tenant:
         """The tenant of a call (or UNAUTHENTICATED); `raw` is the call's metadata
         as sent (pairs), where an identity header may be repeated."""
         if self._settings.trust_tier_header:
             return self._legacy
         try:
-            credentials = identity.Credentials(bearer=identity.bearer_of(metadata), certificate=certificate,
-                                               **self._sidecar(metadata, raw))
+            credentials = identity.Credentials(
+                bearer=identity.bearer_of(metadata), certificate=certificate, **self._sidecar(metadata, raw)
+            )
             if self._registry is None:
                 if credentials != identity.Credentials():
-                    raise errors.Unauthenticated("this router has no tenant registry (--tenants-file): it cannot "
-                                                 "verify credentials; call it without them, as a standard caller")
+                    raise errors.Unauthenticated(
+                        "this router has no tenant registry (--tenants-file): it cannot "
+                        "verify credentials; call it without them, as a standard caller"
+                    )
                 return self._fallback
             return self._registry.authenticate(credentials)
         except errors.Unauthenticated:
@@ -93,8 +98,9 @@ class Authenticator:
         for name in (XFCC_HEADER, self._settings.jwt_tenant_header):
             count = sum(1 for key, _ in raw if key == name)
             if count > 1:
-                raise errors.Unauthenticated(f"identity header '{name}' appears {count} times; the sidecar writes "
-                                             "it once")
+                raise errors.Unauthenticated(
+                    f"identity header '{name}' appears {count} times; the sidecar writes it once"
+                )
         found = {}
         forwarded = metadata.get(XFCC_HEADER)
         if forwarded:
@@ -123,6 +129,7 @@ class Authenticator:
 async def follow_registry(path: str, authenticator: Authenticator, poll_s: float = 2.0) -> None:
     """Reads the registry file again whenever it changes (meshctl tenants add);
     a file that cannot be used is logged and the last good registry stays."""
+
     def stamp():
         try:
             found = os.stat(path)
@@ -176,4 +183,5 @@ class RateLimiter:
         raise errors.ResourceExhausted(
             f"tenant '{tenant.name}' is over its rate of {tenant.rate_per_s:g} rows a second (burst "
             f"{tenant.burst:g}); this request has {rows} row(s); retry after about {retry_ms} ms",
-            retry_after_ms=retry_ms)
+            retry_after_ms=retry_ms,
+        )

@@ -94,8 +94,10 @@ REQUIRED_FILES = (
 TP_DEGREES = (2, 4)
 # Sources that shape the repository, a change to any of which rebuilds it: this package, and the
 # model server's shard-set reader (its manifest names, and it runs the sets the build verifies).
-BUILDER_SOURCES = (*sorted(Path(__file__).parent.glob("*.py")),
-                   Path(__file__).resolve().parents[2] / "services" / "model_server" / "shards.py")
+BUILDER_SOURCES = (
+    *sorted(Path(__file__).parent.glob("*.py")),
+    Path(__file__).resolve().parents[2] / "services" / "model_server" / "shards.py",
+)
 STAMP = ".stamp"
 
 VERIFY_TEXTS = [
@@ -107,8 +109,7 @@ VERIFY_TEXTS = [
     # Distinct sentences (not one phrase repeated) so that truncating at the
     # wrong length would actually move the mean-pooled embedding.
     " ".join(
-        f"Request {i} reaches replica {i % 7} of the mesh after {i * 3} milliseconds in the queue."
-        for i in range(40)
+        f"Request {i} reaches replica {i % 7} of the mesh after {i * 3} milliseconds in the queue." for i in range(40)
     ),
 ]
 
@@ -404,7 +405,9 @@ def _verify_minilm(model_dir: Path) -> tuple[float, float]:
             )
         lengths.append(len(ours))
     if max(lengths) != MAX_LENGTH:
-        raise VerificationError(f"long verification text gave {max(lengths)} tokens, expected truncation at {MAX_LENGTH}")
+        raise VerificationError(
+            f"long verification text gave {max(lengths)} tokens, expected truncation at {MAX_LENGTH}"
+        )
 
     sess = _session(model_dir / "model.onnx")
     got_in = [i.name for i in sess.get_inputs()]
@@ -422,7 +425,9 @@ def _verify_minilm(model_dir: Path) -> tuple[float, float]:
     worst = worst_abs = 0.0
     for label, got in (("batched", batched), ("single", single)):
         if got.shape != (len(texts), EMBED_DIM) or got.dtype != np.float32:
-            raise VerificationError(f"minilm {label} output is {got.dtype}{list(got.shape)}, expected float32[{len(texts)}, {EMBED_DIM}]")
+            raise VerificationError(
+                f"minilm {label} output is {got.dtype}{list(got.shape)}, expected float32[{len(texts)}, {EMBED_DIM}]"
+            )
         cos = _cosines(got, ref)
         for i, c in enumerate(cos):
             if not c >= COSINE_MIN:
@@ -627,7 +632,9 @@ def build(out: Path, stamp: dict[str, str]) -> None:
         _export_minilm(minilm)
         _write_tokenizer(minilm)
         _write_json(tmp / "minilm" / "config.json", MINILM_CONFIG)
-        _say(f"      minilm/1/model.onnx {_size(minilm / 'model.onnx')}, tokenizer.json {_size(minilm / 'tokenizer.json')} ({time.monotonic() - t:.1f}s)")
+        _say(
+            f"      minilm/1/model.onnx {_size(minilm / 'model.onnx')}, tokenizer.json {_size(minilm / 'tokenizer.json')} ({time.monotonic() - t:.1f}s)"
+        )
 
         t = time.monotonic()
         _say("[2/8] exporting mlp to ONNX ...")
@@ -638,7 +645,9 @@ def build(out: Path, stamp: dict[str, str]) -> None:
         _say(f"      mlp/1/model.onnx {_size(mlp / 'model.onnx')} ({time.monotonic() - t:.1f}s)")
 
         t = time.monotonic()
-        _say(f"[3/8] verifying minilm against sentence-transformers ({len(VERIFY_TEXTS)} texts, batched and single) ...")
+        _say(
+            f"[3/8] verifying minilm against sentence-transformers ({len(VERIFY_TEXTS)} texts, batched and single) ..."
+        )
         dev, diff = _verify_minilm(minilm)
         _say(f"      ok: 1 - cosine <= {dev:.1e}, max abs diff {diff:.1e} ({time.monotonic() - t:.1f}s)")
 
@@ -656,24 +665,32 @@ def build(out: Path, stamp: dict[str, str]) -> None:
         variants.quantize_minilm(minilm / "model.onnx", v2 / "model.onnx")
         shutil.copyfile(minilm / "tokenizer.json", v2 / "tokenizer.json")
         worst = _verify_v2(v2)
-        _say(f"      minilm/2/model.onnx {_size(v2 / 'model.onnx')}; cosine to sentence-transformers >= {worst:.4f} "
-             f"(need {MINILM_GOLDEN_MIN}) ({time.monotonic() - t:.1f}s)")
+        _say(
+            f"      minilm/2/model.onnx {_size(v2 / 'model.onnx')}; cosine to sentence-transformers >= {worst:.4f} "
+            f"(need {MINILM_GOLDEN_MIN}) ({time.monotonic() - t:.1f}s)"
+        )
 
         t = time.monotonic()
         train, heldout = variants.corpus()
-        _say(f"[6/8] distilling minilm-lite from minilm ({len(train)} training sentences from the standard "
-             f"library's docs; {len(heldout)} more held out) ...")
+        _say(
+            f"[6/8] distilling minilm-lite from minilm ({len(train)} training sentences from the standard "
+            f"library's docs; {len(heldout)} more held out) ..."
+        )
         lite = tmp / "minilm-lite" / "1"
         lite.mkdir(parents=True)
         table, projection = variants.fit_lite(minilm / "model.onnx", minilm / "tokenizer.json", train)
         variants.write_lite_graph(table, projection, lite / "model.onnx", opset=OPSET)
         shutil.copyfile(minilm / "tokenizer.json", lite / "tokenizer.json")
         _write_json(tmp / "minilm-lite" / "config.json", LITE_CONFIG)
-        _say(f"      minilm-lite/1/model.onnx {_size(lite / 'model.onnx')}, "
-             f"{variants.parameter_count(lite / 'model.onnx') / 1e6:.2f}M parameters ({time.monotonic() - t:.1f}s)")
+        _say(
+            f"      minilm-lite/1/model.onnx {_size(lite / 'model.onnx')}, "
+            f"{variants.parameter_count(lite / 'model.onnx') / 1e6:.2f}M parameters ({time.monotonic() - t:.1f}s)"
+        )
 
         t = time.monotonic()
-        _say(f"[7/8] writing golden probes ({len(GOLDEN_TEXTS)} texts, mlp {MLP_GOLDEN_ROWS} rows) and checking every model ...")
+        _say(
+            f"[7/8] writing golden probes ({len(GOLDEN_TEXTS)} texts, mlp {MLP_GOLDEN_ROWS} rows) and checking every model ..."
+        )
         text_golden = variants.text_golden(GOLDEN_TEXTS, reference_embeddings(GOLDEN_TEXTS))
         _write_json(tmp / "minilm" / GOLDEN_FILE, text_golden)
         _write_json(tmp / "minilm-lite" / GOLDEN_FILE, text_golden)
@@ -683,16 +700,20 @@ def build(out: Path, stamp: dict[str, str]) -> None:
         v2_min = _check_probe("minilm v2", v2, text_golden, MINILM_GOLDEN_MIN)
         lite_min = _check_probe("minilm-lite", lite, text_golden, LITE_GOLDEN_MIN)
         mlp_diff = _check_mlp_probe(mlp, mlp_golden)
-        _say(f"      ok: worst cosine minilm v1 {v1_min:.4f}, v2 {v2_min:.4f} (need {MINILM_GOLDEN_MIN}), "
-             f"minilm-lite {lite_min:.4f} (need {LITE_GOLDEN_MIN}); mlp max abs diff {mlp_diff:.1e} "
-             f"({time.monotonic() - t:.1f}s)")
+        _say(
+            f"      ok: worst cosine minilm v1 {v1_min:.4f}, v2 {v2_min:.4f} (need {MINILM_GOLDEN_MIN}), "
+            f"minilm-lite {lite_min:.4f} (need {LITE_GOLDEN_MIN}); mlp max abs diff {mlp_diff:.1e} "
+            f"({time.monotonic() - t:.1f}s)"
+        )
 
         t = time.monotonic()
         _say(f"[8/8] building minilm's tensor-parallel shard sets (degrees {', '.join(map(str, TP_DEGREES))}) ...")
         for degree in TP_DEGREES:
             shares, diff = _build_shards(minilm, degree)
-            _say(f"      minilm/1/tp{degree}: weights per shard {' / '.join(f'{b / 1e6:.1f}' for b in shares)} MB, "
-                 f"max abs diff from the whole model {diff:.1e}")
+            _say(
+                f"      minilm/1/tp{degree}: weights per shard {' / '.join(f'{b / 1e6:.1f}' for b in shares)} MB, "
+                f"max abs diff from the whole model {diff:.1e}"
+            )
         _say(f"      ok ({time.monotonic() - t:.1f}s)")
 
         # The stamp goes in last, and only into a fully verified tree.

@@ -64,9 +64,13 @@ class BertShape:
 
 
 def bert_shape(weights: dict[str, np.ndarray], config: dict) -> BertShape:
-    return BertShape(hidden=config["hidden_size"], heads=config["num_attention_heads"],
-                     layers=config["num_hidden_layers"], intermediate=config["intermediate_size"],
-                     vocab=weights["embeddings.word_embeddings.weight"].shape[0])
+    return BertShape(
+        hidden=config["hidden_size"],
+        heads=config["num_attention_heads"],
+        layers=config["num_hidden_layers"],
+        intermediate=config["intermediate_size"],
+        vocab=weights["embeddings.word_embeddings.weight"].shape[0],
+    )
 
 
 # ---------------------------------------------------------------- graph building
@@ -108,15 +112,23 @@ class _Graph:
         return self.op("Add", y, self.const(f"{hint}_b", bias.astype(np.float32)), hint=hint) if bias is not None else y
 
     def layer_norm(self, x: str, weight: np.ndarray, bias: np.ndarray, hint: str) -> str:
-        return self.op("LayerNormalization", x, self.const(f"{hint}_g", weight), self.const(f"{hint}_b", bias),
-                       hint=hint, axis=-1, epsilon=LN_EPS)
+        return self.op(
+            "LayerNormalization",
+            x,
+            self.const(f"{hint}_g", weight),
+            self.const(f"{hint}_b", bias),
+            hint=hint,
+            axis=-1,
+            epsilon=LN_EPS,
+        )
 
     def model(self):
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.inits)
         # IR version 8 is what opset 18 needs; newer onnx packages default to an
         # IR version that older ONNX Runtime builds refuse.
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=8,
-                                 producer_name="infermesh-shards")
+        return helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=8, producer_name="infermesh-shards"
+        )
 
 
 def _hidden_inputs(g: _Graph, hidden: int, with_residual: bool = True) -> tuple[str, str | None]:
@@ -140,24 +152,39 @@ def _embed_segment(w: dict, shape: BertShape, degree: int, shard: int):
     rows = -(-shape.vocab // degree)  # vocabulary padded up to a multiple of the degree
     start = shard * rows
     table = np.zeros((rows, shape.hidden), dtype=np.float32)
-    held = w["embeddings.word_embeddings.weight"][start:start + rows]
+    held = w["embeddings.word_embeddings.weight"][start : start + rows]
     table[: len(held)] = held
     local = g.op("Sub", ids, g.const("start", np.array(start, dtype=np.int64)))
-    inside = g.op("And", g.op("GreaterOrEqual", local, g.const("zero", np.array(0, dtype=np.int64))),
-                  g.op("Less", local, g.const("rows", np.array(rows, dtype=np.int64))))
-    clipped = g.op("Clip", local, g.const("lo", np.array(0, dtype=np.int64)),
-                   g.const("hi", np.array(rows - 1, dtype=np.int64)))
+    inside = g.op(
+        "And",
+        g.op("GreaterOrEqual", local, g.const("zero", np.array(0, dtype=np.int64))),
+        g.op("Less", local, g.const("rows", np.array(rows, dtype=np.int64))),
+    )
+    clipped = g.op(
+        "Clip", local, g.const("lo", np.array(0, dtype=np.int64)), g.const("hi", np.array(rows - 1, dtype=np.int64))
+    )
     looked_up = g.op("Gather", g.const("word_embeddings", table), clipped, axis=0)
-    keep = g.op("Unsqueeze", g.op("Cast", inside, to=TensorProto.FLOAT), g.const("axis", np.array([-1], dtype=np.int64)))
+    keep = g.op(
+        "Unsqueeze", g.op("Cast", inside, to=TensorProto.FLOAT), g.const("axis", np.array([-1], dtype=np.int64))
+    )
     partial = g.op("Mul", looked_up, keep)
     if shard == 0:  # position and token-type embeddings are added once, by shard 0
         seq = g.op("Shape", ids, start=1, end=2)
-        positions = g.op("Slice", g.const("position_embeddings", w["embeddings.position_embeddings.weight"]),
-                         g.const("p0", np.array([0], dtype=np.int64)), seq, g.const("axis0", np.array([0], np.int64)))
+        positions = g.op(
+            "Slice",
+            g.const("position_embeddings", w["embeddings.position_embeddings.weight"]),
+            g.const("p0", np.array([0], dtype=np.int64)),
+            seq,
+            g.const("axis0", np.array([0], np.int64)),
+        )
         partial = g.op("Add", partial, positions)
-        partial = g.op("Add", partial, g.op("Gather", g.const("token_type_embeddings",
-                                                                  w["embeddings.token_type_embeddings.weight"]),
-                                            types, axis=0))
+        partial = g.op(
+            "Add",
+            partial,
+            g.op(
+                "Gather", g.const("token_type_embeddings", w["embeddings.token_type_embeddings.weight"]), types, axis=0
+            ),
+        )
     g.output("partial", partial, TensorProto.FLOAT, ["batch", "seq", shape.hidden])
     return g.model()
 
@@ -182,8 +209,11 @@ def _attn_segment(w: dict, shape: BertShape, degree: int, shard: int, layer: int
     q, k, v = project("query", [0, 2, 1, 3]), project("key", [0, 2, 3, 1]), project("value", [0, 2, 1, 3])
     scores = g.op("Mul", g.op("MatMul", q, k), g.const("scale", np.array(1 / np.sqrt(shape.head_dim), np.float32)))
     keep = g.op("Cast", mask, to=TensorProto.FLOAT)
-    bias = g.op("Mul", g.op("Sub", g.const("one", np.array(1, np.float32)), keep),
-                g.const("min", np.array(MASK_MIN, np.float32)))
+    bias = g.op(
+        "Mul",
+        g.op("Sub", g.const("one", np.array(1, np.float32)), keep),
+        g.const("min", np.array(MASK_MIN, np.float32)),
+    )
     bias = g.op("Unsqueeze", bias, g.const("axes", np.array([1, 2], dtype=np.int64)))
     probs = g.op("Softmax", g.op("Add", scores, bias), axis=-1)
     context = g.op("Transpose", g.op("MatMul", probs, v), perm=[0, 2, 1, 3])
@@ -204,8 +234,11 @@ def _ffn_segment(w: dict, shape: BertShape, degree: int, shard: int, layer: int)
     up = g.linear(y, w[f"{prefix}.intermediate.dense.weight"][rows], w[f"{prefix}.intermediate.dense.bias"][rows], "up")
     # BERT's exact GELU: 0.5 x (1 + erf(x / sqrt 2)).
     erf = g.op("Erf", g.op("Mul", up, g.const("inv_sqrt2", np.array(1 / np.sqrt(2), np.float32))))
-    gelu = g.op("Mul", g.op("Mul", up, g.const("half", np.array(0.5, np.float32))),
-                g.op("Add", erf, g.const("one", np.array(1, np.float32))))
+    gelu = g.op(
+        "Mul",
+        g.op("Mul", up, g.const("half", np.array(0.5, np.float32))),
+        g.op("Add", erf, g.const("one", np.array(1, np.float32))),
+    )
     partial = g.linear(gelu, w[f"{prefix}.output.dense.weight"][:, rows], None, "down")
     g.output("hidden", y, TensorProto.FLOAT, ["batch", "seq", shape.hidden])
     g.output("partial", partial, TensorProto.FLOAT, ["batch", "seq", shape.hidden])
@@ -235,8 +268,9 @@ def segment_names(shape: BertShape) -> list[str]:
     return ["embed", *[f"{part}{layer}" for layer in range(shape.layers) for part in ("attn", "ffn")], "pool"]
 
 
-def build(weights: dict[str, np.ndarray], config: dict, degree: int, out: pathlib.Path,
-          progress=lambda message: None) -> dict:
+def build(
+    weights: dict[str, np.ndarray], config: dict, degree: int, out: pathlib.Path, progress=lambda message: None
+) -> dict:
     """Writes the shard set for `degree` into out/ (shard{i}/NN_segment.onnx and
     manifest.json); returns the manifest."""
     shape = bert_shape(weights, config)
@@ -264,10 +298,23 @@ def build(weights: dict[str, np.ndarray], config: dict, degree: int, out: pathli
             data = model.SerializeToString()
             path.write_bytes(data)
             params = sum(int(np.prod(t.dims)) for t in model.graph.initializer)
-            files.append({"segment": name, "file": str(path.relative_to(out)), "bytes": len(data),
-                          "parameters": params, "sha256": hashlib.sha256(data).hexdigest()})
-        shards.append({"index": shard, "files": files, "parameters": sum(f["parameters"] for f in files),
-                       "bytes": sum(f["bytes"] for f in files)})
+            files.append(
+                {
+                    "segment": name,
+                    "file": str(path.relative_to(out)),
+                    "bytes": len(data),
+                    "parameters": params,
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                }
+            )
+        shards.append(
+            {
+                "index": shard,
+                "files": files,
+                "parameters": sum(f["parameters"] for f in files),
+                "bytes": sum(f["bytes"] for f in files),
+            }
+        )
         progress(f"shard {shard + 1}/{degree}: {len(files)} segments, {shards[-1]['bytes'] / 1e6:.1f} MB")
     manifest = {
         "format": FORMAT,
@@ -297,8 +344,10 @@ def minilm_weights() -> tuple[dict[str, np.ndarray], dict]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m tools.build_models.shards",
-                                     description="Build minilm's tensor-parallel shard set for one degree.")
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.build_models.shards",
+        description="Build minilm's tensor-parallel shard set for one degree.",
+    )
     parser.add_argument("--degree", type=int, required=True)
     parser.add_argument("--out", type=pathlib.Path, required=True, help="e.g. build/models/minilm/1/tp2")
     args = parser.parse_args(argv)

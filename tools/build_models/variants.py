@@ -104,7 +104,7 @@ def embed(sess, tok, texts: list[str], batch: int = 32) -> numpy.ndarray:
     wanted = {i.name for i in sess.get_inputs()}
     out = [np.zeros((0, EMBED_DIM), dtype=np.float32)]
     for start in range(0, len(texts), batch):
-        encs = tok.encode_batch(texts[start:start + batch])
+        encs = tok.encode_batch(texts[start : start + batch])
         feeds = {
             "input_ids": np.array([e.ids for e in encs], dtype=np.int64),
             "attention_mask": np.array([e.attention_mask for e in encs], dtype=np.int64),
@@ -217,8 +217,9 @@ def _zipf_weights(vocab_size: int, first_word_id: int):
     return np.log1p(rank)[:, None]
 
 
-def fit_lite(teacher: Path, tokenizer_path: Path, train: list[str], dim: int = LITE_DIM,
-             epochs: int = 10, lr: float = 3e-3) -> tuple[numpy.ndarray, numpy.ndarray]:
+def fit_lite(
+    teacher: Path, tokenizer_path: Path, train: list[str], dim: int = LITE_DIM, epochs: int = 10, lr: float = 3e-3
+) -> tuple[numpy.ndarray, numpy.ndarray]:
     """minilm-lite's weights (token table [vocab, dim], projection [dim, 384]), distilled from
     minilm (the graph at `teacher`) in three steps, Model2Vec-style:
     1. embed every vocabulary token alone with minilm and reduce the 384-d vectors by PCA;
@@ -263,7 +264,7 @@ def fit_lite(teacher: Path, tokenizer_path: Path, train: list[str], dim: int = L
         for _ in range(epochs):
             perm = torch.randperm(len(rows), generator=gen).tolist()
             for start in range(0, len(perm), 64):
-                batch = perm[start:start + 64]
+                batch = perm[start : start + 64]
                 flat = torch.cat([rows[i] for i in batch])
                 offsets = torch.tensor([0] + [len(rows[i]) for i in batch[:-1]]).cumsum(0)
                 out = proj(bag(flat, offsets))
@@ -308,7 +309,10 @@ def write_lite_graph(table, projection, path: Path, opset: int = 18) -> None:
     graph = helper.make_graph(
         nodes,
         "minilm_lite",
-        [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in ("input_ids", "attention_mask")],
+        [
+            helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"])
+            for n in ("input_ids", "attention_mask")
+        ],
         [helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, ["batch", EMBED_DIM])],
         inits,
     )
@@ -328,8 +332,14 @@ def text_golden(texts: list[str], expected) -> dict:
     expected = np.asarray(expected, dtype=np.float32)
     return {
         "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [len(texts)], "data": list(texts)}],
-        "outputs": [{"name": "EMBEDDING", "datatype": "FP32", "shape": list(expected.shape),
-                     "data": [float(x) for x in expected.reshape(-1)]}],
+        "outputs": [
+            {
+                "name": "EMBEDDING",
+                "datatype": "FP32",
+                "shape": list(expected.shape),
+                "data": [float(x) for x in expected.reshape(-1)],
+            }
+        ],
     }
 
 

@@ -24,16 +24,57 @@ then both count only towards consecutiveLocalOriginFailures (default 5).
 
 from services.common.traffic.balancing import OVERPROVISIONING_PERCENT
 from services.common.traffic.fields import PolicyError, parse_duration
-from services.common.traffic.outlier import (GATEWAY_ERRORS, HTTP_STATUS_OF_GRPC, MAX_EJECTION_TIME_S, OutlierDetector,
-                                             OutlierPolicy)
-from services.common.traffic.policy import (Destination, DestinationRule, HeaderMatch, PolicyFiles, Route,
-                                            VirtualService, describe, load_policy_files, parse_destination_rule,
-                                            parse_virtual_service)
-from services.common.traffic.retries import (BACKOFF_BASE_S, GRPC_RETRY_ON, HTTP_RETRY_ON, ISTIO_DEFAULT_RETRIES,
-                                             RetryPolicy, backoff_s)
+from services.common.traffic.outlier import (
+    GATEWAY_ERRORS,
+    HTTP_STATUS_OF_GRPC,
+    MAX_EJECTION_TIME_S,
+    OutlierDetector,
+    OutlierPolicy,
+)
+from services.common.traffic.policy import (
+    Destination,
+    DestinationRule,
+    HeaderMatch,
+    PolicyFiles,
+    Route,
+    VirtualService,
+    describe,
+    load_policy_files,
+    parse_destination_rule,
+    parse_virtual_service,
+)
+from services.common.traffic.retries import (
+    BACKOFF_BASE_S,
+    GRPC_RETRY_ON,
+    HTTP_RETRY_ON,
+    ISTIO_DEFAULT_RETRIES,
+    RetryPolicy,
+    backoff_s,
+)
 
-__all__ = ["BACKOFF_BASE_S", "GATEWAY_ERRORS", "GRPC_RETRY_ON", "HTTP_RETRY_ON", "HTTP_STATUS_OF_GRPC",
-           "ISTIO_DEFAULT_RETRIES", "MAX_EJECTION_TIME_S", "OVERPROVISIONING_PERCENT", "Destination",
-           "DestinationRule", "HeaderMatch", "OutlierDetector", "OutlierPolicy", "PolicyError", "PolicyFiles",
-           "Route", "RetryPolicy", "VirtualService", "backoff_s", "describe", "load_policy_files",
-           "parse_destination_rule", "parse_duration", "parse_virtual_service"]
+__all__ = [
+    "BACKOFF_BASE_S",
+    "GATEWAY_ERRORS",
+    "GRPC_RETRY_ON",
+    "HTTP_RETRY_ON",
+    "HTTP_STATUS_OF_GRPC",
+    "ISTIO_DEFAULT_RETRIES",
+    "MAX_EJECTION_TIME_S",
+    "OVERPROVISIONING_PERCENT",
+    "Destination",
+    "DestinationRule",
+    "HeaderMatch",
+    "OutlierDetector",
+    "OutlierPolicy",
+    "PolicyError",
+    "PolicyFiles",
+    "RetryPolicy",
+    "Route",
+    "VirtualService",
+    "backoff_s",
+    "describe",
+    "load_policy_files",
+    "parse_destination_rule",
+    "parse_duration",
+    "parse_virtual_service",
+]

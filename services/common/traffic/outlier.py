@@ -10,10 +10,23 @@ import math
 from services.common.traffic import balancing, fields
 
 HTTP_STATUS_OF_GRPC = {
-    "OK": 200, "CANCELLED": 499, "UNKNOWN": 500, "INVALID_ARGUMENT": 400, "DEADLINE_EXCEEDED": 504,
-    "NOT_FOUND": 404, "ALREADY_EXISTS": 409, "PERMISSION_DENIED": 403, "RESOURCE_EXHAUSTED": 429,
-    "FAILED_PRECONDITION": 400, "ABORTED": 409, "OUT_OF_RANGE": 400, "UNIMPLEMENTED": 501, "INTERNAL": 500,
-    "UNAVAILABLE": 503, "DATA_LOSS": 500, "UNAUTHENTICATED": 401,
+    "OK": 200,
+    "CANCELLED": 499,
+    "UNKNOWN": 500,
+    "INVALID_ARGUMENT": 400,
+    "DEADLINE_EXCEEDED": 504,
+    "NOT_FOUND": 404,
+    "ALREADY_EXISTS": 409,
+    "PERMISSION_DENIED": 403,
+    "RESOURCE_EXHAUSTED": 429,
+    "FAILED_PRECONDITION": 400,
+    "ABORTED": 409,
+    "OUT_OF_RANGE": 400,
+    "UNIMPLEMENTED": 501,
+    "INTERNAL": 500,
+    "UNAVAILABLE": 503,
+    "DATA_LOSS": 500,
+    "UNAUTHENTICATED": 401,
 }
 GATEWAY_ERRORS = frozenset({502, 503, 504})
 MAX_EJECTION_TIME_S = 300.0  # Envoy's max_ejection_time default
@@ -43,9 +56,16 @@ UNSUPPORTED_OUTLIER_FIELDS = {
     "failurePercentageThreshold": "failure-percentage ejection is not implemented outside Kubernetes",
     "outlierDetectionHttpErrorCodes": "only Envoy's 5xx and gateway-error classes of gRPC statuses are implemented",
 }
-OUTLIER_FIELDS = ("consecutive5xxErrors", "consecutiveGatewayErrors", "splitExternalLocalOriginErrors",
-                  "consecutiveLocalOriginFailures", "interval", "baseEjectionTime", "maxEjectionPercent",
-                  "minHealthPercent")
+OUTLIER_FIELDS = (
+    "consecutive5xxErrors",
+    "consecutiveGatewayErrors",
+    "splitExternalLocalOriginErrors",
+    "consecutiveLocalOriginFailures",
+    "interval",
+    "baseEjectionTime",
+    "maxEjectionPercent",
+    "minHealthPercent",
+)
 
 
 def from_traffic_policy(policy, at: str) -> OutlierPolicy | None:
@@ -54,8 +74,10 @@ def from_traffic_policy(policy, at: str) -> OutlierPolicy | None:
     policy = fields.mapping(policy or {}, at)
     for i, port in enumerate(fields.sequence(policy.get("portLevelSettings", []) or [], f"{at}.portLevelSettings")):
         if "outlierDetection" in fields.mapping(port, f"{at}.portLevelSettings[{i}]"):
-            raise fields.PolicyError(f"{at}.portLevelSettings[{i}]: outlierDetection per port is not supported outside "
-                              "Kubernetes; set it in trafficPolicy.outlierDetection")
+            raise fields.PolicyError(
+                f"{at}.portLevelSettings[{i}]: outlierDetection per port is not supported outside "
+                "Kubernetes; set it in trafficPolicy.outlierDetection"
+            )
     detection = policy.get("outlierDetection")
     return None if detection is None else parse(detection, f"{at}.outlierDetection")
 
@@ -64,8 +86,10 @@ def parse(detection, at: str) -> OutlierPolicy:
     fields.mapping(detection, at)
     unsupported = sorted(set(detection) & set(UNSUPPORTED_OUTLIER_FIELDS))
     if unsupported:
-        raise fields.PolicyError(f"{at}: not supported outside Kubernetes: "
-                          + "; ".join(f"'{key}' ({UNSUPPORTED_OUTLIER_FIELDS[key]})" for key in unsupported))
+        raise fields.PolicyError(
+            f"{at}: not supported outside Kubernetes: "
+            + "; ".join(f"'{key}' ({UNSUPPORTED_OUTLIER_FIELDS[key]})" for key in unsupported)
+        )
     unknown = sorted(set(detection) - set(OUTLIER_FIELDS))
     if unknown:
         raise fields.PolicyError(f"{at}: unknown field(s) {unknown}; Istio's are {sorted(OUTLIER_FIELDS)}")
@@ -88,14 +112,20 @@ def parse(detection, at: str) -> OutlierPolicy:
     if not isinstance(local, int) or isinstance(local, bool) or local < 0:
         raise fields.PolicyError(f"{at}: field 'consecutiveLocalOriginFailures' must be an integer >= 0, got {local!r}")
     if "consecutiveLocalOriginFailures" in detection and local and not split:
-        raise fields.PolicyError(f"{at}: 'consecutiveLocalOriginFailures' needs 'splitExternalLocalOriginErrors: true' "
-                          "(Istio refuses it otherwise)")
+        raise fields.PolicyError(
+            f"{at}: 'consecutiveLocalOriginFailures' needs 'splitExternalLocalOriginErrors: true' "
+            "(Istio refuses it otherwise)"
+        )
     return OutlierPolicy(
-        consecutive_5xx=counts["consecutive5xxErrors"], consecutive_gateway=counts["consecutiveGatewayErrors"],
+        consecutive_5xx=counts["consecutive5xxErrors"],
+        consecutive_gateway=counts["consecutiveGatewayErrors"],
         interval_s=fields.parse_duration(detection.get("interval", "10s"), f"{at}.interval"),
         base_ejection_s=fields.parse_duration(detection.get("baseEjectionTime", "30s"), f"{at}.baseEjectionTime"),
-        max_ejection_percent=percents["maxEjectionPercent"], split_local_origin=split,
-        consecutive_local_origin=local, min_health_percent=percents["minHealthPercent"])
+        max_ejection_percent=percents["maxEjectionPercent"],
+        split_local_origin=split,
+        consecutive_local_origin=local,
+        min_health_percent=percents["minHealthPercent"],
+    )
 
 
 @dataclasses.dataclass
@@ -166,8 +196,11 @@ class OutlierDetector:
         policy = self.policy
         if local_origin and policy.split_local_origin:
             state.consecutive_local += 1
-            if (state.ejected_at is None and policy.consecutive_local_origin
-                    and state.consecutive_local >= policy.consecutive_local_origin):
+            if (
+                state.ejected_at is None
+                and policy.consecutive_local_origin
+                and state.consecutive_local >= policy.consecutive_local_origin
+            ):
                 state.consecutive_local = 0
                 return self._eject(state, now)
             return False
@@ -181,8 +214,9 @@ class OutlierDetector:
         state.consecutive_gateway = state.consecutive_gateway + 1 if status in GATEWAY_ERRORS else 0
         if state.ejected_at is not None:
             return False
-        if ((policy.consecutive_5xx and state.consecutive_5xx >= policy.consecutive_5xx)
-                or (policy.consecutive_gateway and state.consecutive_gateway >= policy.consecutive_gateway)):
+        if (policy.consecutive_5xx and state.consecutive_5xx >= policy.consecutive_5xx) or (
+            policy.consecutive_gateway and state.consecutive_gateway >= policy.consecutive_gateway
+        ):
             state.consecutive_5xx = state.consecutive_gateway = 0
             return self._eject(state, now)
         return False

@@ -15,6 +15,7 @@ from services.common.traffic.fields import PolicyError
 from services.common.traffic.outlier import OutlierPolicy, from_traffic_policy
 from services.common.traffic.retries import RetryPolicy
 
+
 @dataclasses.dataclass(frozen=True)
 class HeaderMatch:
     name: str
@@ -79,8 +80,10 @@ def parse_virtual_service(doc: dict, where: str) -> VirtualService:
             headers = []
             for header, rule in fields.mapping(match.get("headers") or {}, f"{at}.match[{j}].headers").items():
                 if not isinstance(rule, dict) or len(rule) != 1 or next(iter(rule)) not in ("exact", "prefix", "regex"):
-                    raise PolicyError(f"{at}.match[{j}].headers.{header}: expected one of exact, prefix, regex; got {rule!r}")
-                (kind, value), = rule.items()
+                    raise PolicyError(
+                        f"{at}.match[{j}].headers.{header}: expected one of exact, prefix, regex; got {rule!r}"
+                    )
+                ((kind, value),) = rule.items()
                 if kind == "regex":
                     try:
                         re.compile(value)
@@ -100,13 +103,22 @@ def parse_virtual_service(doc: dict, where: str) -> VirtualService:
                 raise PolicyError(f"{at}.route[{j}]: field 'weight' must be an integer >= 0, got {weight!r}")
             if len(items) == 1:
                 weight = 100  # a lone destination takes all traffic, whatever its weight says
-            destinations.append(Destination(fields.require(dest, "host", str, f"{at}.route[{j}].destination"),
-                                            dest.get("subset", ""), weight))
+            destinations.append(
+                Destination(
+                    fields.require(dest, "host", str, f"{at}.route[{j}].destination"), dest.get("subset", ""), weight
+                )
+            )
         if not any(d.weight for d in destinations):  # only a route of several can get here, as in Istio
             raise PolicyError(f"{at}: the weights of its destinations add up to 0 (an omitted weight is 0)")
-        routes.append(Route(http.get("name", f"http[{i}]"), tuple(blocks), tuple(destinations),
-                            retries.parse_retries(http.get("retries"), f"{at}.retries"),
-                            fields.parse_duration(http["timeout"], f"{at}.timeout") if "timeout" in http else None))
+        routes.append(
+            Route(
+                http.get("name", f"http[{i}]"),
+                tuple(blocks),
+                tuple(destinations),
+                retries.parse_retries(http.get("retries"), f"{at}.retries"),
+                fields.parse_duration(http["timeout"], f"{at}.timeout") if "timeout" in http else None,
+            )
+        )
     return VirtualService(name, hosts, tuple(routes))
 
 
@@ -167,8 +179,10 @@ def load_policy_files(*paths: pathlib.Path) -> tuple[list[VirtualService], list[
             for destination in route.destinations:
                 rule = by_host.get(destination.host)
                 if destination.subset and (rule is None or destination.subset not in rule.subsets):
-                    raise PolicyError(f"VirtualService {service.name} route {route.name} names subset "
-                                      f"{destination.subset!r} of {destination.host}, which no DestinationRule defines")
+                    raise PolicyError(
+                        f"VirtualService {service.name} route {route.name} names subset "
+                        f"{destination.subset!r} of {destination.host}, which no DestinationRule defines"
+                    )
     return services, rules
 
 
@@ -214,5 +228,6 @@ class PolicyFiles:
 
 
 def describe(service: VirtualService) -> str:
-    return "; ".join(f"{r.name}: " + ", ".join(f"{d.subset or d.host}={d.weight}" for d in r.destinations)
-                     for r in service.routes)
+    return "; ".join(
+        f"{r.name}: " + ", ".join(f"{d.subset or d.host}={d.weight}" for d in r.destinations) for r in service.routes
+    )
