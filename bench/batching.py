@@ -308,7 +308,7 @@ def overload(mesh: Mesh, tag: str, saturation: float, seconds: float) -> dict:
     counters = service_counters(mesh)
     result["batch_timeouts"] = counters["batch_timeouts"] - counters_before["batch_timeouts"]
     result["full_gc"] = {
-        role: [now - then for now, then in zip(counts, counters_before["full_gc"][role])]
+        role: [now - then for now, then in zip(counts, counters_before["full_gc"][role], strict=True)]
         for role, counts in counters["full_gc"].items()
     }
     seconds_name = "infermesh_router_request_duration_seconds"
@@ -521,7 +521,7 @@ def markdown(report: dict) -> str:
             + " | ".join(
                 ", ".join(
                     f"× {ratio:.2f} ({_share(steal)})"
-                    for ratio, steal in zip(o["vip_p99_ratio_per_run"], o["steal_per_run"])
+                    for ratio, steal in zip(o["vip_p99_ratio_per_run"], o["steal_per_run"], strict=True)
                 )
                 for o in overloads
             )
@@ -555,7 +555,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
     keys = ["vip_alone_p99_ms", "vip_loaded_p99_ms", "standard_rejected_p99_ms"]
     xs = range(len(labels))
     width = 0.8 / len(LAYOUTS)
-    colors = dict(zip(LAYOUTS, ("#8c8c8c", "#dd8452", "#55a868", "#4c72b0")))
+    colors = dict(zip(LAYOUTS, ("#8c8c8c", "#dd8452", "#55a868", "#4c72b0"), strict=True))
     for i, (layout, color) in enumerate(colors.items()):
         right.bar(
             [x + (i - (len(LAYOUTS) - 1) / 2) * width for x in xs],

@@ -333,7 +333,9 @@ def measure(settings: Settings, runs: int, seed: int | None) -> dict:
                     "budget_mib": results[0]["budget_bytes"][service] / MIB,
                     "baseline_mib": BASELINES[service] / MIB,
                     "idle_rss_mib": spread([r["idle_rss_bytes"][service] / MIB for r in results]),
-                    "under_budget_and_baseline": goal_verdict([b - v for v, b in zip(peaks, bounds)], lambda m: m >= 0),
+                    "under_budget_and_baseline": goal_verdict(
+                        [b - v for v, b in zip(peaks, bounds, strict=True)], lambda m: m >= 0
+                    ),
                     "codes": codes,
                     "probes_failed": sum(p["probes"]["failed"] for p in per_run),
                     "probes_ok": sum(p["probes"]["ok"] for p in per_run),

@@ -104,7 +104,7 @@ def measure_store(cls, values: list[bytes]) -> dict:
     store = cls(path)
     started = time.perf_counter()
     for i in range(0, len(keys), BATCH):
-        store.put_many(list(zip(keys[i : i + BATCH], values[i : i + BATCH])))
+        store.put_many(list(zip(keys[i : i + BATCH], values[i : i + BATCH], strict=True)))
     put_s = time.perf_counter() - started
     order = keys[:]
     random.Random(1).shuffle(order)

@@ -187,7 +187,7 @@ class Accounting:
                 wrong += len(ids)
                 continue
             expected = reference.outputs(model, version, [self.samples[i].input for i in ids])
-            for request_id, want in zip(ids, expected):
+            for request_id, want in zip(ids, expected, strict=True):
                 got = self.samples[request_id].output
                 record = self.records[request_id]
                 record.checked = True

@@ -137,8 +137,8 @@ def summarise(runs: list[dict], capacity: float) -> dict:
         near = [r[kind]["neighbour"]["steady"] for r in runs]
         both = [r[kind]["flooded"]["steady"] for r in runs]
         floods = [r[kind]["flooded"]["flood"] for r in runs]
-        ratios = [b["p99_ms"] / a["p99_ms"] for a, b in zip(alone, both)]
-        over_neighbour = [b["p99_ms"] / n["p99_ms"] for n, b in zip(near, both)]
+        ratios = [b["p99_ms"] / a["p99_ms"] for a, b in zip(alone, both, strict=True)]
+        over_neighbour = [b["p99_ms"] / n["p99_ms"] for n, b in zip(near, both, strict=True)]
         summary[kind] = {
             "alone_p50_ms": spread(a["p50_ms"] for a in alone),
             "alone_p99_ms": spread(a["p99_ms"] for a in alone),
@@ -223,8 +223,8 @@ def plot(report: dict, path: pathlib.Path) -> None:
     for offset, (key, label) in enumerate(bars):
         values = [s[k][key]["median"] for k in MESHES]
         errors = [
-            [v - s[k][key]["min"] for v, k in zip(values, MESHES)],
-            [s[k][key]["max"] - v for v, k in zip(values, MESHES)],
+            [v - s[k][key]["min"] for v, k in zip(values, MESHES, strict=True)],
+            [s[k][key]["max"] - v for v, k in zip(values, MESHES, strict=True)],
         ]
         axis.bar([i + 0.27 * offset for i in x], values, 0.27, yerr=errors, capsize=3, label=label)
     axis.set_xticks([i + 0.27 for i in x], [LABELS[k] for k in MESHES], fontsize=8)

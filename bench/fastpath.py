@@ -191,7 +191,7 @@ def one_run(
             lookups_before = cache_traffic(target)
             measure()
             result[name]["cache_traffic"] = [
-                after - before for after, before in zip(cache_traffic(target), lookups_before)
+                after - before for after, before in zip(cache_traffic(target), lookups_before, strict=True)
             ]
 
         return key, with_cache_traffic

@@ -234,7 +234,7 @@ def summarise_health(rows: list[dict]) -> list[dict]:
                 "goal": goal_verdict(
                     [
                         w if not (r["ServerLive_failed"] + r["Check_failed"]) else float("inf")
-                        for w, r in zip(worst, mine)
+                        for w, r in zip(worst, mine, strict=True)
                     ],
                     lambda v: v < GOAL_P99_MS,
                 ),

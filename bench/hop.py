@@ -160,7 +160,7 @@ def main() -> int:
                 "bare_refused": (bare_address, bare.pid, REFUSE),
                 "router_refused": (mesh.router, router_pid, "no-such-model"),
             }
-            for target, (address, pid, model) in plan.items():  # warm each path once
+            for address, pid, model in plan.values():  # warm each path once
                 measure(address, pid, model, 100, 1)
             runs, orders = [], []
             for run in range(args.runs):

@@ -143,7 +143,7 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path: pathlib.Path) -> None:
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, colour in zip(LAYOUTS, ("#8c8c8c", "#4c72b0")):
+    for name, colour in zip(LAYOUTS, ("#8c8c8c", "#4c72b0"), strict=True):
         s = report["summary"][name]
         left.plot(CALLERS, [s[str(c)]["rps"] for c in CALLERS], marker="o", color=colour, label=name)
         right.plot(CALLERS, [s[str(c)]["p99_ms"] for c in CALLERS], marker="o", color=colour, label=name)

@@ -544,7 +544,7 @@ def summarise(runs: list[dict]) -> dict:
         summary[model] = {}
         for key in cells():
             found = [r[model][key] for r in runs]
-            ratios = [c["rps"] / r[model]["mesh"]["rps"] for c, r in zip(found, runs)]
+            ratios = [c["rps"] / r[model]["mesh"]["rps"] for c, r in zip(found, runs, strict=True)]
             summary[model][key] = {
                 "rps": med(c["rps"] for c in found),
                 "rps_over_mesh": spread(ratios),
@@ -686,7 +686,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
         offset = (i - (len(keys) - 1) / 2) * width
         server, _, layout = key.partition("/")
         hatch = "//" if layout == "split" else None
-        for panel, field in zip(panels, ("rps", "p99_ms", "cpu_us")):
+        for panel, field in zip(panels, ("rps", "p99_ms", "cpu_us"), strict=True):
             bars = panel.bar(
                 x + offset,
                 [s[m][key][field] or 0 for m in MODELS],
@@ -718,6 +718,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
             ("ms", "p99 (bars) and p50 (marks)"),
             ("CPU µs per request", "server CPU per request"),
         ),
+        strict=True,
     ):
         panel.set_xticks(x, MODELS)
         panel.set(ylabel=ylabel, title=title, yscale="log")

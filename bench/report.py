@@ -48,7 +48,7 @@ def steal_share(before: list[int] | None, after: list[int] | None) -> float | No
     the benchmark did not control."""
     if before is None or after is None:
         return None
-    spent = [b - a for a, b in zip(before, after)]
+    spent = [b - a for a, b in zip(before, after, strict=True)]
     return spent[7] / sum(spent) if sum(spent) else 0.0
 
 

@@ -58,7 +58,7 @@ class OtherLoad:
         self._last = (after, ours_after)
         if before is None or after is None:
             return None
-        spent = [b - a for a, b in zip(before, after)]
+        spent = [b - a for a, b in zip(before, after, strict=True)]
         total_s = sum(spent) / os.sysconf("SC_CLK_TCK")
         busy_s = total_s - (spent[3] + spent[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
         return max(0.0, busy_s - (ours_after - ours_before)) / total_s if total_s else 0.0

@@ -58,7 +58,8 @@ def _p99(values: list[float]) -> float:
     return 1000 * values[min(len(values) - 1, int(0.99 * len(values)))] if values else float("nan")
 
 
-async def _one_run(router: str, model_server: str, run: int) -> list[dict]:
+async def _one_run(mesh: Mesh, run: int) -> list[dict]:
+    router, model_server = mesh.router, mesh.address("model_server")
     records: list[tuple[float, float, str, str]] = []  # start, latency, version, error code
     stop = asyncio.Event()
     sequence = iter(texts(200_000, seed=run + 1))
@@ -165,9 +166,8 @@ def main() -> int:
     with Mesh(
         MeshConfig(models=repo, cache=False, log_dir=work, model_server_args=("--rollback-grace-s", "0"))
     ) as mesh:
-        model_server = mesh.processes["model_server"].info["grpc"]
         for run in range(args.runs):
-            results = asyncio.run(_one_run(mesh.router, model_server, run))
+            results = asyncio.run(_one_run(mesh, run))
             detail = results.pop()
             runs.append({"swaps": results, **detail})
             for r in results:
@@ -192,7 +192,7 @@ def main() -> int:
     }
     report = {
         "machine": machine(),
-        "command": "python -m bench.swap --runs %d" % args.runs,
+        "command": f"python -m bench.swap --runs {args.runs}",
         "callers": CALLERS,
         "dead_services": dead,
         "summary": summary,

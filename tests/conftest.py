@@ -114,7 +114,7 @@ def _in_process_only(broken: list[str]):
     try:
         yield
     finally:
-        for (owner, name), original in zip(saved, originals):
+        for (owner, name), original in zip(saved, originals, strict=True):
             setattr(owner, name, original)
 
 
@@ -207,7 +207,7 @@ def reference_embeddings():
     def embed(texts: list[str]) -> np.ndarray:
         missing = [t for t in texts if t not in cache]
         if missing:
-            for text, row in zip(missing, compute(missing)):
+            for text, row in zip(missing, compute(missing), strict=True):
                 cache[text] = row
         return np.stack([cache[t] for t in texts])
 

@@ -123,7 +123,7 @@ class KubeAPI:
         self.install_crds()
 
     def _start(self, name: str, argv: list[str]) -> None:
-        log = open(self.dir / f"{name}.log", "wb")
+        log = open(self.dir / f"{name}.log", "wb")  # noqa: SIM115 - closed by the stack, after the process
         self._stack.callback(log.close)
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.dir)
 

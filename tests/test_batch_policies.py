@@ -66,7 +66,7 @@ def test_fixed_waits_only_while_a_batch_runs():
 
 def test_baseline_rule_doubles_under_backlog_and_halves_when_quiet():
     policy = BaselinePolicy(0.005)
-    for i in range(20):
+    for _i in range(20):
         policy.observe_arrival(10.0, 1, STANDARD)
     assert policy.plan(view(waiting=150, max_rows=256))[0] == 64
     assert policy.plan(view(waiting=150, max_rows=256))[0] == 128

@@ -351,7 +351,7 @@ async def test_a_request_larger_than_the_batch_size_runs_alone_up_to_the_model_l
     backend.gate.set()
     batcher = Batcher(backend, BatchingConfig(max_batch_size=2, max_queue_delay_ms=0, max_queue_size=10))
     inputs = [from_numpy("X", np.arange(3, dtype=np.float32).reshape(3, 1))]
-    version, (out,) = await batcher.submit("m", "1", inputs, [])
+    _version, (out,) = await batcher.submit("m", "1", inputs, [])
     assert to_numpy(out)[:, 0].tolist() == [0.0, 2.0, 4.0] and backend.batches == [[0.0, 1.0, 2.0]]
     too_big = [from_numpy("X", np.zeros((5, 1), dtype=np.float32))]
     with pytest.raises(errors.InvalidArgument, match="request of 5 rows exceeds max_batch_size 4 of model 'm'"):
@@ -386,7 +386,7 @@ async def test_a_deadline_passing_while_the_batch_runs_does_not_claim_it_never_r
     await backend.started.wait()
     await asyncio.sleep(0.03)  # the queue deadline passes while the model runs it
     backend.gate.set()
-    version, (out,) = await task
+    _version, (out,) = await task
     assert float(to_numpy(out)[0, 0]) == 2.0
 
 

@@ -58,5 +58,5 @@ def test_this_machines_cpu_times_read_and_only_grow():
     assert before is not None, "this machine's /proc/stat could not be read"
     sum(i * i for i in range(200_000))
     after = cpu_times()
-    assert len(before) == 8 and all(b >= a for a, b in zip(before, after)) and sum(after) > sum(before)
+    assert len(before) == 8 and all(b >= a for a, b in zip(before, after, strict=True)) and sum(after) > sum(before)
     assert 0.0 <= steal_share(before, after) <= 1.0

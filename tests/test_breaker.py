@@ -77,7 +77,7 @@ def test_a_failing_probe_step_opens_it_again():
         breaker.record(0.0, failed=True)
     breaker.allows(5.0)
     assert breaker.state is State.HALF_OPEN
-    for i in range(19):
+    for _i in range(19):
         breaker.record(5.0, failed=False)
     assert breaker.record(5.0, failed=True) is None  # 1 of 20 = 5%: not over
     assert breaker.record(5.0, failed=True) is State.OPEN  # 2 of 21
@@ -288,14 +288,14 @@ async def test_tiny_deadlines_through_the_mesh_leave_the_breaker_closed(mesh):
     cache_bypass, then ordinary requests from anyone, answered by minilm."""
     async with grpc.aio.insecure_channel(mesh.router) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        for i in range(60):
+        for _i in range(60):
             request = text_request([f"tiny deadline {uuid.uuid4().hex}"])
             request.parameters["cache_bypass"].bool_param = True
             request.parameters["timeout"].int64_param = 1000  # 1 ms
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await stub.ModelInfer(request, timeout=30)
             assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        for i in range(5):
+        for _i in range(5):
             answer = await stub.ModelInfer(text_request([f"an ordinary request {uuid.uuid4().hex}"]), timeout=30)
             assert "infermesh_degraded" not in answer.parameters
     assert metric(mesh.router_metrics, "infermesh_router_breaker_state", model="minilm") == 0

@@ -88,18 +88,28 @@ def test_near_cache_then_bypass_for_unique_work_then_recovery(model_repository, 
             router_args=("--cache-bypass-window", "20", "--cache-min-hit-rate", "0.1"),
         )
     ) as m:
-        lookups = lambda: sum(
-            metric(m.router_metrics, "infermesh_router_cache_lookups_total", result=r)  # noqa: E731
-            for r in ("hit", "miss", "error")
-        )
-        gauge = lambda: metric(m.router_metrics, "infermesh_router_cache_bypassed", model="minilm")  # noqa: E731
-        # What the cache service itself saw: lookups it answered, bytes it stored.
-        cache_traffic = lambda: (
-            metric(m.metrics_url("cache"), "infermesh_cache_lookups_total"),  # noqa: E731
-            metric(m.metrics_url("cache"), "infermesh_cache_stored_bytes_total"),
-        )
+
+        def lookups() -> float:
+            return sum(
+                metric(m.router_metrics, "infermesh_router_cache_lookups_total", result=r)
+                for r in ("hit", "miss", "error")
+            )
+
+        def gauge() -> float:
+            return metric(m.router_metrics, "infermesh_router_cache_bypassed", model="minilm")
+
+        def cache_traffic() -> tuple[float, float]:
+            """What the cache service itself saw: lookups it answered, bytes it stored."""
+            return (
+                metric(m.metrics_url("cache"), "infermesh_cache_lookups_total"),
+                metric(m.metrics_url("cache"), "infermesh_cache_stored_bytes_total"),
+            )
+
         stored = redis.Redis.from_url(m.redis_url)
-        results_in_redis = lambda: sum(1 for _ in stored.scan_iter("infermesh:v1:minilm:g*"))  # noqa: E731
+
+        def results_in_redis() -> int:
+            return sum(1 for _ in stored.scan_iter("infermesh:v1:minilm:g*"))
+
         with grpc.insecure_channel(m.router) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             # A repeat within the near cache's TTL never leaves the router.

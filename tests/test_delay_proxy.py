@@ -166,7 +166,7 @@ async def test_a_reader_that_stops_pushes_back_through_the_proxy(tmp_path):
     server = await asyncio.start_server(never_reads, "127.0.0.1", 0)
     upstream = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     try:
-        with proxy_in_front_of(upstream, tmp_path, buffer_bytes=256 * 1024) as (proxy, address):
+        with proxy_in_front_of(upstream, tmp_path, buffer_bytes=256 * 1024) as (_proxy, address):
             host, port = address.rsplit(":", 1)
             sender = socket.create_connection((host, int(port)))
             sender.setblocking(False)

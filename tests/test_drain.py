@@ -214,7 +214,7 @@ async def test_a_batcher_that_drains_hands_its_unread_requests_to_the_one_that_s
 @pytest.mark.unit
 def test_a_list_of_batchers_takes_only_ipv4_entries():
     assert RouterConfig(batcher="127.0.0.1:1,127.0.0.1:2").batcher == "127.0.0.1:1,127.0.0.1:2"
-    with pytest.raises(ValueError, match="'batcher.local:1'"):
+    with pytest.raises(ValueError, match=r"'batcher\.local:1'"):
         RouterConfig(batcher="batcher.local:1,127.0.0.1:2")
 
 

@@ -56,7 +56,7 @@ def test_a_tenant_behind_a_flood_starts_next_not_after_it():
 @pytest.mark.parametrize("weights", [(1.0, 1.0), (2.0, 1.0), (5.0, 1.0)])
 def test_backlogged_tenants_are_served_in_proportion_to_their_weights(weights):
     level = FairLevel()
-    for tenant, weight in zip("ab", weights):
+    for tenant, weight in zip("ab", weights, strict=True):
         for _ in range(600):
             level.append(Item(tenant, rows=random.Random(len(tenant)).choice([1, 2]), weight=weight))
     served = {"a": 0, "b": 0}

@@ -184,12 +184,12 @@ def test_a_live_change_that_fails_leaves_the_file_as_it_was(kube, live):
 
 @pytest.mark.e2e
 def test_a_patch_computed_from_a_stale_copy_is_refused(kube, live):
-    api, namespace, _ = live
+    _api, namespace, _ = live
     cluster = Cluster(namespace, kubeconfig=str(kube.kubeconfig))
     stale = cluster.virtual_service("model-server")
     cluster.set_weights("model-server", {"blue": 50, "green": 50})  # a change since `stale` was read
     ops, _ = weight_patch(stale, {"blue": 0, "green": 100})
-    with pytest.raises(MeshctlError, match="HTTP (409|422)"):
+    with pytest.raises(MeshctlError, match=r"HTTP (409|422)"):
         cluster._call(
             "patching",
             cluster._api.patch_namespaced_custom_object,

@@ -2,8 +2,10 @@
 process it started, redis-server included."""
 
 import concurrent.futures
+import contextlib
 import json
 import os
+import pathlib
 import queue
 import signal
 import socket
@@ -34,7 +36,7 @@ def descendants(pid: int) -> set[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+                fields = pathlib.Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
             if int(fields[1]) == pid:
@@ -81,7 +83,7 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
         assert [line.split()[0] for line in shown[1:]] == ["dev-vip", "dev-standard", "dev-admin"]
         assert oct((tmp_path / "tenants.yaml").stat().st_mode & 0o777) == "0o600"
         line = launcher.stdout.readline()
-        assert line.startswith("infermesh ready: router gRPC 127.0.0.1:%d" % port), line
+        assert line.startswith(f"infermesh ready: router gRPC 127.0.0.1:{port}"), line
         assert f"http://127.0.0.1:{metrics_port}/metrics" in line
         children = descendants(launcher.pid)
         names = names_of(children)
@@ -163,16 +165,16 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
 
             def read_to_the_end():
                 rest = []
-                try:
+                with contextlib.suppress(grpc.RpcError):  # the status says how it ended
                     rest.extend(stream)
-                except grpc.RpcError:
-                    pass  # the status says how it ended
                 return rest, time.monotonic()
 
             stream_ended = concurrent.futures.ThreadPoolExecutor(1).submit(read_to_the_end)
             # The model server is held while a request reaches it, so the request is in flight
             # when the drain begins, however busy the machine; the drain must finish it.
-            model_server = next(c for c in children if "services.model_server" in open(f"/proc/{c}/cmdline").read())
+            model_server = next(
+                c for c in children if "services.model_server" in pathlib.Path(f"/proc/{c}/cmdline").read_text()
+            )
             os.kill(model_server, signal.SIGSTOP)
             try:
                 in_flight = stub.ModelInfer.future(text_request([f"in flight {i}" for i in range(8)]), timeout=60)
@@ -194,7 +196,10 @@ def test_launcher_serves_then_drains_and_stops_everything(model_repository, redi
         assert "infermesh: stopped" in launcher.stdout.read()
         assert not run_file.exists()
         for child in children:
-            assert not os.path.exists(f"/proc/{child}") or "zombie" in open(f"/proc/{child}/status").read().lower()
+            assert (
+                not os.path.exists(f"/proc/{child}")
+                or "zombie" in pathlib.Path(f"/proc/{child}/status").read_text().lower()
+            )
     finally:
         if launcher.poll() is None:
             launcher.kill()

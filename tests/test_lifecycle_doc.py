@@ -45,7 +45,7 @@ def refusals() -> set[tuple[str, str]]:
             continue
         tree = ast.parse(path.read_text())
 
-        def visit(node, cls, function):
+        def visit(node, cls, function, relative=relative):
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, ast.Call) and function is not None:
                     func = child.func
@@ -80,7 +80,7 @@ def test_the_lifecycle_names_every_function_that_refuses_a_request():
 def _paragraphs(lines: list[str]) -> list[str]:
     """Table rows one by one; the prose after them joined per paragraph."""
     out, prose = [], []
-    for line in lines + [""]:
+    for line in [*lines, ""]:
         if line.startswith("|"):
             out.append(line)
         elif line.strip():

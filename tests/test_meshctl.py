@@ -30,7 +30,9 @@ def test_set_weights_changes_only_the_weights_and_records_the_old_ones(policy):
     changed = [
         (a, b)
         for a, b in zip(
-            before, [line for line in after if "annotations" not in line and "previous-weights" not in line]
+            before,
+            [line for line in after if "annotations" not in line and "previous-weights" not in line],
+            strict=True,
         )
         if a != b
     ]

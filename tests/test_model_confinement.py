@@ -153,12 +153,14 @@ def test_a_tokenizer_file_that_resolves_outside_or_is_no_regular_file_is_refused
     model_dir = _text_model(tmp_path, "tokenizer.json")
     tokenizer = model_dir / "1" / "tokenizer.json"
     tokenizer.symlink_to(tmp_path / "elsewhere.json")
-    with pytest.raises(ConfigError, match="resolves to .*elsewhere.json, outside"):
+    with pytest.raises(ConfigError, match=r"resolves to .*elsewhere\.json, outside"):
         load_config(model_dir)
     tokenizer.unlink()
-    with fifos(tokenizer):
-        with pytest.raises(ConfigError, match="'preprocess.tokenizer_file' is 'tokenizer.json', which is a FIFO"):
-            load_config(model_dir)
+    with (
+        fifos(tokenizer),
+        pytest.raises(ConfigError, match=r"'preprocess\.tokenizer_file' is 'tokenizer\.json', which is a FIFO"),
+    ):
+        load_config(model_dir)
     with open(tokenizer, "wb") as f:  # sparse: its size is what counts, checked before it is read
         f.truncate(MAX_TOKENIZER_BYTES + 1)
     with pytest.raises(ConfigError, match=f"more than the {MAX_TOKENIZER_BYTES} it may hold"):

@@ -923,7 +923,7 @@ async def test_a_batch_that_finishes_after_its_deadline_is_counted_late(repo, mo
     async with model_server(repo) as ms:
         loaded = _learned(ms.manager.resolve("mlp", ""), (4, 0.001))
         late_before = metrics.LATE.labels("mlp")._value.get()
-        order, first_running, release = _recording_runs(loaded, monkeypatch)
+        _order, first_running, release = _recording_runs(loaded, monkeypatch)
         running = asyncio.create_task(ms.manager.execute("mlp", "", _mlp(1.0, 4), [], timeout_s=0.1))
         await asyncio.get_running_loop().run_in_executor(None, first_running.wait, 10)
         await asyncio.sleep(0.15)  # the run outlasts the batch's deadline

@@ -72,7 +72,7 @@ def test_golden_files_match_their_configs(repo, model):
             spec = declared[tensor["name"]]
             assert tensor["datatype"] == spec["datatype"]
             assert len(tensor["shape"]) == len(spec["shape"])
-            assert all(s == -1 or s == g for s, g in zip(spec["shape"], tensor["shape"]))
+            assert all(s == -1 or s == g for s, g in zip(spec["shape"], tensor["shape"], strict=True))
             assert len(tensor["data"]) == int(np.prod(tensor["shape"]))
     rows = {t["shape"][0] for t in golden["inputs"] + golden["outputs"]}
     assert len(rows) == 1

@@ -463,7 +463,7 @@ async def test_a_models_own_unavailable_goes_once_elsewhere_else_reaches_the_cal
         await pair.start()
         assert [m.name for m in alone.models()] == ["mlp", "twin"]
         managers[0].versions.models["mlp"].drifted["1"] = "correctness probe failed"
-        with pytest.raises(errors.Unavailable, match="model 'mlp' has no ready version: .*correctness probe failed"):
+        with pytest.raises(errors.Unavailable, match=r"model 'mlp' has no ready version: .*correctness probe failed"):
             await alone.execute("mlp", "", mlp_batch(), [], 10.0)
         assert alone._replicas[0].ready
         assert (await alone.execute("twin", "", mlp_batch(), [], 10.0))[0] == "1"

@@ -94,7 +94,11 @@ def test_counts_at_the_limit_pass_and_one_more_is_refused_on_the_wire_and_parsed
         build(request, count)
         raw = request.SerializeToString()
         outcomes = []
-        for check in (lambda: precheck.check_request(raw, limits), lambda: check_counts(request, limits)):
+        checks = (
+            lambda raw=raw: precheck.check_request(raw, limits),
+            lambda request=request: check_counts(request, limits),
+        )
+        for check in checks:
             try:
                 check()
                 outcomes.append(None)

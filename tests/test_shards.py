@@ -122,7 +122,7 @@ def test_the_all_reduce_graph_is_the_onnx_sum_model_it_claims():
     onnx.checker.check_model(onnx.load_from_string(_sum_graph(3)), full_check=True)
     partials = [np.random.default_rng(i).standard_normal((2, 5, 384), dtype=np.float32) for i in range(3)]
     (got,) = ort.InferenceSession(_sum_graph(3), providers=["CPUExecutionProvider"]).run(
-        None, dict(zip(names, partials))
+        None, dict(zip(names, partials, strict=True))
     )
     np.testing.assert_array_equal(got, partials[0] + partials[1] + partials[2])
 
@@ -195,7 +195,7 @@ async def test_the_model_server_runs_a_sharded_version_and_withdraws_it_when_a_s
 
         # Shard 1 loses its attention segment of layer 3 (as a device fault would):
         sharded = loaded.instances[0].session
-        name, sessions, takes = sharded._segments[7]
+        _name, sessions, _takes = sharded._segments[7]
         sessions[1] = _session(version_dir / "tp2" / "shard1" / "00_embed.onnx")  # wrong graph: it fails to run
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await ms.models.Execute(request, timeout=60)

@@ -237,7 +237,7 @@ def test_a_plaintext_client_is_refused(tls_mesh, service):
 @pytest.mark.e2e
 def test_a_client_refuses_a_server_of_another_ca(tls_mesh, cert_dirs):
     """Callers verify the server too: a client trusting only the stranger's CA does not talk to our router."""
-    ours, other = cert_dirs
+    _ours, other = cert_dirs
     impostor_check = tls.channel_credentials(
         str(other / "ca.pem"), str(other / "admin-dev.pem"), str(other / "admin-dev.key")
     )
@@ -332,9 +332,11 @@ def test_make_run_tls_serves_mutual_tls_and_the_admin_tool_follows(model_reposit
         vip.parameters["priority"].int64_param = 1
         with tls.channel(running["router"], credentials(ours, "tenant-vip-dev")) as channel:
             pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(vip, timeout=60)
-        with tls.channel(running["router"], credentials(ours, "tenant-standard-dev")) as channel:
-            with pytest.raises(grpc.RpcError) as denied:
-                pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(vip, timeout=60)
+        with (
+            tls.channel(running["router"], credentials(ours, "tenant-standard-dev")) as channel,
+            pytest.raises(grpc.RpcError) as denied,
+        ):
+            pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(vip, timeout=60)
         assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "tenant 'dev-standard' may not use tier 'vip'" in denied.value.details()
         with pytest.raises(grpc.RpcError) as refused, grpc.insecure_channel(running["cache"]) as channel:

@@ -93,7 +93,7 @@ def test_a_zero_weight_destination_is_never_picked():
 def test_weight_layouts_istio_accepts():
     def route(*weights):
         destinations = [{"destination": {"host": "model-server", "subset": subset}} for subset in ("blue", "green")]
-        for destination, weight in zip(destinations, weights):
+        for destination, weight in zip(destinations, weights, strict=True):
             if weight is not None:
                 destination["weight"] = weight
         doc = {

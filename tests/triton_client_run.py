@@ -7,6 +7,7 @@ Usage: python tests/triton_client_run.py ADDRESS TEXTS_JSON OUT_NPZ [CA_PEM CERT
 """
 
 import json
+import pathlib
 import queue
 import sys
 
@@ -17,8 +18,9 @@ from tritonclient.utils import InferenceServerException
 
 def main() -> int:
     address, texts_path, out_path = sys.argv[1:4]
-    texts = json.loads(open(texts_path).read())
-    tls = dict(zip(("root_certificates", "certificate_chain", "private_key"), sys.argv[4:7]))
+    texts = json.loads(pathlib.Path(texts_path).read_text())
+    # Without the three TLS arguments the client calls in plaintext: no pairs.
+    tls = dict(zip(("root_certificates", "certificate_chain", "private_key"), sys.argv[4:7], strict=False))
     client = grpcclient.InferenceServerClient(url=address, ssl=bool(tls), **tls)
     facts = {
         "live": client.is_server_live(),

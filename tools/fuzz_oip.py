@@ -387,7 +387,7 @@ class Tally:
             for kind, n in self.refusals.most_common()
         }
         peaks = sorted(self.peak_bytes)
-        ratio = sorted(p / max(s, 1) for p, s in zip(self.peak_bytes, self.request_bytes))
+        ratio = sorted(p / max(s, 1) for p, s in zip(self.peak_bytes, self.request_bytes, strict=True))
         return {
             "requests": self.requests,
             "accepted": self.accepted,

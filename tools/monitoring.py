@@ -34,7 +34,8 @@ DASHBOARD = ROOT / "mesh" / "kubernetes" / "base" / "grafana" / "infermesh-dashb
 RULES = ROOT / "mesh" / "kubernetes" / "monitoring" / "infermesh-alerts.yaml"
 MANIFESTS = ROOT / "mesh" / "kubernetes" / "base"
 # Where metrics are declared: each service's metrics module, and the GC's.
-METRICS_MODULES = tuple(sorted(f"services.{p.parent.name}.metrics" for p in SERVICES.glob("*/metrics.py"))) + (
+METRICS_MODULES = (
+    *tuple(sorted(f"services.{p.parent.name}.metrics" for p in SERVICES.glob("*/metrics.py"))),
     "services.common.collector",
 )
 # Added to every series when Prometheus scrapes a pod (the kubernetes-pods job);
@@ -304,7 +305,9 @@ def label_values() -> dict[tuple[str, str], Values]:
                 for label in labels:
                     found.setdefault((metric, label), Values()).unread.append(f"{path.relative_to(ROOT)}:{node.lineno}")
                 continue
-            pairs = list(zip(labels, arguments)) + [(k.arg, k.value) for k in getattr(node, "keywords", [])]
+            # Positional values name the first labels; the rest come by keyword.
+            positional = list(zip(labels, arguments, strict=False))
+            pairs = positional + [(k.arg, k.value) for k in getattr(node, "keywords", [])]
             for label, argument in pairs:
                 values = found.setdefault((metric, label), Values())
                 resolved = resolver.values(argument)

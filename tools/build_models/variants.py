@@ -148,7 +148,7 @@ def quality(got, ref, neighbours: int = 10) -> dict[str, float]:
     np.fill_diagonal(sim_r, -np.inf)
     top_g = np.argsort(-sim_g, axis=1)[:, :neighbours]
     top_r = np.argsort(-sim_r, axis=1)[:, :neighbours]
-    overlap = np.mean([len(set(a) & set(b)) / neighbours for a, b in zip(top_g, top_r)])
+    overlap = np.mean([len(set(a) & set(b)) / neighbours for a, b in zip(top_g, top_r, strict=True)])
     return {
         "cosine_mean": float(cos.mean()),
         "cosine_p1": float(np.percentile(cos, 1)),
