@@ -54,7 +54,7 @@ async def test_distinct_priorities_sent_to_the_model_server_are_remembered_bound
             )
             await server.models.Execute(request, timeout=30)
         loaded = server.manager.resolve("mlp", "")
-        assert len(loaded._seen_at) <= MAX_TIERS_SEEN
+        assert len(loaded._seen_at) <= MAX_TIERS_SEEN  # the state under test
         assert (await server.execute())[0] == "1"
 
 
@@ -65,4 +65,4 @@ async def test_unknown_model_names_and_versions_sent_to_the_batcher_get_no_queue
     for i in range(NAMES):
         with pytest.raises(errors.Unavailable):
             await batcher.submit(f"model-{i}", "", inputs, [], timeout_s=5)
-    assert batcher._queues == {} and batcher._slots == {}
+    assert batcher._queues == {} and batcher._slots == {}  # the state under test

@@ -274,7 +274,7 @@ async def test_the_samples_file_is_bounded_and_rotated_once(tmp_path):
     path = tmp_path / "samples.jsonl"
     samples = FailureSamples(str(path), per_minute=10_000, max_bytes=4096)
     router = breaker_router(FailingModel(errors.Unavailable("down")), samples)
-    router._breaker_policy = dataclasses.replace(router._breaker_policy, min_requests=10**9)
+    router._breaker_policy = dataclasses.replace(router._breaker_policy, min_requests=10**9)  # stays closed
     await _fail(router, 200)
     assert path.stat().st_size <= 4096 and (tmp_path / "samples.jsonl.1").stat().st_size <= 4096
     assert sorted(p.name for p in tmp_path.iterdir()) == ["samples.jsonl", "samples.jsonl.1"]

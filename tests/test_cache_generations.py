@@ -106,7 +106,7 @@ async def test_the_models_a_replica_remembers_for_callers_are_bounded(redis_serv
     await a.put("minilm", DIGEST, EMBEDDING)
     for i in range(400):
         await a.lookup(f"model-{i}", DIGEST)
-    assert len(a.generations._confirmed) <= 50 and a.generations._generations == {}
+    assert len(a.generations._confirmed) <= 50 and a.generations._generations == {}  # the state under test
     assert "minilm" not in a.generations._confirmed
     await b.purge("minilm")  # while a had forgotten it: a reads it again, never serves the purged entry
     assert await a.get("minilm", DIGEST) is None and a.current_generation("minilm") == 1

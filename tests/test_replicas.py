@@ -187,7 +187,7 @@ async def test_a_busy_replicas_refusal_goes_once_elsewhere_else_reaches_the_call
         retries = metric_value("infermesh_batcher_retries_total", code="RESOURCE_EXHAUSTED")
         assert (await pair.execute("mlp", "", mlp_batch(), [], 2.0))[0] == "1"  # the busy one (first) refused
         assert metric_value("infermesh_batcher_retries_total", code="RESOURCE_EXHAUSTED") == retries + 1
-        assert all(r.ready for r in pair._replicas)
+        assert all(r.ready for r in pair._replicas)  # busy is not down
         await alone.close()
         await pair.close()
 
@@ -433,7 +433,7 @@ async def test_a_failed_batch_marks_the_address_unready_only_when_the_batcher_ba
     with pytest.raises(errors.Unavailable):  # the address answers no more (behind a mesh: a 503 from the sidecar)
         await replicas.execute("mlp", "", mlp_batch(), [], 10.0)
     async with mlp_server(repo, port):  # another pod answers at the same address
-        await asyncio.wait_for(replicas._replicas[0].channel.channel_ready(), 30)
+        await asyncio.wait_for(replicas._replicas[0].channel.channel_ready(), 30)  # reconnected
         if behind_mesh:
             assert (await replicas.execute("mlp", "", mlp_batch(), [], 10.0))[0] == "1"
         else:  # its own replica stays out until the next poll says it is back
@@ -462,7 +462,7 @@ async def test_a_models_own_unavailable_goes_once_elsewhere_else_reaches_the_cal
         await alone.start()
         await pair.start()
         assert [m.name for m in alone.models()] == ["mlp", "twin"]
-        managers[0].versions.models["mlp"].drifted["1"] = "correctness probe failed"
+        managers[0].versions.models["mlp"].drifted["1"] = "correctness probe failed"  # since the poll
         with pytest.raises(errors.Unavailable, match=r"model 'mlp' has no ready version: .*correctness probe failed"):
             await alone.execute("mlp", "", mlp_batch(), [], 10.0)
         assert alone._replicas[0].ready
@@ -509,7 +509,7 @@ async def test_behind_a_mesh_the_catalog_outlives_a_missed_poll_but_not_a_run_of
         await replicas.poll_once()
         standing = behind_mesh and missed < FAILED_POLLS
         assert [m.name for m in replicas.models()] == (["mlp"] if standing else []), missed
-    assert not replicas._replicas[0].history
+    assert not replicas._replicas[0].history  # a pod seen again starts a fresh catalog
     await replicas.close()
 
 

@@ -235,7 +235,7 @@ def _cel_problems(schema: dict, value, where: str) -> list[str]:
             continue
         try:
             ok = _cel_program(rule["rule"]).evaluate({"self": celpy.json_to_cel(value)})
-        except Exception as exc:  # celpy raises its own error types for type mismatches
+        except Exception as exc:  # noqa: BLE001 - celpy raises error types of its own for type mismatches
             found.append(f"{where}: CEL rule {rule['rule']!r} could not be evaluated: {exc}")
             continue
         if ok is not True and not (isinstance(ok, celpy.celtypes.BoolType) and bool(ok)):

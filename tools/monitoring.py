@@ -134,7 +134,8 @@ def exported() -> dict[str, Series]:
         for variable, value in vars(importlib.import_module(module)).items():
             if not isinstance(value, prometheus_client.metrics.MetricWrapperBase):
                 continue
-            labels, base, kind = frozenset(value._labelnames), value._name, value._type
+            # prometheus_client keeps a metric's declared labels, name and type private.
+            labels, base, kind = frozenset(value._labelnames), value._name, value._type  # noqa: SLF001
             suffixes = {
                 "counter": {"_total": labels},
                 "gauge": {"": labels},
@@ -269,10 +270,10 @@ def label_values() -> dict[tuple[str, str], Values]:
         names = by_package.setdefault(package, {})
         for variable, value in vars(importlib.import_module(module)).items():
             if isinstance(value, prometheus_client.metrics.MetricWrapperBase):
-                names[variable] = (f"{module}.{variable}", list(value._labelnames), False)
+                names[variable] = (f"{module}.{variable}", list(value._labelnames), False)  # noqa: SLF001
             elif isinstance(value, Children):
                 declared = next(v for v, m in vars(importlib.import_module(module)).items() if m is value.metric)
-                names[variable] = (f"{module}.{declared}", list(value.metric._labelnames), True)
+                names[variable] = (f"{module}.{declared}", list(value.metric._labelnames), True)  # noqa: SLF001
     found: dict[tuple[str, str], Values] = {}
     for path in sorted(SERVICES.rglob("*.py")):
         package = path.relative_to(SERVICES).parts[0]

@@ -47,7 +47,7 @@ def minilm_callable(model_dir: pathlib.Path, threads: int | None):
     model = Minilm(model_dir, threads)
 
     @batch  # Triton's batch of requests arrives as one stacked array per input
-    def infer(TEXT: np.ndarray) -> dict[str, np.ndarray]:
+    def infer(TEXT: np.ndarray) -> dict[str, np.ndarray]:  # the tensor's name
         return {"EMBEDDING": model.embed([t.decode() for t in TEXT.reshape(-1)])}
 
     return infer
@@ -57,7 +57,7 @@ def mlp_callable(model_dir: pathlib.Path, threads: int | None):
     model = Mlp(model_dir, threads)
 
     @batch
-    def infer(INPUT0: np.ndarray) -> dict[str, np.ndarray]:
+    def infer(INPUT0: np.ndarray) -> dict[str, np.ndarray]:  # the tensor's name
         return {"OUTPUT0": model.run(INPUT0)}
 
     return infer

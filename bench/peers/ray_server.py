@@ -110,7 +110,7 @@ class MinilmDeployment:
         ends = np.cumsum([len(call) for call in calls])
         return np.split(embeddings, ends[:-1])
 
-    async def ModelInfer(self, request, grpc_context):
+    async def ModelInfer(self, request, grpc_context):  # the RPC's name, which the proxy calls
         if not check(request, "minilm", "TEXT", "BYTES", grpc_context):
             return fp32_response(request, "EMBEDDING", np.zeros((0, 384), np.float32))
         return fp32_response(request, "EMBEDDING", await self.embed(decode_texts(request)))
@@ -130,7 +130,7 @@ class MlpDeployment:
         ends = np.cumsum([len(call) for call in calls])
         return np.split(outputs, ends[:-1])
 
-    async def ModelInfer(self, request, grpc_context):
+    async def ModelInfer(self, request, grpc_context):  # the RPC's name, which the proxy calls
         if not check(request, "mlp", "INPUT0", "FP32", grpc_context):
             return fp32_response(request, "OUTPUT0", np.zeros((0, 64), np.float32))
         return fp32_response(request, "OUTPUT0", await self.run(decode_fp32(request)))

@@ -45,7 +45,7 @@ class Dispatch:
             live = [item for item in batch if self._admission.sendable(item)]
             if live:
                 await self.run(live)
-        except Exception as exc:
+        except Exception as exc:  # resolved below, never lost
             log.exception("batch of model %s failed unexpectedly", self.model)
             fail_all(batch, errors.Internal(f"batch of model '{self.model}' failed: {type(exc).__name__}"))
         except asyncio.CancelledError:  # close(): the batcher is shutting down

@@ -81,7 +81,7 @@ class Coalescer:
     async def _run(self, batch) -> None:
         try:
             results = await self._run_batch([item for item, _ in batch])
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every caller hears about it
             for _, future in batch:
                 if not future.done():
                     future.set_exception(exc)
@@ -177,7 +177,7 @@ class ResultCache:
             l2_keys = [self._l2_key(keyed[i][0], keyed[i][1], keyed[i][2]) for i in missing]
             try:
                 values = await loop.run_in_executor(self._disk_reader, self._disk.get_many, l2_keys)
-            except Exception:
+            except Exception:  # L2 failing is a miss, and never costs the L1 hits beside it
                 metrics.ERRORS.labels("l2_get").inc()
                 log.exception("L2 read of %d keys failed", len(l2_keys))
                 values = [None] * len(l2_keys)
@@ -286,7 +286,7 @@ class ResultCache:
             loop = asyncio.get_running_loop()
             try:
                 await loop.run_in_executor(self._disk_thread, self._disk.put_many, l2)
-            except Exception:
+            except Exception:  # the results it held may still be in L1
                 metrics.ERRORS.labels("l2_put").inc()
                 log.exception("L2 write of %d values failed", len(l2))
                 kept_l2 = False

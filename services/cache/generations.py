@@ -152,7 +152,7 @@ class Generations:
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(self._disk_thread, self._disk.record_generations, newer)
-        except Exception:
+        except Exception:  # memory still holds them; the next refresh tries again
             metrics.ERRORS.labels("l2_generation").inc()
             log.exception("recording generations %s in L2 failed", newer)
             return

@@ -184,7 +184,7 @@ class ErrorHandling:
             return parse(raw)
         except errors.InfermeshError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - DecodeError and friends
             raise errors.InvalidArgument(
                 f"{method} request of {len(raw)} bytes is not a valid message: {exc}"
             ) from None
@@ -226,7 +226,7 @@ class ErrorHandling:
                 else:
                     with budget.hold(len(raw), f"{method} request"):
                         response = await behavior(await self._parse(parse, raw, method), context)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 await self._abort(context, exc, method, started)
             self._record(method, _code_name(context), started)
             return response
@@ -238,7 +238,7 @@ class ErrorHandling:
             started = time.perf_counter()
             try:
                 response = await behavior(self._messages(raw_iterator, parse, method), context)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001
                 await self._abort(context, exc, method, started)
             self._record(method, _code_name(context), started)
             return response
@@ -251,7 +251,7 @@ class ErrorHandling:
             try:
                 async for response in behavior(self._messages(raw_iterator, parse, method), context):
                     yield response
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001
                 await self._abort(context, exc, method, started)
             self._record(method, _code_name(context), started)
 

@@ -359,7 +359,7 @@ async def answer_concurrently(
             answer = await handle(request)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # the request still gets its one answer
             log.exception("stream request failed unexpectedly")
             answer = on_error(request, exc)
         finally:
@@ -402,7 +402,7 @@ async def answer_concurrently(
                     return  # nothing more is read; the stream ends once these are answered
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported once the answers due are sent
             broken.append(exc)
         ended.set()
         maybe_finish()

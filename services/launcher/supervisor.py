@@ -145,7 +145,7 @@ class Supervisor:
                 continue
             try:
                 self._step(time.monotonic())
-            except Exception:
+            except Exception:  # supervision must outlive any one service's oddity
                 log.exception("supervisor step failed")
             self._closed.wait(0.1)
 

@@ -684,7 +684,7 @@ def load_version(
                     started = time.perf_counter()
                     loaded.run(instance, warmup_inputs(config, golden, size), [])
                     loaded.run_s = time.perf_counter() - started  # a first guess at a batch's time
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - any failure of a warm-up run fails the load
                     raise LoadFailed(
                         "warmup", f"{config.name} version {version} failed warm-up at batch {size}: {first_line(exc)}"
                     ) from None
@@ -752,7 +752,7 @@ def _session(path: pathlib.Path, config: ModelConfig, device_id: int | None, thr
         providers = [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
     try:
         return ort.InferenceSession(str(path), options, providers=providers)
-    except Exception as exc:  # ORT raises its own exception types for bad files
+    except Exception as exc:  # noqa: BLE001 - ORT raises exception types of its own for bad files
         raise LoadFailed("session", f"{path}: ONNX Runtime cannot load it: {first_line(exc)}") from None
 
 
@@ -802,7 +802,7 @@ def _tokenizer(data: bytes, path: pathlib.Path, max_length: int):
 
     try:
         tokenizer = Tokenizer.from_str(data.decode("utf-8"))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions for bad files
         raise LoadFailed("file", f"{path}: not a tokenizers file: {first_line(exc)}") from None
     tokenizer.enable_truncation(max_length=max_length)
     tokenizer.enable_padding()  # to the longest text of the batch

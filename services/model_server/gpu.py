@@ -13,7 +13,7 @@ def _nvml():
         import pynvml
 
         pynvml.nvmlInit()
-    except Exception as exc:  # no driver, no library: nothing to sample
+    except Exception as exc:  # noqa: BLE001 - no driver, no library: nothing to sample
         log.info("NVML unavailable, no GPU metrics: %s", exc)
         return None
     return pynvml

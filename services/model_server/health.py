@@ -40,7 +40,7 @@ async def probe(loaded: LoadedVersion, golden: Golden, config: ModelConfig) -> t
     """Runs the golden probe on a version, below every caller's tier: (passed, what differed)."""
     try:
         results = await loaded.execute(golden_feeds(config, golden), [], PROBE_TIER, slice_rows=PROBE_SLICE_ROWS)
-    except Exception as exc:  # a probe that cannot even run is a failed probe
+    except Exception as exc:  # noqa: BLE001 - a probe that cannot even run is a failed probe
         return False, f"the probe batch failed: {type(exc).__name__}: {exc}"
     return compare(results, golden, config)
 

@@ -248,7 +248,7 @@ class Versions:
     def publish(self, model: Model) -> None:
         """Metrics and health follow the model's state."""
         for gauge in (metrics.VERSIONS, metrics.MEMORY):  # drop the versions gone from this model
-            for labels in list(gauge._metrics):
+            for labels in list(gauge._metrics):  # noqa: SLF001 - prometheus_client keeps a metric's children private
                 if labels[0] == model.name:
                     gauge.remove(*labels)
         for version, loaded in model.loaded().items():
