@@ -16,8 +16,14 @@ SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scrip
 @pytest.mark.unit
 def test_every_console_script_is_installed_and_names_a_main():
     installed = {e.name: e for e in importlib.metadata.entry_points(group="console_scripts")}
-    assert {"meshctl", "infermesh-launcher", "infermesh-router", "infermesh-batcher", "infermesh-model-server",
-            "infermesh-cache"} <= set(SCRIPTS)
+    assert {
+        "meshctl",
+        "infermesh-launcher",
+        "infermesh-router",
+        "infermesh-batcher",
+        "infermesh-model-server",
+        "infermesh-cache",
+    } <= set(SCRIPTS)
     for name, target in SCRIPTS.items():
         assert name in installed, f"{name} is not installed: run make setup"
         assert installed[name].value == target
