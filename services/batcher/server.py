@@ -19,7 +19,7 @@ MAX_INFLIGHT_PER_STREAM = 8192
 MAX_FIELDS = 1 << 17  # of one Submit or SubmitMany message, its requests' and tensors' included
 DATA_METHODS = frozenset({"Submit", "SubmitMany"})
 # The frames of SubmitMany, both ways (the router packs its own the same way).
-FRAMING = Framing(
+FRAMING: Framing[batcher_pb2.SubmitResponse, batcher_pb2.SubmitManyRequest] = Framing(
     pack=lambda requests: batcher_pb2.SubmitManyResponse(responses=requests), unpack=lambda frame: frame.requests
 )
 

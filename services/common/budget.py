@@ -11,6 +11,7 @@ retry hint, before it is parsed further or copied on to the next hop.
 import collections
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import ClassVar
 
 from services.common import errors, metrics
@@ -34,7 +35,7 @@ class ByteBudget:
     about how long the releases of the last few seconds take to free what is
     lacking. Every acquire must be matched by one release (`hold` does it)."""
 
-    def __init__(self, service: str, limit_bytes: int, clock=time.monotonic):
+    def __init__(self, service: str, limit_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.service = service
         self.limit_bytes = limit_bytes
         self.held_bytes = 0
@@ -87,13 +88,13 @@ class ByteBudget:
 class _Held:
     __slots__ = ("_budget", "_size")
 
-    def __init__(self, budget: ByteBudget, size: int):
+    def __init__(self, budget: ByteBudget, size: int) -> None:
         self._budget, self._size = budget, size
 
-    def __enter__(self):
+    def __enter__(self) -> "_Held":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._budget.release(self._size)
 
 
@@ -148,7 +149,7 @@ class ServingLimits:
         },
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         baseline = self.baseline_bytes
         require(
             self.memory_limit_bytes > baseline,
