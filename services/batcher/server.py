@@ -63,7 +63,9 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
                 return error(
                     request, errors.InvalidArgument(f"request id {request.id} is already in flight on this stream")
                 )
-            running[request.id] = asyncio.current_task()
+            task = asyncio.current_task()
+            assert task is not None  # each request is handled in a task of its own (answer_concurrently)
+            running[request.id] = task
             try:
                 version, outputs = await self._batcher.submit(
                     request.model,
