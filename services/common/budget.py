@@ -8,11 +8,12 @@ the held bytes past the budget is refused with RESOURCE_EXHAUSTED, with a
 retry hint, before it is parsed further or copied on to the next hop.
 """
 
+import asyncio
 import collections
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from services.common import errors, metrics
 from services.common.config import require
@@ -68,6 +69,10 @@ class ByteBudget:
         self.held_bytes -= size
         self.held_requests -= 1
         self._released.append((self._clock(), size))
+
+    def release_when_done(self, future: "asyncio.Future[Any]", size: int) -> None:
+        """Releases `size` once `future` (a task, say) is done, however it ends."""
+        future.add_done_callback(lambda _: self.release(size))
 
     def hold(self, size: int, what: str = "request") -> "_Held":
         """A context manager that holds `size` bytes for its block (acquired on entry)."""

@@ -335,10 +335,6 @@ def _byte_size(message: Message) -> int:
     return message.ByteSize()
 
 
-def _release(budget: ByteBudget, size: int, _task: asyncio.Task) -> None:
-    budget.release(size)
-
-
 async def answer_concurrently(
     request_iterator,
     handle: Callable[[object], Awaitable[object | None]],
@@ -432,7 +428,7 @@ async def answer_concurrently(
                         tasks.add(task)
                         # A done callback: it runs even for a task cancelled before it started.
                         if budget is not None and held:
-                            task.add_done_callback(functools.partial(_release, budget, held))
+                            budget.release_when_done(task, held)
                         task.add_done_callback(done)
                 finally:
                     in_hand[0] -= 1
