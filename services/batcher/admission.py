@@ -46,7 +46,7 @@ class ServiceRate:
     the instances, and a rate measured on two would let admission fill the
     queue twice too deep until batches on one had replaced it."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._busy_s = 0.0  # busy time accumulated before the current busy period
         self._busy_since = 0.0
         self._running = 0
@@ -230,6 +230,7 @@ class Admission:
     def give_up_at(self, item: Pending) -> float:
         """When a request still waiting is refused (give_up): its deadline less
         what its tier's batches take (cautiously) and the refusal's margin."""
+        assert item.deadline is not None  # only a request with a deadline gives up
         run_s = self.cautious_batch_s(item.tier)
         return item.deadline - (run_s + errors.REFUSAL_MARGIN_S if run_s is not None else 0.0)
 
@@ -243,6 +244,7 @@ class Admission:
         surge cannot refuse tight deadlines for good."""
         if item.future.done():
             return
+        assert item.deadline is not None  # only a request with a deadline gives up
         now = asyncio.get_running_loop().time()
         run_s = self.cautious_batch_s(item.tier)
         if run_s is None or now >= item.deadline:

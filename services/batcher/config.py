@@ -49,16 +49,17 @@ class BatchingConfig:
     policy: QueuePolicy | None = None  # None: QueuePolicy.uniform(max_queue_size, default_timeout_s)
     length_aware: bool = True  # batch texts of similar length together
     batch_policy: str = "fixed"  # services/batcher/policy.py
-    latency_targets_s: dict[Tier, float] | None = None  # the adaptive policy's, per tier; None: VIP 0.2 s, standard 1 s
+    # The adaptive policy's latency target per tier.
+    latency_targets_s: dict[Tier, float] = dataclasses.field(
+        default_factory=lambda: {Tier.VIP: 0.2, Tier.STANDARD: 1.0}
+    )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
         require(self.max_queue_delay_ms >= 0, f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms}")
         require(self.batch_policy in POLICIES, f"batch_policy must be one of {POLICIES}, got {self.batch_policy!r}")
         if self.policy is None:
             object.__setattr__(self, "policy", QueuePolicy.uniform(self.max_queue_size, self.default_timeout_s))
-        if self.latency_targets_s is None:
-            object.__setattr__(self, "latency_targets_s", {Tier.VIP: 0.2, Tier.STANDARD: 1.0})
 
     @property
     def max_delay_s(self) -> float:
@@ -76,7 +77,7 @@ class ReplicaConfig:
     behind_mesh: bool = False  # the address is a mesh Service whose sidecar balances, retries and ejects
     queued_per_replica: int = 0  # standard batches sent beyond what a replica's instances can start
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(len(self.addresses) > 0, "addresses must name at least one host:port")
         require(
             self.max_inflight_per_replica >= 1,
@@ -187,7 +188,7 @@ class BatcherConfig(ServingLimits):
     def traffic_policy_files(self) -> list[str]:
         return [p.strip() for p in self.traffic_policy.split(",") if p.strip()]
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         tls.check(self)
         self.check_largest("max_message_bytes", self.max_message_bytes)

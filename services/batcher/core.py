@@ -93,7 +93,9 @@ class ModelQueue:
         )
         # Levels tell admission when requests of a tier start and stop waiting (its service rate's busy time).
         self._levels = Levels(model, lambda tier, now, any_waiting: self.admission.waiting(tier, now, any_waiting))
-        self.admission = Admission(model, config.policy, self._levels, slots, lambda: self.batch_size)
+        assert config.policy is not None  # BatchingConfig fills it in
+        self._policy = config.policy
+        self.admission = Admission(model, self._policy, self._levels, slots, lambda: self.batch_size)
         self._dispatch = Dispatch(
             model, version, backend, slots, self.admission, self.batch_policy, config.default_timeout_s
         )
@@ -195,7 +197,7 @@ class ModelQueue:
             alone
             and self._last_led_tier == Tier.VIP
             and standard
-            and now - standard[0].enqueued >= self._config.policy.aging_s
+            and now - standard[0].enqueued >= self._policy.aging_s
         ):
             # Starvation bound: while VIP batches follow each other, a standard
             # request that has aged gets every other batch. Standard traffic
@@ -358,6 +360,7 @@ class Batcher:
     def __init__(self, backend: Backend, config: BatchingConfig):
         self._backend = backend
         self._config = config
+        assert config.policy is not None  # BatchingConfig fills it in
         self._policy = config.policy
         self._queues: dict[tuple[str, str], ModelQueue] = {}
         # Per model, shared by its versions' queues and sized by the newest ready version's

@@ -6,9 +6,10 @@ last few polls saw, merged."""
 import asyncio
 import collections
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import grpc
+from infermesh.common.v1.tensor_pb2 import ModelInfo
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
 from services.batcher import metrics, upstream
@@ -26,8 +27,9 @@ class Replica:
         self.address = address
         self.channel = tls.aio_channel(address, credentials, client_options(max_message_bytes))
         self.stub = model_server_pb2_grpc.ModelServerStub(self.channel)
-        self.models: dict[str, object] = {}  # name -> common.v1.ModelInfo
-        self.history: collections.deque = collections.deque(maxlen=MESH_HISTORY_POLLS)  # behind a mesh
+        self.models: dict[str, ModelInfo] = {}  # by name
+        # Behind a mesh: the models of the last few polls.
+        self.history: collections.deque[dict[str, ModelInfo]] = collections.deque(maxlen=MESH_HISTORY_POLLS)
         self.labels: dict[str, str] = {}
         self.running: collections.Counter = collections.Counter()  # (model, VIP or STANDARD) -> batches in flight
         self.polled_at = 0.0  # loop time the last answered poll was sent
@@ -103,11 +105,11 @@ class Discovery:
             replica.labels = dict(response.labels)
         metrics.REPLICA_READY.labels(replica.address).set(1 if replica.ready else 0)
 
-    def models(self) -> list:
+    def models(self) -> list[ModelInfo]:
         """Every model some ready replica serves, merged over replicas: the
         versions are the union (replicas of two colours may serve different
         versions during a rollout), newest first."""
-        merged = {}
+        merged: dict[str, ModelInfo] = {}
         for replica in self.replicas:
             if not replica.ready:
                 continue
@@ -139,12 +141,12 @@ class Discovery:
             self._poller.cancel()
 
 
-def _merge_polls(polls) -> dict:
+def _merge_polls(polls: Iterable[dict[str, ModelInfo]]) -> dict[str, ModelInfo]:
     """The models of several polls that may have reached different pods: each
     model as the newest poll that saw it describes it, with the versions every
     poll saw (pods of two colours serve different versions in a rollout).
     What no recent poll saw is gone."""
-    merged: dict = {}
+    merged: dict[str, ModelInfo] = {}
     for seen in polls:  # oldest first
         for name, info in seen.items():
             known = merged.get(name)
@@ -159,7 +161,7 @@ def _merge_polls(polls) -> dict:
     return merged
 
 
-def _add_versions(into, other) -> None:
+def _add_versions(into: ModelInfo, other: ModelInfo) -> None:
     """Gives the ModelInfo `into` the versions and ready versions of `other` too, newest first."""
     for field in ("versions", "ready_versions"):
         union = sorted(set(getattr(into, field)) | set(getattr(other, field)), key=_version_order, reverse=True)

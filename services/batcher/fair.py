@@ -20,7 +20,7 @@ import collections
 import heapq
 import itertools
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 
 class Waiting(Protocol):
@@ -33,12 +33,15 @@ class Waiting(Protocol):
     def rows(self) -> int: ...
 
 
-class FairLevel:
+W = TypeVar("W", bound=Waiting)
+
+
+class FairLevel(Generic[W]):
     """A deque-like queue (append, [0], popleft, remove, iteration in service
     order) that serves tenants in proportion to their weights."""
 
-    def __init__(self):
-        self._flows: dict[str, collections.deque] = {}  # tenant -> its requests in arrival order
+    def __init__(self) -> None:
+        self._flows: dict[str, collections.deque[W]] = {}  # tenant -> its requests in arrival order
         self._finish: dict[str, float] = {}  # tenant -> finish tag of its newest request
         # (start tag of a flow's head, its arrival, tenant); stale entries (the flow's
         # head changed or the flow is gone) are dropped when they come to the top.
@@ -57,7 +60,7 @@ class FairLevel:
         """Tenants with requests here (for tests and gauges)."""
         return len(self._flows)
 
-    def append(self, item: Waiting) -> None:
+    def append(self, item: W) -> None:
         start = max(self._virtual, self._finish.get(item.tenant, self._virtual))
         item.tag, item.seq = start, next(self._order)
         self._finish[item.tenant] = start + item.rows / item.weight
@@ -68,7 +71,7 @@ class FairLevel:
         flow.append(item)
         self._count += 1
 
-    def _top(self) -> collections.deque:
+    def _top(self) -> collections.deque[W]:
         while True:
             _, seq, tenant = self._heads[0]
             flow = self._flows.get(tenant)
@@ -76,14 +79,14 @@ class FairLevel:
                 return flow
             heapq.heappop(self._heads)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> W:
         if index != 0:
             raise IndexError("a FairLevel shows its head only")
         if not self._count:
             raise IndexError("the level is empty")
         return self._top()[0]
 
-    def popleft(self):
+    def popleft(self) -> W:
         if not self._count:
             raise IndexError("the level is empty")
         flow = self._top()
@@ -94,7 +97,7 @@ class FairLevel:
         self._head_left(item.tenant, flow)
         return item
 
-    def remove(self, item: Waiting) -> None:
+    def remove(self, item: W) -> None:
         """Takes out a request that need not be the head (length-aware batching
         picks one near it); the virtual time moves to the head's tag, where
         service stands."""
@@ -107,13 +110,13 @@ class FairLevel:
         else:
             flow.remove(item)
 
-    def _head_left(self, tenant: str, flow: collections.deque) -> None:
+    def _head_left(self, tenant: str, flow: collections.deque[W]) -> None:
         if flow:
             heapq.heappush(self._heads, (flow[0].tag, flow[0].seq, tenant))
         else:
             del self._flows[tenant], self._finish[tenant]
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[W]:
         return heapq.merge(*self._flows.values(), key=lambda item: (item.tag, item.seq))
 
     def clear(self) -> None:

@@ -7,12 +7,22 @@ counting at once: admission, planning, the bound and the gauge read the
 counts kept here, never the deques' lengths."""
 
 import asyncio
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, ValuesView
 
 from services.batcher import metrics
 from services.batcher.fair import FairLevel
 from services.batcher.pending import Pending
 from services.common.tier import Tier
+
+
+@dataclasses.dataclass(slots=True)
+class _TenantLoad:
+    """What one tenant has waiting at one level."""
+
+    requests: int
+    rows: int
+    weight: float
 
 
 class Levels:
@@ -21,22 +31,22 @@ class Levels:
     def __init__(self, model: str, on_waiting: Callable[[Tier, float, bool], None]):
         self.model = model
         self._on_waiting = on_waiting  # (tier, now, whether rows of that tier wait from now on)
-        self.levels = {Tier.VIP: FairLevel(), Tier.STANDARD: FairLevel()}
+        self.levels: dict[Tier, FairLevel[Pending]] = {Tier.VIP: FairLevel(), Tier.STANDARD: FairLevel()}
         self.queued = {Tier.VIP: 0, Tier.STANDARD: 0}  # requests waiting, per tier
         self.queued_rows = {Tier.VIP: 0, Tier.STANDARD: 0}
-        # Per (tier, tenant) with requests waiting: [requests, rows, weight]; and per level
-        # the sum of those tenants' weights. Only waiting requests have entries.
-        self._tenant_load: dict[tuple[Tier, str], list] = {}
+        # Per (tier, tenant) with requests waiting, its load; and per level the sum
+        # of those tenants' weights. Only waiting requests have entries.
+        self._tenant_load: dict[tuple[Tier, str], _TenantLoad] = {}
         self._level_weight = {Tier.VIP: 0.0, Tier.STANDARD: 0.0}
 
     def __len__(self) -> int:
         """Requests waiting to be run (not those answered while they waited)."""
         return sum(self.queued.values())
 
-    def __getitem__(self, tier: Tier) -> FairLevel:
+    def __getitem__(self, tier: Tier) -> FairLevel[Pending]:
         return self.levels[tier]
 
-    def values(self):
+    def values(self) -> ValuesView[FairLevel[Pending]]:
         """The levels themselves, VIP's first."""
         return self.levels.values()
 
@@ -60,13 +70,13 @@ class Levels:
         key = (tier, item.tenant)
         load = self._tenant_load.get(key)
         if load is None:
-            load = self._tenant_load[key] = [0, 0, item.weight]
+            load = self._tenant_load[key] = _TenantLoad(0, 0, item.weight)
             self._level_weight[tier] += item.weight
-        load[0] += requests
-        load[1] += rows
-        if load[0] <= 0:
+        load.requests += requests
+        load.rows += rows
+        if load.requests <= 0:
             del self._tenant_load[key]
-            self._level_weight[tier] = max(0.0, self._level_weight[tier] - load[2])
+            self._level_weight[tier] = max(0.0, self._level_weight[tier] - load.weight)
         self._on_waiting(tier, now, self.queued_rows[tier] > 0)
         metrics.QUEUE_LENGTH.labels(self.model, tier.label).set(self.queued[tier])
 
@@ -83,7 +93,7 @@ class Levels:
         (itself counted), and how many requests it has waiting there."""
         load = self._tenant_load.get((item.tier, item.tenant))
         weights = self._level_weight[item.tier] + (0.0 if load else item.weight)
-        return places * item.weight / weights, (load[0] if load else 0)
+        return places * item.weight / weights, (load.requests if load else 0)
 
     def rows_before(self, item: Pending) -> int:
         """About the rows of its own level served before a new request is: all
@@ -92,7 +102,7 @@ class Levels:
         go (its rows at the level's total weight over its own)."""
         waiting = self.queued_rows[item.tier]
         load = self._tenant_load.get((item.tier, item.tenant))
-        mine = load[1] if load else 0
+        mine = load.rows if load else 0
         if mine == waiting:
             return waiting
         weights = self._level_weight[item.tier] + (0.0 if load else item.weight)

@@ -26,7 +26,7 @@ class Pending:
     outputs: list[str]
     tier: Tier
     deadline: float | None  # loop time
-    future: asyncio.Future
+    future: asyncio.Future[tuple[str, list[TensorData]]]  # (the version that ran, the outputs)
     enqueued: float
     timer: asyncio.TimerHandle | None = None
     length: float = 0.0  # bytes per row of its BYTES inputs: a cheap proxy for token count
@@ -35,13 +35,14 @@ class Pending:
     weight: float = 1.0
     tag: float = 0.0  # its start tag in its level's fair queueing (FairLevel)
     seq: int = 0  # its arrival there
-    shape: tuple = ()  # (name, dimensions past the batch one) per input: only requests alike share a batch
+    # (name, dimensions past the batch one) per input: only requests alike share a batch
+    shape: tuple[tuple[str, tuple[int, ...]], ...] = ()
     rows: int = dataclasses.field(init=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.rows = self.inputs[0].rows
 
-    def answered(self, _future=None) -> None:
+    def answered(self, _future: object = None) -> None:
         """Drops the request's tensors: answered while it waits (expired, refused,
         cancelled), it may stay in its level's deque until the batching task
         passes it, and must not hold its bytes there meanwhile."""

@@ -113,7 +113,7 @@ class RowCost:
     two): the mean rows and the mean seconds of its batches. Per row, not per
     batch, as a class holds batches of different sizes (5 to 8 rows)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._classes: dict[int, tuple[MovingTime, MovingTime]] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -127,6 +127,7 @@ class RowCost:
         if not self._classes:
             return None
         rows_seen, seconds_seen = self._classes[nearest_class(self._classes, rows)]
+        assert rows_seen.mean is not None and seconds_seen.mean is not None  # a class is made as it observes a batch
         return seconds_seen.mean * rows / rows_seen.mean
 
 
@@ -168,13 +169,19 @@ class AdaptivePolicy:
         target = self._targets.get(view.tier, math.inf)
         if self.cost.seconds(largest) is None:  # no batch seen yet
             return largest
+
+        def cost_s(rows: int) -> float:
+            seconds = self.cost.seconds(rows)
+            assert seconds is not None  # a batch has been seen (above)
+            return seconds
+
         free = max(view.slots - len(view.running), 1)  # this batch's slot among them
         chosen = largest
         for rows in _sizes(largest):
-            if view.slots * rows >= needed * self.cost.seconds(rows) and view.waiting_rows <= free * rows:
+            if view.slots * rows >= needed * cost_s(rows) and view.waiting_rows <= free * rows:
                 chosen = rows
                 break
-        while chosen > 1 and self.cost.seconds(chosen) > target:
+        while chosen > 1 and cost_s(chosen) > target:
             chosen = size_class(chosen) // 2
         return chosen
 

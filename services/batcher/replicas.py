@@ -25,7 +25,7 @@ from services.batcher.discovery import Discovery, Replica
 from services.batcher.pending import ModelLimits
 from services.batcher.routing import Routing, tier_metadata
 from services.common import errors, traffic
-from services.common.protoconv import tensors_from_proto, tensors_to_proto
+from services.common.protoconv import tensors_from_proto, tensors_to_proto, tier_to_proto
 from services.common.tensors import TensorData
 from services.common.tier import Tier
 
@@ -94,11 +94,11 @@ class ReplicaSet:
         tier: Tier = Tier.STANDARD,
     ) -> tuple[str, list[TensorData]]:
         if self._policy is not None:
-            return await self._execute_by_policy(model, version, inputs, outputs, timeout_s, tier)
+            return await self._execute_by_policy(self._policy, model, version, inputs, outputs, timeout_s, tier)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         request = model_server_pb2.ExecuteRequest(
-            model=model, version=version, inputs=tensors_to_proto(inputs), outputs=outputs, tier=tier
+            model=model, version=version, inputs=tensors_to_proto(inputs), outputs=outputs, tier=tier_to_proto(tier)
         )
         tried: set[str] = set()
         while True:
@@ -141,18 +141,25 @@ class ReplicaSet:
             return response.version, tensors_from_proto(response.outputs)
 
     async def _execute_by_policy(
-        self, model: str, version: str, inputs: list[TensorData], outputs: list[str], timeout_s: float, tier: Tier
+        self,
+        policy: traffic.PolicyFiles,
+        model: str,
+        version: str,
+        inputs: list[TensorData],
+        outputs: list[str],
+        timeout_s: float,
+        tier: Tier,
     ) -> tuple[str, list[TensorData]]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         headers = dict(tier_metadata(tier))
-        route = self._policy.service.route(headers)
+        route = policy.service.route(headers)
         if route is None:
-            raise errors.Unavailable(f"no route of VirtualService {self._policy.service.name} matches {headers}")
+            raise errors.Unavailable(f"no route of VirtualService {policy.service.name} matches {headers}")
         destination = route.pick(self._rng)  # one weighted pick per batch; its retries stay in the subset
         detector = self.routing.detector(destination.subset)
         request = model_server_pb2.ExecuteRequest(
-            model=model, version=version, inputs=tensors_to_proto(inputs), outputs=outputs, tier=tier
+            model=model, version=version, inputs=tensors_to_proto(inputs), outputs=outputs, tier=tier_to_proto(tier)
         )
         tried: set[str] = set()
         if route.timeout_s is not None:  # the route's timeout bounds the call and all its retries

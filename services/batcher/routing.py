@@ -144,6 +144,7 @@ class Routing:
         self._rpc_s = 0.8 * self._rpc_s + 0.2 * seconds if self._rpc_s else seconds
 
     def subset_hosts(self, subset: str) -> list[Replica]:
+        assert self._policy is not None  # subsets are a traffic policy's
         rule = self._policy.rule
         if not subset:
             return list(self._replicas)
@@ -167,9 +168,10 @@ class Routing:
         where it reaches Envoy's routes and not its clusters. Only a subset
         whose outlierDetection changed starts afresh, as Envoy's cluster does
         when Istio sends it a changed configuration."""
+        assert self._policy is not None  # subsets are a traffic policy's
         rule = self._policy.rule
-        policies = {} if rule is None else {s: rule.outlier_for(s) for s in [*rule.subsets, ""]}
-        policies = {subset: policy for subset, policy in policies.items() if policy is not None}
+        outliers = {} if rule is None else {s: rule.outlier_for(s) for s in [*rule.subsets, ""]}
+        policies = {subset: policy for subset, policy in outliers.items() if policy is not None}
         self._detectors = {s: d for s, d in self._detectors.items() if s in policies}
         for subset, policy in policies.items():
             hosts = [r.address for r in self.subset_hosts(subset)]

@@ -19,7 +19,7 @@ MAX_INFLIGHT_PER_STREAM = 8192
 MAX_FIELDS = 1 << 17  # of one Submit or SubmitMany message, its requests' and tensors' included
 DATA_METHODS = frozenset({"Submit", "SubmitMany"})
 # The frames of SubmitMany, both ways (the router packs its own the same way).
-FRAMING = Framing(
+FRAMING: Framing[batcher_pb2.SubmitResponse, batcher_pb2.SubmitManyRequest] = Framing(
     pack=lambda requests: batcher_pb2.SubmitManyResponse(responses=requests), unpack=lambda frame: frame.requests
 )
 
@@ -63,7 +63,9 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
                 return error(
                     request, errors.InvalidArgument(f"request id {request.id} is already in flight on this stream")
                 )
-            running[request.id] = asyncio.current_task()
+            task = asyncio.current_task()
+            assert task is not None  # each request is handled in a task of its own (answer_concurrently)
+            running[request.id] = task
             try:
                 version, outputs = await self._batcher.submit(
                     request.model,

@@ -20,7 +20,7 @@ class CacheSettings:
     model_ttl_s: dict[str, int] | None = None  # per-model TTLs
     l2_fp16: bool = False  # store FP32 outputs as FP16 in L2
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.ttl_s >= 1, f"ttl_s must be >= 1, got {self.ttl_s}")
         require(self.redis_timeout_ms > 0, f"redis_timeout_ms must be > 0, got {self.redis_timeout_ms}")
         require(self.breaker_open_s >= 0, f"breaker_open_s must be >= 0, got {self.breaker_open_s}")
@@ -76,7 +76,7 @@ class CacheConfig(ServingLimits):
     )
     log_level: str = dataclasses.field(default="info")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         tls.check(self)
         self.check_largest("max_message_bytes", self.max_message_bytes)

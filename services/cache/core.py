@@ -17,7 +17,8 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar, cast
 
 import redis.asyncio as redis
 from redis.exceptions import RedisError
@@ -33,6 +34,15 @@ from services.common.tier import Tier
 log = logging.getLogger(__name__)
 MAX_QUEUED_STORES = 10_000
 STALE = "stale"  # a store's result when a purge came between its lookup and it
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+# A lookup: (model, digest, tier); its result: (the outputs or None, the generation read).
+Lookup = tuple[str, bytes, Tier]
+Found = tuple[list[TensorData] | None, int]
+# A store: (where: "both" or "l1", model, generation or None for the current one,
+# digest, outputs); its result: None (kept) or STALE.
+Store = tuple[str, str, int | None, bytes, list[TensorData]]
 
 
 class Breaker:
@@ -54,17 +64,17 @@ class Breaker:
         metrics.BREAKER_OPEN.set(0)
 
 
-class Coalescer:
+class Coalescer(Generic[Item, Result]):
     """Gathers the calls made during one event-loop iteration and hands them to
     `run_batch` together; each caller gets its own result back (an exception
     in a result's place is raised to that caller alone)."""
 
-    def __init__(self, run_batch: Callable[[list], Awaitable[list]]):
+    def __init__(self, run_batch: Callable[[list[Item]], Awaitable[Sequence[Result | Exception]]]) -> None:
         self._run_batch = run_batch
-        self._pending: list[tuple[object, asyncio.Future]] = []
-        self._tasks: set[asyncio.Task] = set()
+        self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
-    def submit(self, item) -> asyncio.Future:
+    def submit(self, item: Item) -> asyncio.Future[Result]:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not self._pending:
@@ -78,7 +88,7 @@ class Coalescer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, batch) -> None:
+    async def _run(self, batch: list[tuple[Item, asyncio.Future[Result]]]) -> None:
         try:
             results = await self._run_batch([item for item, _ in batch])
         except Exception as exc:  # noqa: BLE001 - every caller hears about it
@@ -86,7 +96,7 @@ class Coalescer:
                 if not future.done():
                     future.set_exception(exc)
             return
-        for (_, future), result in zip(batch, results):
+        for (_, future), result in zip(batch, results, strict=True):
             if future.done():
                 continue
             if isinstance(result, Exception):  # this item's own failure
@@ -128,8 +138,8 @@ class ResultCache:
         )
         if disk is not None:
             metrics.L2_BYTES.set(disk.stored_bytes)  # what a restart found, before any write
-        self._lookups = Coalescer(self._lookup_batch)
-        self._stores = Coalescer(self._store_batch)
+        self._lookups: Coalescer[Lookup, Found] = Coalescer(self._lookup_batch)
+        self._stores: Coalescer[Store, str | None] = Coalescer(self._store_batch)
         self._queued_stores = 0
 
     # -- generations (generations.py) ------------------------------------------------
@@ -153,14 +163,12 @@ class ResultCache:
     async def get(self, model: str, digest: bytes, tier: Tier = Tier.STANDARD) -> list[TensorData] | None:
         return (await self.lookup(model, digest, tier))[0]
 
-    async def lookup(
-        self, model: str, digest: bytes, tier: Tier = Tier.STANDARD
-    ) -> tuple[list[TensorData] | None, int]:
+    async def lookup(self, model: str, digest: bytes, tier: Tier = Tier.STANDARD) -> Found:
         """The cached result, or None; and the model's generation the lookup
         read, to store the result of a miss with (put)."""
         return await self._lookups.submit((model, digest, tier))
 
-    async def _lookup_batch(self, items: list[tuple[str, bytes, int]]) -> list[tuple[list[TensorData] | None, int]]:
+    async def _lookup_batch(self, items: list[Lookup]) -> list[Found]:
         for model in {m for m, _, _ in items}:
             await self.generations.of(model)
         keyed = [(model, self.current_generation(model), digest, tier) for model, digest, tier in items]
@@ -181,15 +189,15 @@ class ResultCache:
                 metrics.ERRORS.labels("l2_get").inc()
                 log.exception("L2 read of %d keys failed", len(l2_keys))
                 values = [None] * len(l2_keys)
-            for i, value in zip(missing, values):
+            for i, value in zip(missing, values, strict=True):
                 found = self._decode(value, "l2")
                 if found is not None:
                     results[i], levels[i] = found, "l2"
                     model, generation, digest, _ = keyed[i]
                     self._stores.submit(("l1", model, generation, digest, found))  # promote
-        for (_, _, _, tier), result, level in zip(keyed, results, levels):
+        for (_, _, _, tier), result, level in zip(keyed, results, levels, strict=True):
             metrics.LOOKUPS.labels(level, tier.label, "hit" if result is not None else "miss").inc()
-        return [(result, generation) for result, (_, generation, _, _) in zip(results, keyed)]
+        return [(result, generation) for result, (_, generation, _, _) in zip(results, keyed, strict=True)]
 
     async def _l1_get(self, keys: list[str]) -> list[bytes | None]:
         if not self._breaker.allows():
@@ -201,7 +209,7 @@ class ResultCache:
             self._failed("get", exc)
             return [None] * len(keys)
         self._breaker.succeeded()
-        return values
+        return cast(list[bytes | None], values)  # bytes, not str: the client does not decode responses
 
     @staticmethod
     def _decode(value: bytes | None, level: str) -> list[TensorData] | None:
@@ -217,7 +225,7 @@ class ResultCache:
     # -- stores -----------------------------------------------------------------------
     def put(
         self, model: str, digest: bytes, outputs: list[TensorData], generation: int | None = None
-    ) -> asyncio.Future | None:
+    ) -> asyncio.Future[str | None] | None:
         """Queues a result for the next write batch without waiting for it;
         returns None (a dropped write, counted) when too many are queued. With
         the `generation` its lookup read (else the current one): not written
@@ -233,10 +241,10 @@ class ResultCache:
         future.add_done_callback(self._stored)
         return future
 
-    def _stored(self, _future) -> None:
+    def _stored(self, _future: object) -> None:
         self._queued_stores -= 1
 
-    async def _store_batch(self, items: list[tuple]) -> list[None | Exception]:
+    async def _store_batch(self, items: list[Store]) -> list[Exception | str | None]:
         """Encodes each item alone: one that cannot be stored fails by itself
         (InvalidArgument), never the batch it came with. A result that neither
         level kept (Redis unreachable, and no L2 or its write failed) fails
@@ -247,7 +255,7 @@ class ResultCache:
         ahead = {m for _, m, g, _, _ in items if g is not None and g > self.current_generation(m)}
         if ahead:  # perhaps a purge through another replica that this one has not read yet
             await self.generations.refresh(sorted(ahead))
-        results: list[Exception | None] = [None] * len(items)
+        results: list[Exception | str | None] = [None] * len(items)  # None: kept; STALE; or why not
         l1, l2, raw = [], [], 0
         on_disk: set[int] = set()
         for i, (where, model, generation, digest, outputs) in enumerate(items):
@@ -264,25 +272,25 @@ class ResultCache:
                 )
                 continue
             generation = current if generation is None else generation
-            to_disk = where == "both" and self._disk is not None
+            disk = self._disk if where == "both" else None  # L2 too, where there is one (a promotion is L1's only)
             try:
                 l1_value = codec.encode(outputs)
                 l2_key = self._l2_key(model, generation, digest)
-                if to_disk and len(l2_key) > self._disk.max_key_bytes:
+                if disk is not None and len(l2_key) > disk.max_key_bytes:
                     raise codec.UnstorableValue(f"a digest of {len(digest)} bytes makes too long an L2 key")
-                l2_value = codec.encode(outputs, compress=True, fp16=self._l2_fp16) if to_disk else b""
+                l2_value = codec.encode(outputs, compress=True, fp16=self._l2_fp16) if disk is not None else b""
             except codec.UnstorableValue as exc:
                 metrics.ERRORS.labels("encode").inc()
                 results[i] = errors.InvalidArgument(f"result of model '{model}' cannot be cached: {exc}")
                 continue
             l1.append((self._l1_key(model, generation, digest), l1_value, self._model_ttl_s.get(model, self._ttl_s)))
-            if to_disk:
+            if disk is not None:
                 l2.append((l2_key, l2_value))
                 on_disk.add(i)
                 raw += sum(len(t.data) for t in outputs)
         kept_l1 = await self._l1_set(l1)
         kept_l2 = True
-        if l2:
+        if l2 and self._disk is not None:  # only items with a disk are in l2
             loop = asyncio.get_running_loop()
             try:
                 await loop.run_in_executor(self._disk_thread, self._disk.put_many, l2)

@@ -13,6 +13,7 @@ import pathlib
 import struct
 import threading
 import time
+from typing import overload
 
 import lmdb
 
@@ -175,7 +176,7 @@ class DiskStore:
             txn.put(_META_BYTES, str(stored).encode(), db=self._meta)
         self.stored_bytes = stored
 
-    def _evict(self, txn, stored: int, target: int) -> int:
+    def _evict(self, txn: "lmdb.Transaction[bytes]", stored: int, target: int) -> int:
         """Deletes the oldest entries until `target` bytes are counted; returns the count."""
         evicted = 0
         with txn.cursor(db=self._order) as cursor:
@@ -277,7 +278,12 @@ def footprint(key: bytes, value: bytes) -> int:
     return 2 * len(key) + len(value) + _ENTRY_OVERHEAD
 
 
+@overload
+def _value(stored: bytes) -> bytes: ...
+@overload
+def _value(stored: bytes | None) -> bytes | None: ...
 def _value(stored: bytes | None) -> bytes | None:
+    """A stored value without its order key; None for none."""
     return None if stored is None else stored[_ORDER_KEY.size :]
 
 

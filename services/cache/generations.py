@@ -7,13 +7,17 @@ one is replaced by a fresh generation."""
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from services.cache import metrics
 from services.cache.disk import DAMAGED, MAX_GENERATION, DiskStore, fresh_generation
+
+if TYPE_CHECKING:  # the core imports this module
+    from services.cache.core import Breaker
 
 log = logging.getLogger(__name__)
 # Models whose generation this replica has read from Redis (callers name them):
@@ -42,7 +46,7 @@ class Generations:
         self,
         client: redis.Redis,
         namespace: str,
-        breaker,
+        breaker: "Breaker",
         disk: DiskStore | None,
         disk_thread: concurrent.futures.ThreadPoolExecutor,
         on_failure: Callable[[str, Exception], None],
@@ -88,7 +92,7 @@ class Generations:
         if generation > self._floor:
             self._generations[model] = generation
 
-    def confirm(self, models) -> None:
+    def confirm(self, models: Iterable[str]) -> None:
         for model in models:
             self._confirmed.pop(model, None)
             self._confirmed[model] = None
@@ -112,7 +116,7 @@ class Generations:
             return
         try:
             values = await self._redis.mget([self.key(m) for m in models])
-            for model, value in zip(models, values):
+            for model, value in zip(models, values, strict=True):
                 known = self.current(model)
                 stored = int(value) if value is not None and value.isdigit() and len(value) <= 19 else None
                 if value is None:

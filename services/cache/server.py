@@ -112,7 +112,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         try:
             async for request in request_iterator:
                 held = request.ByteSize() if budget is not None else 0
-                if held:
+                if budget is not None and held:
                     try:
                         budget.acquire(held, f"StoreRequest {index} of this stream")
                     except errors.ResourceExhausted as exc:  # dropped, as a store that failed: the caller waits on none
@@ -124,17 +124,17 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 try:
                     future = self._cache.put(request.model, request.digest, checked_outputs(index, request), generation)
                 except BaseException:
-                    if held:
+                    if budget is not None and held:
                         budget.release(held)
                     raise
                 index += 1
                 if future is None:
-                    if held:
+                    if budget is not None and held:
                         budget.release(held)
                     counts["failed"] += 1
                     continue
-                if held:
-                    future.add_done_callback(lambda _, held=held: budget.release(held))
+                if budget is not None and held:
+                    budget.release_when_done(future, held)
                 pending.add(future)
                 future.add_done_callback(settle)
         except errors.InvalidArgument:

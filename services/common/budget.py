@@ -8,10 +8,12 @@ the held bytes past the budget is refused with RESOURCE_EXHAUSTED, with a
 retry hint, before it is parsed further or copied on to the next hop.
 """
 
+import asyncio
 import collections
 import dataclasses
 import time
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from services.common import errors, metrics
 from services.common.config import require
@@ -34,7 +36,7 @@ class ByteBudget:
     about how long the releases of the last few seconds take to free what is
     lacking. Every acquire must be matched by one release (`hold` does it)."""
 
-    def __init__(self, service: str, limit_bytes: int, clock=time.monotonic):
+    def __init__(self, service: str, limit_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.service = service
         self.limit_bytes = limit_bytes
         self.held_bytes = 0
@@ -68,6 +70,10 @@ class ByteBudget:
         self.held_requests -= 1
         self._released.append((self._clock(), size))
 
+    def release_when_done(self, future: "asyncio.Future[Any]", size: int) -> None:
+        """Releases `size` once `future` (a task, say) is done, however it ends."""
+        future.add_done_callback(lambda _: self.release(size))
+
     def hold(self, size: int, what: str = "request") -> "_Held":
         """A context manager that holds `size` bytes for its block (acquired on entry)."""
         self.acquire(size, what)
@@ -87,13 +93,13 @@ class ByteBudget:
 class _Held:
     __slots__ = ("_budget", "_size")
 
-    def __init__(self, budget: ByteBudget, size: int):
+    def __init__(self, budget: ByteBudget, size: int) -> None:
         self._budget, self._size = budget, size
 
-    def __enter__(self):
+    def __enter__(self) -> "_Held":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._budget.release(self._size)
 
 
@@ -148,7 +154,7 @@ class ServingLimits:
         },
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         baseline = self.baseline_bytes
         require(
             self.memory_limit_bytes > baseline,

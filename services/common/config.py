@@ -15,7 +15,12 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, env_prefix: st
     for field in dataclasses.fields(cls):
         kind = hints[field.name]
         env = f"{env_prefix}{field.name.upper()}"
-        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        if field.default is not dataclasses.MISSING:
+            default = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        else:
+            raise TypeError(f"{cls.__name__}.{field.name} has no default, which its flag needs")
         if env in os.environ:
             default = _parse(kind, os.environ[env])
         flag = "--" + field.name.replace("_", "-")

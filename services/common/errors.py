@@ -4,6 +4,11 @@ The core modules raise these; they never import grpc. `code` is the numeric
 grpc.StatusCode value, so an error can also travel inside a stream message.
 """
 
+from collections.abc import Iterable
+
+# A status's trailing metadata, as grpc gives it: (key, value) pairs, or None.
+Trailers = Iterable[tuple[str, str | bytes]] | None
+
 MAX_MESSAGE_CHARS = 2000  # a status message travels in a header, which gRPC caps at 16 KiB
 SHOWN_CHARS = 120  # of one value a caller sent, echoed in a message
 SHOWN_ITEMS = 8  # of a list of them
@@ -17,7 +22,7 @@ def shown(value: str) -> str:
     return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
 
 
-def shown_list(values) -> str:
+def shown_list(values: Iterable[object]) -> str:
     """A list of values the caller sent, for a message: the first few, each cut short."""
     values = list(values)
     listed = ", ".join(shown(str(v)) for v in values[:SHOWN_ITEMS])
@@ -39,7 +44,7 @@ class InfermeshError(Exception):
     code_name = "INTERNAL"
     retryable = False
 
-    def __init__(self, message: str):
+    def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
 
@@ -72,7 +77,7 @@ RETRY_AFTER_METADATA = "retry-after-ms"
 REFUSAL_MARGIN_S = 0.025
 
 
-def retry_after_ms(trailing_metadata) -> int:
+def retry_after_ms(trailing_metadata: Trailers) -> int:
     """The retry hint a status carried in its trailers, 0 without one."""
     value = next((value for key, value in (trailing_metadata or ()) if key == RETRY_AFTER_METADATA), "")
     return int(value) if value.isdigit() else 0
@@ -84,7 +89,7 @@ def retry_after_ms(trailing_metadata) -> int:
 ERROR_METADATA = "infermesh-error"
 
 
-def is_server_status(trailing_metadata) -> bool:
+def is_server_status(trailing_metadata: Trailers) -> bool:
     """Whether one of our servers sent the status (see ERROR_METADATA)."""
     return any(key == ERROR_METADATA for key, _ in (trailing_metadata or ()))
 
@@ -97,7 +102,7 @@ class ResourceExhausted(InfermeshError):
     code = 8
     code_name = "RESOURCE_EXHAUSTED"
 
-    def __init__(self, message: str, retry_after_ms: int = 0):
+    def __init__(self, message: str, retry_after_ms: int = 0) -> None:
         super().__init__(message)
         self.retry_after_ms = retry_after_ms
 

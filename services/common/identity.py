@@ -161,7 +161,10 @@ class Registry:
             raise RegistryError(f"{where}: field 'tenants' must map tenant names to their settings")
         if len(entries) > MAX_TENANTS:
             raise RegistryError(f"{where}: {len(entries)} tenants, more than {MAX_TENANTS}")
-        tenants, keys, certificates, principals = [], {}, {}, {}
+        tenants: list[Tenant] = []
+        keys: dict[str, str] = {}  # credential: tenant name
+        certificates: dict[str, str] = {}
+        principals: dict[str, str] = {}
         for name, body in entries.items():
             at = f"{where}: tenants.{name}"
             if not isinstance(name, str) or not name or name == ANONYMOUS:
@@ -169,7 +172,7 @@ class Registry:
             tenant, credentials = _tenant(name, body or {}, at)
             tenants.append(tenant)
             for kind, table, found in zip(
-                ("keys", "certificates", "principals"), (keys, certificates, principals), credentials
+                ("keys", "certificates", "principals"), (keys, certificates, principals), credentials, strict=True
             ):
                 for value in found:
                     if value in table and table[value] != name:

@@ -6,6 +6,7 @@ parts (MovingTime, size_class)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 # Decisions that must hold for nearly every batch, not the average one, take the
 # mean plus this many mean deviations: on a loaded machine one batch takes
@@ -19,7 +20,7 @@ def size_class(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
-def nearest_class(known: dict[int, object], rows: int) -> int:
+def nearest_class(known: Mapping[int, object], rows: int) -> int:
     """The size class of `rows` when `known` has it, else the known class nearest
     it on a log scale (a tie goes to the class learned first)."""
     key = size_class(rows)
@@ -30,7 +31,7 @@ class MovingTime:
     """A moving mean of seconds and a moving mean deviation from it, as TCP
     estimates a round trip and its variation; None until observed."""
 
-    def __init__(self, alpha: float = 0.2, beta: float = 0.25):
+    def __init__(self, alpha: float = 0.2, beta: float = 0.25) -> None:
         self._alpha = alpha
         self._beta = beta
         self.mean: float | None = None
@@ -51,7 +52,7 @@ class MovingTime:
 class LatencyProfile:
     """Seconds per batch per size class, each a MovingTime."""
 
-    def __init__(self, alpha: float = 0.2, beta: float = 0.25):
+    def __init__(self, alpha: float = 0.2, beta: float = 0.25) -> None:
         self._alpha = alpha
         self._beta = beta
         self._classes: dict[int, MovingTime] = {}
@@ -71,4 +72,6 @@ class LatencyProfile:
             return None
         nearest = nearest_class(self._classes, rows)
         scale = size_class(rows) / nearest
-        return self._classes[nearest].estimate(deviations) * (scale if shrink else max(scale, 1.0))
+        learned = self._classes[nearest].estimate(deviations)
+        assert learned is not None  # a class is made as it observes its first batch
+        return learned * (scale if shrink else max(scale, 1.0))

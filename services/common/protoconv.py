@@ -1,9 +1,17 @@
 """Conversions between the shared internal protos and the domain types."""
 
+from typing import cast
+
 from infermesh.common.v1 import tensor_pb2
 
 from services.common.errors import InfermeshError
 from services.common.tensors import TensorData
+from services.common.tier import Tier
+
+
+def tier_to_proto(tier: Tier) -> tensor_pb2.Tier:
+    """The wire value of a tier: the same number, as Tier's values are the proto enum's."""
+    return cast(tensor_pb2.Tier, tier)
 
 
 def tensor_to_proto(tensor: TensorData) -> tensor_pb2.Tensor:

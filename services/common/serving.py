@@ -154,6 +154,7 @@ class ErrorHandling:
         parse = handler.request_deserializer
         decoder = self._decoders.get(method)
         if decoder is not None:
+            assert self._decode_thread is not None  # made where there are decoders
             parse = _Decoding(decoder, self._decode_thread)
         if handler.unary_unary:
             if method in self._data_methods:
@@ -258,10 +259,10 @@ class ErrorHandling:
         return wrapper
 
     async def _abort(self, context, exc: Exception, method: str, started: float):
-        trailers = ()
+        trailers: tuple[tuple[str, str], ...] = ()
         if isinstance(exc, errors.InfermeshError):
             code, message = status_code(exc), errors.clipped(exc.message)
-            if getattr(exc, "retry_after_ms", 0):
+            if isinstance(exc, errors.ResourceExhausted) and exc.retry_after_ms:
                 trailers = ((errors.RETRY_AFTER_METADATA, str(exc.retry_after_ms)),)
         elif isinstance(exc, NotImplementedError):  # a method of the proto the servicer does not override
             code, message = grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented by the {self._service}"
@@ -432,7 +433,9 @@ def client_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str,
     ]
 
 
-def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+def add_health_and_reflection(
+    server: grpc.aio.Server | ErrorHandledServer, service_names: list[str]
+) -> health.aio.HealthServicer:
     """Serves grpc.health.v1 (overall and per service; grpc_health starts the
     overall status "" as SERVING, so a service not ready at once sets it
     first) and server reflection for `service_names`."""

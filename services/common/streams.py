@@ -18,28 +18,43 @@ in flight a frame holds one, and nothing waits to fill it.
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import heapq
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from services.common import errors
 from services.common.budget import ByteBudget
 
 log = logging.getLogger(__name__)
 
+Sent = TypeVar("Sent", bound=Message, contravariant=True)
+Frame = TypeVar("Frame", bound=Message, contravariant=True)
+Item = TypeVar("Item")
+
+
+class Multiplexed(Protocol):
+    """A message of a stream that carries many requests: the id of its request."""
+
+    @property
+    def id(self) -> int: ...
+
 
 @dataclasses.dataclass(frozen=True)
-class Framing:
+class Framing(Generic[Sent, Frame]):
     """How a stream carries several messages in one: `pack` makes a frame of a
-    list of messages, `unpack` gives a frame's messages back. A frame holds at
+    list of the messages this side sends (`Sent`), `unpack` gives the messages
+    of a frame it receives (`Frame`) back. A frame holds at
     most `max_messages`, and stops growing at `max_bytes` (by each message's
     ByteSize), so that it stays well inside the transport's message limit."""
 
-    pack: Callable[[list], object]
-    unpack: Callable[[object], Iterable]
+    pack: Callable[[list[Sent]], Message]
+    unpack: Callable[[Frame], Iterable[Multiplexed]]
     max_messages: int = 256
     max_bytes: int = 4 * 1024 * 1024
     # How long a client's frame may wait for company while the stream has
@@ -48,13 +63,18 @@ class Framing:
     linger_s: float = 0.0
 
 
+# The streams below carry whichever messages their callers' methods take: a
+# framing's types are the caller's, checked where it is made.
+AnyFraming = Framing[Any, Any]
+
+
 async def framed(
-    outbox: asyncio.Queue,
-    framing: Framing | None,
-    prepare: Callable[[object], object | None],
+    outbox: asyncio.Queue[Item],
+    framing: AnyFraming | None,
+    prepare: Callable[[Item], Message | None],
     sent: Callable[[int], None] | None = None,
     gather: Callable[[], Awaitable[None]] | None = None,
-) -> AsyncIterator:
+) -> AsyncGenerator[Message, None]:
     """The messages of `outbox` as they go on the wire, until a None: each
     item through prepare (None: nothing to send), in frames of what is queued
     when the next one is taken (one message each without a framing), after
@@ -68,7 +88,7 @@ async def framed(
                 if sent is not None:
                     sent(1)
         return
-    carried = None  # a prepared message that did not fit in the last frame
+    carried: Message | None = None  # a prepared message that did not fit in the last frame
     ended = False
     while not ended:
         if carried is None:
@@ -80,7 +100,8 @@ async def framed(
             message = prepare(item)
         else:
             message, carried = carried, None
-        frame, size = [], 0
+        frame: list[Message] = []
+        size = 0
         while True:
             if message is not None:
                 message_size = message.ByteSize()
@@ -108,13 +129,18 @@ class StreamLost(errors.Unavailable):
     idempotent, so sending it again is safe)."""
 
 
-def _unchanged(message):
+def _unchanged(message: Message | None) -> Message | None:
     return message
 
 
+# What a client stream sends: a request as (its id, what builds it once it is
+# sent), or a message as it is (a cancellation).
+_Outgoing = tuple[int, Callable[[int], Message]] | Message
+
+
 class _Stream:
-    def __init__(self, opened_at: float, framing: Framing | None):
-        self.outbox: asyncio.Queue = asyncio.Queue()
+    def __init__(self, opened_at: float, framing: AnyFraming | None):
+        self.outbox: asyncio.Queue[_Outgoing | None] = asyncio.Queue()
         self.pending: dict[int, asyncio.Future] = {}
         self.closed = False
         self.retired = False  # half-closed: takes nothing more, its answers still come
@@ -123,7 +149,7 @@ class _Stream:
         self.framing = framing
         self._waking: asyncio.Future | None = None  # set while a frame lingers
 
-    def messages(self) -> AsyncIterator:
+    def messages(self) -> AsyncIterator[Message]:
         """What goes on the wire, each request built only when gRPC takes it
         (after any wait for flow control), and not at all once its caller has
         left: the time left it states is then the time left."""
@@ -136,6 +162,7 @@ class _Stream:
         at once); cut short by a request sent `at_once` or a full frame (put)."""
         if len(self.pending) <= self.outbox.qsize() + 1:
             return
+        assert self.framing is not None  # only a framing's frames linger
         loop = asyncio.get_running_loop()
         self._waking = loop.create_future()
         timer = loop.call_later(self.framing.linger_s, self.wake)
@@ -145,16 +172,18 @@ class _Stream:
             timer.cancel()
             self._waking = None
 
-    def put(self, item, at_once: bool = False) -> None:
+    def put(self, item: _Outgoing | None, at_once: bool = False) -> None:
         self.outbox.put_nowait(item)
-        if self._waking is not None and (at_once or self.outbox.qsize() + 1 >= self.framing.max_messages):
-            self.wake()
+        if self._waking is not None:
+            assert self.framing is not None  # only a framing's frames linger
+            if at_once or self.outbox.qsize() + 1 >= self.framing.max_messages:
+                self.wake()
 
     def wake(self) -> None:
         if self._waking is not None and not self._waking.done():
             self._waking.set_result(None)
 
-    def _prepare(self, item):
+    def _prepare(self, item: _Outgoing | None) -> Message | None:
         if isinstance(item, tuple):
             request_id, build = item
             return build(request_id) if request_id in self.pending else None
@@ -168,9 +197,9 @@ class StreamMux:
         self,
         name: str,
         open_call: Callable,
-        cancel_message: Callable[[int], object] | None = None,
+        cancel_message: Callable[[int], Message] | None = None,
         max_age_s: float | None = None,
-        framing: Framing | None = None,
+        framing: AnyFraming | None = None,
     ):
         self._name = name
         self._framing = framing
@@ -197,7 +226,8 @@ class StreamMux:
             stream.retired = True
             stream.put(None, at_once=True)  # half-close: the server answers what it holds, then ends the stream
             self._retired.add(stream)
-            stream.reader.add_done_callback(lambda _, stream=stream: self._retired.discard(stream))
+            assert stream.reader is not None  # every stream's reader starts as it opens, below
+            stream.reader.add_done_callback(functools.partial(self._forget, stream))
             stream = None
         if stream is None or stream.closed:
             stream = _Stream(now, self._framing)
@@ -206,6 +236,9 @@ class StreamMux:
             self._stream = stream
             self.opened += 1
         return stream
+
+    def _forget(self, stream: _Stream, _reader: asyncio.Task) -> None:
+        self._retired.discard(stream)
 
     async def _read(self, stream: _Stream, call) -> None:
         error: errors.InfermeshError = StreamLost(f"{self._name} closed the stream before answering")
@@ -233,7 +266,7 @@ class StreamMux:
                     future.set_exception(error)
             stream.pending.clear()
 
-    async def request(self, build: Callable[[int], object], timeout_s: float | None = None, at_once: bool = False):
+    async def request(self, build: Callable[[int], Message], timeout_s: float | None = None, at_once: bool = False):
         """Sends build(id) and waits for the response with that id. On timeout
         or cancellation the server is told to drop the request (or, not yet
         sent, it never is). A request sent `at_once` has its frame go now, without
@@ -298,7 +331,7 @@ class StreamMux:
         await asyncio.gather(*(s.reader for s in streams if s.reader is not None), return_exceptions=True)
 
 
-def _byte_size(message) -> int:
+def _byte_size(message: Message) -> int:
     return message.ByteSize()
 
 
@@ -308,10 +341,10 @@ async def answer_concurrently(
     on_error: Callable[[object, Exception], object],
     max_unsent: int,
     draining: asyncio.Event | None = None,
-    framing: Framing | None = None,
+    framing: AnyFraming | None = None,
     budget: ByteBudget | None = None,
     on_refused: Callable[[object, errors.ResourceExhausted], object] | None = None,
-    size: Callable[[object], int] = _byte_size,
+    size: Callable[[Any], int] = _byte_size,  # of a request of the caller's type; protobuf's ByteSize by default
     idle_s: float | None = None,
 ) -> AsyncIterator:
     """The server side of a multiplexed stream, as an async generator.
@@ -388,12 +421,14 @@ async def answer_concurrently(
                             try:
                                 budget.acquire(held, "stream message")
                             except errors.ResourceExhausted as exc:
+                                assert on_refused is not None  # a budget comes with on_refused
                                 outbox.put_nowait(on_refused(request, exc))  # its slot frees once it is sent
                                 continue
                         task = asyncio.create_task(run(request))
                         tasks.add(task)
-                        if held:  # a done callback: it runs even for a task cancelled before it started
-                            task.add_done_callback(lambda _, held=held: budget.release(held))
+                        # A done callback: it runs even for a task cancelled before it started.
+                        if budget is not None and held:
+                            budget.release_when_done(task, held)
                         task.add_done_callback(done)
                 finally:
                     in_hand[0] -= 1
@@ -407,11 +442,11 @@ async def answer_concurrently(
         ended.set()
         maybe_finish()
 
-    async def watch_drain() -> None:
+    async def watch_drain(draining: asyncio.Event) -> None:
         await draining.wait()
         maybe_finish()
 
-    async def watch_idle() -> None:
+    async def watch_idle(idle_s: float) -> None:
         """Ends the stream once it has been idle for idle_s: an idle stream
         must not hold one of the server's calls for good."""
         while True:
@@ -428,11 +463,11 @@ async def answer_concurrently(
             slots.release()
 
     reader = asyncio.create_task(read())
-    watchers = [
-        asyncio.create_task(watch())
-        for watch, wanted in ((watch_drain, draining is not None), (watch_idle, bool(idle_s)))
-        if wanted
-    ]
+    watchers = []
+    if draining is not None:
+        watchers.append(asyncio.create_task(watch_drain(draining)))
+    if idle_s:
+        watchers.append(asyncio.create_task(watch_idle(idle_s)))
     try:
         async with contextlib.aclosing(framed(outbox, framing, _unchanged, release)) as messages:
             async for message in messages:

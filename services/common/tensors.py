@@ -8,6 +8,7 @@ and splitting it back is slicing: no decode on the batching path.
 import dataclasses
 import math
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -45,7 +46,7 @@ class TensorData:
         return self.shape[0] if self.shape else 1
 
 
-def element_count(shape: tuple[int, ...] | list[int]) -> int:
+def element_count(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 

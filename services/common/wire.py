@@ -117,7 +117,7 @@ class Reader:
         if wire_type == VARINT:
             value, after = varint(buf, pos, end)
             return number, VARINT, value, after, after
-        if wire_type == I32 or wire_type == I64:
+        if wire_type in (I32, I64):
             stop = pos + (4 if wire_type == I32 else 8)
             if stop > end:
                 raise WireError(f"field {number} at offset {tag_at} runs past the end of its message")

@@ -10,7 +10,7 @@ from services.launcher.supervisor import RestartPolicy
 # latency, a refusal's most of all (bench/batching.py runs its layouts at this niceness).
 MODEL_SERVER_NICE = 5
 
-Path = str | os.PathLike
+Path = str | os.PathLike[str]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,9 +130,11 @@ class Process:
         that does not announce itself is ready once it runs."""
         if not self.announces:
             return self.alive()
-        readable, _, _ = select.select([self.popen.stdout], [], [], wait_s)
+        stdout = self.popen.stdout
+        assert stdout is not None  # a process that announces itself prints to a pipe (_launch)
+        readable, _, _ = select.select([stdout], [], [], wait_s)
         if readable:
-            self._buffer += os.read(self.popen.stdout.fileno(), 65536)
+            self._buffer += os.read(stdout.fileno(), 65536)
             for line in self._buffer.splitlines():
                 if line.startswith(b"{") and b'"ready"' in line:
                     self.info = json.loads(line)
@@ -378,6 +380,7 @@ class Mesh:
 
     def start_cache(self) -> Process:
         """Spawns the cache service (also to restart it); the caller waits for it."""
+        assert self.redis_url is not None  # given, or our own redis-server's (start)
         argv = ["--redis-url", self.redis_url, "--tenants-file", self._tenants(), *self.config.cache_args]
         if self.config.l2_path:
             argv += ["--l2-path", str(self.config.l2_path)]

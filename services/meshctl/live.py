@@ -8,6 +8,7 @@ someone else made in between fails the patch instead of being overwritten.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -27,7 +28,7 @@ def weight_patch(live: dict, wanted: dict[str, int]) -> tuple[list[dict], dict[s
     ops: list[dict] = [
         {"op": "test", "path": "/metadata/resourceVersion", "value": live["metadata"]["resourceVersion"]}
     ]
-    old = None
+    old: dict[str, int] | None = None  # the first weighted route's
     for i, http in enumerate(live["spec"]["http"]):  # by position: two routes may be equal
         if id(http) not in split:
             continue
@@ -52,6 +53,7 @@ def weight_patch(live: dict, wanted: dict[str, int]) -> tuple[list[dict], dict[s
             "value": json.dumps(old, sort_keys=True),
         }
     )
+    assert old is not None  # there is a weighted route (split), and the first set it
     return ops, old
 
 
@@ -81,10 +83,8 @@ class Cluster:
             return method(GROUP, VERSION, self.namespace, PLURAL, *args, **kwargs)
         except ApiException as exc:
             reason = exc.reason
-            try:
-                reason = json.loads(exc.body).get("message", reason)
-            except (TypeError, ValueError):
-                pass
+            with contextlib.suppress(TypeError, ValueError):  # no body, or not JSON: the reason alone
+                reason = json.loads(exc.body or "").get("message", reason)
             raise MeshctlError(f"{what} in namespace {self.namespace!r}: HTTP {exc.status}: {reason}") from None
         except HTTPError as exc:
             raise MeshctlError(f"{what}: cannot reach the Kubernetes API: {exc}") from None

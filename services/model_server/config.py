@@ -33,7 +33,7 @@ class ManagerConfig:
     poll_interval_s: float = 5.0  # poll mode: between looks at the repository
     slice_s: float = 0.0  # the longest slice a standard batch runs in while VIP batches come; 0: whole batches
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.threads >= 1, f"threads must be >= 1, got {self.threads}")
         for name in ("rollback_grace_s", "probe_interval_s", "poll_interval_s", "slice_s"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
@@ -119,7 +119,7 @@ class ModelServerConfig(ServingLimits):
     )
     log_level: str = dataclasses.field(default="info")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         tls.check(self)
         self.check_largest("max_message_bytes", self.max_message_bytes)

@@ -176,7 +176,7 @@ def _check_inputs(config: ModelConfig, inputs: list[TensorData]) -> dict[str, Te
         if tensor.datatype != spec.datatype:
             raise errors.InvalidArgument(f"input '{name}' has datatype {tensor.datatype}; expected {spec.datatype}")
         if len(tensor.shape) != len(spec.shape) or any(
-            d < 0 or s not in (-1, d) for s, d in zip(spec.shape, tensor.shape)
+            d < 0 or s not in (-1, d) for s, d in zip(spec.shape, tensor.shape, strict=True)
         ):
             raise errors.InvalidArgument(
                 f"input '{name}' of model '{config.name}' has shape {list(tensor.shape)}; "

@@ -207,6 +207,7 @@ class TierGate:
         heapq.heappush(self._waiting, (-held.tier, held.order, future, rows))
         self._count_waiting(+1)
         index, held.index = held.index, None
+        assert index is not None  # a batch steps aside from the instance it holds
         self._release(index)  # to the higher batch: it is first in line
         try:
             held.index = await future
@@ -439,9 +440,11 @@ class LoadedVersion:
                 self._count_loan(held.index, tier)
                 if len(counts) == 1:
                     return await self._run_on(held.index, inputs, outputs, Running(0.0, rows, rows, tier))
-                pieces = [dict(zip(inputs, parts)) for parts in zip(*(split_rows(t, counts) for t in inputs.values()))]
+                # Each input in len(counts) parts: piece i holds every input's part i.
+                parts_of = [split_rows(t, counts) for t in inputs.values()]
+                pieces = [dict(zip(inputs, parts, strict=True)) for parts in zip(*parts_of, strict=True)]
                 results, left = [], rows
-                for i, (piece, count) in enumerate(zip(pieces, counts)):
+                for i, (piece, count) in enumerate(zip(pieces, counts, strict=True)):
                     if i and await self.gate.step_aside(held, count):
                         metrics.STEPPED_ASIDE.labels(self.config.name).inc()
                     if i and (lacking_s := self._time_lacking(arrived, timeout_s, counts[i:])) > 0:
@@ -449,8 +452,9 @@ class LoadedVersion:
                         raise NoTurn  # refused before its deadline, not finished after it
                     results.append(await self._run_on(held.index, piece, outputs, Running(0.0, count, left, tier)))
                     left -= count
-                return [concat_rows(list(parts)) for parts in zip(*results)]
+                return [concat_rows(list(parts)) for parts in zip(*results, strict=True)]
         except NoTurn:  # only a batch with timeout_s waits for a limited time
+            assert timeout_s is not None
             metrics.SHED.labels(self.config.name).inc()
             raise errors.ResourceExhausted(
                 f"model '{self.config.name}' version {self.version} is busy: this batch would not finish before its "
@@ -583,7 +587,10 @@ class LoadedVersion:
         graph_names = [self.config.graph_outputs.get(name, name) for name in wanted]
         results = instance.run(graph_names, feeds)
         specs = {spec.name: spec for spec in self.config.outputs}
-        return [from_numpy(name, np.asarray(value), specs[name].datatype) for name, value in zip(wanted, results)]
+        return [
+            from_numpy(name, np.asarray(value), specs[name].datatype)
+            for name, value in zip(wanted, results, strict=True)  # ONNX Runtime answers each name asked
+        ]
 
     def _feeds(self, instance: Instance, inputs: dict[str, TensorData]) -> dict[str, np.ndarray]:
         if self.tokenizer is None:
@@ -598,14 +605,16 @@ class LoadedVersion:
                     f"input '{text.name}' element {i} is not UTF-8 text (byte {exc.start}: {exc.reason})"
                 ) from None
         encodings = self.tokenizer.encode_batch(texts)
-        limit = self.config.preprocess.max_text_tokens
+        preprocess = self.config.preprocess
+        assert preprocess is not None  # a tokenizer is made from it (load_version)
+        limit = preprocess.max_text_tokens
         for i, encoding in enumerate(encodings):
             # Past max_length the tokenizer keeps the rest as overflowing pieces.
             if encoding.overflowing and _text_tokens(encoding) > limit:
                 raise errors.InvalidArgument(
                     f"input '{text.name}' element {i} of model '{self.config.name}' has more than {limit} tokens; "
                     f"the limit is {limit} tokens per text (preprocess.max_text_tokens), and the model reads the "
-                    f"first {self.config.preprocess.max_length}"
+                    f"first {preprocess.max_length}"
                 )
         mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
         metrics.PADDING.labels(self.config.name).observe(1.0 - mask.sum() / max(mask.size, 1))
@@ -747,7 +756,7 @@ def _session(path: pathlib.Path, config: ModelConfig, device_id: int | None, thr
     # Other services share these cores; spinning threads would steal them.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.log_severity_level = 3
-    providers = ["CPUExecutionProvider"]
+    providers: list[str | tuple[str, dict[str, int]]] = ["CPUExecutionProvider"]
     if device_id is not None:
         providers = [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
     try:
@@ -784,6 +793,7 @@ def _text_tokens(encoding) -> int:
 def _tokenizer_bytes(config: ModelConfig, version: str) -> bytes:
     """The version's tokenizer file, confined to its folder and read with a bound
     (load_config checked it already: a failure here is a file changed since)."""
+    assert config.preprocess is not None  # only a model with preprocess has a tokenizer
     try:
         path = config.tokenizer_path(version)
         if not path.exists():

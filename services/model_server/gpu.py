@@ -2,13 +2,14 @@
 
 import asyncio
 import logging
+import types
 
 from services.model_server import metrics
 
 log = logging.getLogger(__name__)
 
 
-def _nvml():
+def _nvml() -> types.ModuleType | None:
     try:
         import pynvml
 
@@ -19,7 +20,7 @@ def _nvml():
     return pynvml
 
 
-def sample(nvml) -> None:
+def sample(nvml: types.ModuleType) -> None:
     for index in range(nvml.nvmlDeviceGetCount()):
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         utilization = nvml.nvmlDeviceGetUtilizationRates(handle)

@@ -99,7 +99,7 @@ class Health:
         """(config, loaded versions newest first, ready versions, version -> hash
         of its files) per model with a version loaded."""
         listed = []
-        for name, model in sorted(self._versions.models.items()):
+        for _, model in sorted(self._versions.models.items()):
             loaded = model.loaded()
             if loaded and model.config is not None:
                 listed.append(
@@ -113,7 +113,7 @@ class Health:
         on; (0, 0, False) when none is ready."""
         model = self._versions.models.get(name)
         ready = model.ready_versions() if model is not None else []
-        if not ready:
+        if model is None or not ready:
             return 0, 0, False
         gate = model.serving[ready[0]].gate
         return gate.capacity, gate.reserved, gate.lending()

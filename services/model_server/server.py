@@ -169,8 +169,10 @@ class Readiness:
         task.add_done_callback(self._pending.discard)
 
     async def publish(self, model: str, ready: bool) -> None:
-        await self.health.set(model, SERVING if ready else NOT_SERVING)
-        await self.health.set("", SERVING if self._manager.all_ready() else NOT_SERVING)
+        health, manager = self.health, self._manager
+        assert health is not None and manager is not None  # attached before anything is published (__call__)
+        await health.set(model, SERVING if ready else NOT_SERVING)
+        await health.set("", SERVING if manager.all_ready() else NOT_SERVING)
 
 
 MAX_FIELDS = 1 << 17  # of one Execute message, all its tensors' included

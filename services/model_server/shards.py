@@ -128,7 +128,8 @@ class ShardedSession:
             step = {key: value for key, value in available.items() if key in takes}
             if name == "pool":
                 return sessions[0].run(list(output_names), step)
-            results = self._all_shards(name, [lambda s=s: s.run(None, step) for s in sessions])
+            # Each call binds what it runs on (the pool runs them while this segment waits).
+            results = self._all_shards(name, [lambda s=s, step=step: s.run(None, step) for s in sessions])
             total = results[0][-1] if len(results) == 1 else np.sum([r[-1] for r in results], axis=0)  # all-reduce
             if name != "embed":
                 residual = results[0][0]
@@ -172,7 +173,7 @@ class ShardedSession:
             results = self._all_shards(
                 name,
                 [
-                    lambda s=s, i=i: bound(s, i, takes, [o.name for o in s.get_outputs()]).get_outputs()
+                    lambda s=s, i=i, takes=takes: bound(s, i, takes, [o.name for o in s.get_outputs()]).get_outputs()
                     for i, s in enumerate(sessions)
                 ],
             )
@@ -248,7 +249,7 @@ def _sum_session(inputs: int, device: int | None) -> ort.InferenceSession:
     options.intra_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.log_severity_level = 3
-    providers = ["CPUExecutionProvider"]
+    providers: list[str | tuple[str, dict[str, int]]] = ["CPUExecutionProvider"]
     if device is not None:
         providers = [("CUDAExecutionProvider", {"device_id": device}), "CPUExecutionProvider"]
     return ort.InferenceSession(_sum_graph(inputs), options, providers=providers)

@@ -166,13 +166,15 @@ class Versions:
         current = model.loaded().get(version)
         if current is None or current.broken or current.fingerprint != version_fingerprint(config.path / version):
             return None  # not loaded, lost a shard, or its files changed: load it afresh
-        ignore_policy = {
-            "version_policy": config.version_policy,
-            "golden_probe": config.golden_probe,
-            "fallback": config.fallback,
-            "warmup_batch_sizes": config.warmup_batch_sizes,
-        }
-        return current if dataclasses.replace(current.config, **ignore_policy) == config else None
+        # Settings that change how a version is chosen or checked, not what it computes.
+        with_new_policy = dataclasses.replace(
+            current.config,
+            version_policy=config.version_policy,
+            golden_probe=config.golden_probe,
+            fallback=config.fallback,
+            warmup_batch_sizes=config.warmup_batch_sizes,
+        )
+        return current if with_new_policy == config else None
 
     async def _still_right(self, loaded: LoadedVersion, golden: Golden | None, config: ModelConfig) -> bool:
         """A standby or serving version is checked again before it (re)takes traffic."""

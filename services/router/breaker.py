@@ -25,9 +25,13 @@ import os
 import pathlib
 import random
 import time
+from typing import TYPE_CHECKING
 
 from services.common import errors
-from services.common.tensors import split_bytes_elements
+from services.common.tensors import TensorData, split_bytes_elements
+
+if TYPE_CHECKING:  # the core imports this module
+    from services.router.core import InferRequest
 
 COUNTED_CODES = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN", "DEADLINE_EXCEEDED"})
 HALF_OPEN_STEPS = (0.10, 0.25, 0.50)
@@ -143,7 +147,7 @@ class FailureSamples:
         self._per_minute = per_minute
         self._minute, self._written = -1, 0
 
-    def record(self, model: str, error, request) -> None:
+    def record(self, model: str, error: errors.InfermeshError, request: InferRequest) -> None:
         if self._content == "off":
             return
         now = time.time()
@@ -169,8 +173,8 @@ class FailureSamples:
             f.write(data)
         self._size += len(data)
 
-    def _describe(self, tensor) -> dict:
-        described = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+    def _describe(self, tensor: TensorData) -> dict[str, object]:
+        described: dict[str, object] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
         if tensor.datatype == "BYTES":
             texts = split_bytes_elements(tensor.data, tensor.name)[: self.TEXTS_PER_TENSOR]
             if self._content == "full":

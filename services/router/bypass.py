@@ -18,7 +18,7 @@ from services.router import metrics
 
 @dataclasses.dataclass
 class _ModelWindow:
-    outcomes: collections.deque  # hit or not, of the last `window` lookups (or, bypassed, of requests)
+    outcomes: collections.deque[bool]  # hit or not, of the last `window` lookups (or, bypassed, of requests)
     hits: int = 0  # in outcomes
     bypassed: bool = False
     # While bypassed: the digests of the latest requests, oldest first, to tell a repeat.

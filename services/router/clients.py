@@ -1,6 +1,7 @@
 """The router's gRPC clients: the batcher (submit and catalog) and the cache."""
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -8,7 +9,7 @@ from infermesh.batcher.v1 import batcher_pb2, batcher_pb2_grpc
 from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from services.common import errors, tls
-from services.common.protoconv import tensors_from_proto, tensors_to_proto
+from services.common.protoconv import tensors_from_proto, tensors_to_proto, tier_to_proto
 from services.common.serving import client_options
 from services.common.streams import Framing, StreamLost, StreamMux
 from services.common.tensors import TensorData
@@ -44,7 +45,7 @@ def batcher_target(address: str) -> tuple[str, list]:
     ]
 
 
-def submit_framing(linger_s: float) -> Framing:
+def submit_framing(linger_s: float) -> Framing[batcher_pb2.SubmitRequest, batcher_pb2.SubmitManyResponse]:
     """Submits go several to a message (SubmitMany): whatever is queued when
     gRPC takes the next one, after up to `linger_s` for company while others
     are in flight."""
@@ -128,7 +129,7 @@ class BatcherClient:
                 version=version,
                 inputs=proto_inputs,
                 outputs=outputs,
-                tier=tier,
+                tier=tier_to_proto(tier),
                 timeout_ms=timeout_ms,
                 tenant=tenant,
                 tenant_weight=weight,
@@ -157,10 +158,8 @@ class BatcherClient:
         # A moment for the channel to see the connection that broke, so that
         # "ready" below means a new one, not the old one not yet known dead.
         await asyncio.sleep(min(RETRY_PAUSE_S, max(0.0, deadline - loop.time() - MIN_RETRY_S)))
-        try:
+        with contextlib.suppress(TimeoutError):  # the second try says why it fails
             await asyncio.wait_for(self._channel.channel_ready(), min(RETRY_WAIT_S, deadline - loop.time()))
-        except TimeoutError:
-            pass  # the second try says why it fails
         try:
             response = await self._mux(loop).request(
                 build, max(0.0, deadline - loop.time()) + 1.0, at_once=tier == Tier.VIP
@@ -227,7 +226,8 @@ class CacheClient:
         """(outputs or None, the generation the lookup read); a failed lookup is a miss of no known generation."""
         try:
             response = await self._lookups.request(
-                lambda i: cache_pb2.LookupRequest(id=i, model=model, digest=digest, tier=tier), self._timeout_s
+                lambda i: cache_pb2.LookupRequest(id=i, model=model, digest=digest, tier=tier_to_proto(tier)),
+                self._timeout_s,
             )
         except (errors.InfermeshError, TimeoutError) as exc:
             metrics.CACHE.labels("error").inc()

@@ -2,11 +2,16 @@
 
 import dataclasses
 import ipaddress
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from services.common import tls
 from services.common.budget import MIB, ServingLimits
 from services.common.config import require
+
+if TYPE_CHECKING:  # imported where needed: the router's modules import this one
+    from services.router.breaker import BreakerPolicy, FailureSamples
+    from services.router.core import RouterSettings
+    from services.router.limits import RequestLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +203,7 @@ class RouterConfig(ServingLimits):
         },
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         tls.check(self)
         if "," in self.batcher:
@@ -214,7 +219,7 @@ class RouterConfig(ServingLimits):
             "trust_tier_header believes every claim: it cannot go with a tenants_file, whose tiers it would ignore",
         )
         require(
-            self.jwt_tenant_header == self.jwt_tenant_header.lower() and self.jwt_tenant_header.strip(),
+            self.jwt_tenant_header == self.jwt_tenant_header.lower() and bool(self.jwt_tenant_header.strip()),
             f"jwt_tenant_header must be a lower-case header name, got {self.jwt_tenant_header!r}",
         )
         require(
@@ -269,7 +274,7 @@ class RouterConfig(ServingLimits):
         for name in ("max_text_bytes", "max_inputs", "max_outputs", "max_parameters", "max_typed_elements"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
 
-    def request_limits(self):
+    def request_limits(self) -> "RequestLimits":
         from services.router.limits import RequestLimits
 
         return RequestLimits(
@@ -280,12 +285,12 @@ class RouterConfig(ServingLimits):
     def stream_message_bytes(self) -> int:
         return self.max_stream_message_bytes or self.max_request_bytes
 
-    def settings(self):
+    def settings(self) -> "RouterSettings":
         from services.router.core import RouterSettings
 
         return RouterSettings(self.default_timeout_s, self.breaker_policy(), self.request_limits())
 
-    def breaker_policy(self):
+    def breaker_policy(self) -> "BreakerPolicy":
         from services.router.breaker import BreakerPolicy
 
         return BreakerPolicy(
@@ -297,7 +302,7 @@ class RouterConfig(ServingLimits):
             self.breaker_min_counted_timeout_ms / 1000,
         )
 
-    def failure_samples(self):
+    def failure_samples(self) -> "FailureSamples | None":
         """The failure-samples file, or None where there is none."""
         from services.router.breaker import FailureSamples
 

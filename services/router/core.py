@@ -332,9 +332,10 @@ class Router:
         key = (flight.digest, flight.tier, flight.requested)
         loop = asyncio.get_running_loop()
         while True:
-            task, runs_until = self._running.get(key, (None, 0.0))
-            joined = task is not None
-            if joined:
+            running = self._running.get(key)
+            joined = running is not None
+            if running is not None:
+                task, runs_until = running
                 metrics.CACHE_BY["shared"].inc()
             else:
                 if self._cache is None or self._bypass.is_bypassed(flight.model):
@@ -345,7 +346,7 @@ class Router:
                     )
                 task, runs_until = asyncio.create_task(self._resolve(flight)), flight.deadline
                 self._running[key] = (task, runs_until)
-                task.add_done_callback(lambda done, key=key, model=flight.model: self._finished(key, model, done))
+                task.add_done_callback(functools.partial(self._finished, key, flight.model))
             self._waiting[key] = self._waiting.get(key, 0) + 1
             try:
                 if not joined or flight.deadline >= runs_until:
@@ -383,14 +384,15 @@ class Router:
             del self._running[key]
 
     async def _resolve(self, flight: "Flight") -> tuple[str, list[TensorData], bool]:
-        use_cache = self._cache is not None and self._bypass.should_use_cache(flight.model)
-        if use_cache:
+        # The cache to look up and store in, or None: none, or bypassed for this model now.
+        cache = self._cache if self._cache is not None and self._bypass.should_use_cache(flight.model) else None
+        if cache is not None:
             near = self._near.get(flight.digest)
             if near is not None:
                 metrics.CACHE_BY["near_hit"].inc()
                 self._bypass.record(flight.model, hit=True)
                 return flight.version, near, True
-            cached, generation = await self._cache.lookup(flight.model, flight.digest, flight.tier)
+            cached, generation = await cache.lookup(flight.model, flight.digest, flight.tier)
             self._bypass.record(flight.model, hit=cached is not None)
             if cached is not None:
                 self._near.put(flight.digest, cached)
@@ -401,9 +403,9 @@ class Router:
         used, outputs = await self._submit(
             flight.model, flight.requested, flight.inputs, flight.outputs, flight.tier, flight.deadline, flight.tenant
         )
-        if use_cache and used == flight.version:  # an answer from another version is not this key's
+        if cache is not None and used == flight.version:  # an answer from another version is not this key's
             # Under the generation the lookup read: a purge since makes it unreachable, as it should.
-            self._cache.store(flight.model, flight.digest, outputs, generation)
+            cache.store(flight.model, flight.digest, outputs, generation)
             self._near.put(flight.digest, outputs)
         return used, outputs, False
 
@@ -520,7 +522,7 @@ def check_contents(sig: ModelSignature, ordered: list[TensorData], limits: Reque
     """Checks each input's data against its shape (check_signature passed):
     as many bytes as the shape needs, or exactly its count of BYTES elements,
     each of at most max_text_bytes. Costs the shape's element count at most."""
-    for spec, tensor in zip(sig.inputs, ordered):
+    for spec, tensor in zip(sig.inputs, ordered, strict=True):
         check_tensor_data(tensor, _where(spec, sig.name), limits.max_text_bytes)
 
 
@@ -543,7 +545,7 @@ def check_signature(sig: ModelSignature, request: InferRequest) -> list[TensorDa
         if (
             len(shape) != len(spec.shape)
             or any(d < 0 for d in shape)
-            or any(want != -1 and got != want for got, want in zip(shape[1:], spec.shape[1:]))
+            or any(want != -1 and got != want for got, want in zip(shape[1:], spec.shape[1:], strict=True))
         ):
             _shape_error(spec, model, list(shape))
         batch = shape[0]
@@ -605,14 +607,15 @@ def _shape_error(spec: Spec, model: str, shape: list[int]) -> None:
         raise errors.InvalidArgument(
             f"{where} has shape {shape}; expected {len(spec.shape)} dimension(s) like {list(spec.shape)}"
         )
-    for axis, (got, want) in enumerate(zip(shape[1:], spec.shape[1:]), start=1):
+    for axis, (got, want) in enumerate(zip(shape[1:], spec.shape[1:], strict=True), start=1):
         if want != -1 and got != want:
             raise errors.InvalidArgument(
                 f"{where} has shape {shape}; dimension {axis} must be {want}, expected {list(spec.shape)}"
             )
 
 
-_DIGEST_PREFIXES: dict[tuple, "hashlib._Hash"] = {}  # (model, version, outputs, revision) -> hashed so far
+# (model, version, outputs, revision) -> hashed so far
+_DIGEST_PREFIXES: dict[tuple[str, str, tuple[str, ...], str], hashlib.blake2b] = {}
 _DIGEST_HEADS: dict[tuple, bytes] = {}  # (name, datatype, shape) -> its framed header
 _DIGEST_MEMO_ENTRIES = 4096  # both are cleared when full: their keys come from validated requests, so are few
 

@@ -8,6 +8,7 @@ with the functions below, so that they say the same.
 
 import dataclasses
 import math
+from collections.abc import Iterable
 
 from services.common import errors
 
@@ -41,7 +42,7 @@ class RequestLimits:
     max_typed_elements: int = 1 << 16  # in typed `contents`, all inputs together
     max_text_bytes: int = 64 * 1024  # of one BYTES element
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("max_inputs", "max_outputs", "max_parameters", "max_typed_elements", "max_text_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -58,11 +59,11 @@ class RequestLimits:
         return top + SLACK_FIELDS
 
 
-def shape_text(shape) -> str:
+def shape_text(shape: Iterable[int]) -> str:
     return str([int(d) for d in shape])
 
 
-def element_count(shape) -> int:
+def element_count(shape: Iterable[int]) -> int:
     return math.prod(shape)
 
 
@@ -82,11 +83,11 @@ def too_many_dims(name: str) -> errors.InvalidArgument:
     return errors.InvalidArgument(f"input {errors.shown(name)} has a shape of more than {MAX_DIMS} dimensions")
 
 
-def negative_dimension(name: str, shape) -> errors.InvalidArgument:
+def negative_dimension(name: str, shape: Iterable[int]) -> errors.InvalidArgument:
     return errors.InvalidArgument(f"input {errors.shown(name)} has shape {shape_text(shape)} with a negative dimension")
 
 
-def too_many_elements(name: str, field: str, shape, allowed: int) -> errors.InvalidArgument:
+def too_many_elements(name: str, field: str, shape: Iterable[int], allowed: int) -> errors.InvalidArgument:
     return errors.InvalidArgument(
         f"input {errors.shown(name)} carries more than {allowed} {field} elements; its "
         f"shape {shape_text(shape)} holds {allowed}"

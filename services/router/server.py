@@ -164,7 +164,7 @@ def _stream_error(request, exc: errors.InfermeshError) -> pb.ModelStreamInferRes
             model_name=request.model_name, model_version=request.model_version, id=request.id
         )
     response.parameters["grpc_status"].string_param = exc.code_name
-    if getattr(exc, "retry_after_ms", 0):
+    if isinstance(exc, errors.ResourceExhausted) and exc.retry_after_ms:
         response.parameters[errors.RETRY_AFTER_METADATA.replace("-", "_")].int64_param = exc.retry_after_ms
     return pb.ModelStreamInferResponse(
         error_message=errors.clipped(f"{exc.code_name}: {exc.message}"), infer_response=response

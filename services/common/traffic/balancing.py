@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 OVERPROVISIONING_PERCENT = 140  # Envoy's default overprovisioning factor, which Istio leaves as it is
 
 
 class Weighted(Protocol):
-    weight: int
+    @property
+    def weight(self) -> int: ...
 
 
-def pick(destinations: Sequence[Weighted], rng: random.Random):
+W = TypeVar("W", bound=Weighted)
+
+
+def pick(destinations: Sequence[W], rng: random.Random) -> W:
     """One weighted pick; weights are relative, a weight of 0 is never picked."""
     total = sum(d.weight for d in destinations)
     point = rng.uniform(0, total)

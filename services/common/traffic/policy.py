@@ -195,8 +195,8 @@ class PolicyFiles:
         self._paths = [pathlib.Path(p) for p in paths]
         self._host = host
         self._log = log
-        self._stamp: tuple = ()
-        self.service: VirtualService | None = None
+        self._stamp: tuple | None = None  # of the files last read; None: not read yet
+        self.service: VirtualService  # set by the first reload, which raises without one
         self.rule: DestinationRule | None = None
         self.reload(strict=True)
 
