@@ -1,4 +1,4 @@
-"""Runs the batcher: python -m services.batcher --model-servers 127.0.0.1:8011."""
+"""Runs the batcher: infermesh-batcher (or python -m services.batcher) --model-servers 127.0.0.1:8011."""
 
 import asyncio
 import logging

@@ -1,4 +1,4 @@
-"""Runs the cache service: python -m services.cache --redis-url redis://127.0.0.1:6379/0 --l2-path var/cache."""
+"""Runs the cache service: infermesh-cache (or python -m services.cache) --redis-url redis://127.0.0.1:6379/0 --l2-path var/cache."""
 
 import asyncio
 import sys

@@ -12,7 +12,7 @@ The registry is a YAML file (a Secret in Kubernetes):
     tenants:
       acme:
         tier: vip                # the highest tier it may use; its requests default to it
-        keys: ["sha256:<hex>"]   # bearer keys, hashed (python -m services.meshctl tenants hash)
+        keys: ["sha256:<hex>"]   # bearer keys, hashed (meshctl tenants hash)
         certificates: ["acme-client"]          # client-certificate CN or SAN (mTLS)
         principals: ["spiffe://cluster.local/ns/acme/sa/app"]  # Istio peer principals
         admin: false             # may call the control RPCs (model load/unload, cache purge)
@@ -279,7 +279,7 @@ def _tenant(name: str, body, at: str) -> tuple[Tenant, tuple[list[str], list[str
     if bad:
         raise RegistryError(
             f"{at}: keys are stored hashed, as '{KEY_PREFIX}<64 hex digits>' "
-            f"(python -m services.meshctl tenants hash); got {bad[0][:20]!r}..."
+            f"(meshctl tenants hash); got {bad[0][:20]!r}..."
         )
     admin = body.get("admin", False)
     if not isinstance(admin, bool):

@@ -82,7 +82,7 @@ def main() -> int:
         type=pathlib.Path,
         default=pathlib.Path(os.environ.get("INFERMESH_TENANTS_FILE", "var/tenants.yaml")),
         help="the router's tenant registry; made with development tenants (keys printed once) if "
-        "missing (python -m services.meshctl tenants)",
+        "missing (meshctl tenants)",
     )
     args = parser.parse_args()
     if args.routers < 1:

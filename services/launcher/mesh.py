@@ -314,7 +314,7 @@ class Mesh:
             module,
             "--host",
             self.config.host if public else self.config.internal_host,
-            *self._tls_args(module),
+            *tls_args(self.tls_dir, module),
             *args,
         ]
         if not public:
@@ -348,23 +348,6 @@ class Mesh:
                 }
                 for name, p in self.processes.items()
             }
-
-    def _tls_args(self, module: str) -> list[str]:
-        if self.tls_dir is None:
-            return []
-        certificate = CERTIFICATES[module]
-        argv = [
-            "--tls-cert-file",
-            str(self.tls_dir / f"{certificate}.pem"),
-            "--tls-key-file",
-            str(self.tls_dir / f"{certificate}.key"),
-            "--tls-ca-file",
-            str(self.tls_dir / "ca.pem"),
-            "--tls-require-client-cert",
-        ]
-        if module in ("services.router", "services.batcher"):  # they call other services
-            argv.append("--upstream-tls")
-        return argv
 
     def client_files(self, client: str = "admin-dev") -> tuple[str, str, str] | None:
         """The CA, certificate and key files a caller of this mesh uses (`client`'s
@@ -400,47 +383,13 @@ class Mesh:
         if self.redis_dir is None:
             self.redis_dir = tempfile.mkdtemp(prefix="infermesh-redis-")
         socket_path = os.path.join(self.redis_dir, "redis.sock")
-        # redis-server cannot ask for a death signal itself as our services do; where
-        # util-linux's setpriv is there it asks for it before it execs redis-server.
-        setpriv = shutil.which("setpriv")
-        argv = [
-            *([setpriv, "--pdeathsig", "TERM"] if setpriv else []),
-            executable,
-            "--port",
-            "0",
-            "--bind",
-            "127.0.0.1",
-            "--unixsocket",
-            socket_path,
-            "--unixsocketperm",
-            "700",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--daemonize",
-            "no",
-            "--maxmemory",
-            "512mb",
-            "--maxmemory-policy",
-            "allkeys-lru",
-            "--dir",
-            self.redis_dir,
-        ]
         with self.lock:
-            process = Process("redis", argv, self.log_dir, self.env, announces=False)
+            process = Process(
+                "redis", redis_argv(executable, socket_path, self.redis_dir), self.log_dir, self.env, announces=False
+            )
             self.processes["redis"] = process
         self.redis_url = f"unix://{socket_path}"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if not process.alive():
-                raise MeshError(f"redis-server exited with code {process.popen.returncode}\n{process.log_tail()}")
-            try:
-                if redis.Redis.from_url(self.redis_url, socket_timeout=0.5).ping():
-                    return
-            except (redis.RedisError, OSError):
-                time.sleep(0.05)
-        raise MeshError("redis-server did not answer PING within 10s")
+        wait_for_redis(process, self.redis_url, timeout_s=10)
 
     def stop_redis(self) -> None:
         self.stop_service("redis")
@@ -494,3 +443,60 @@ class Mesh:
 
     def dead(self) -> list[str]:
         return [name for name, p in self.processes.items() if not p.alive()]
+
+
+def tls_args(tls_dir: pathlib.Path | None, module: str) -> list[str]:
+    """The options that put one of our services on mutual TLS with tools.certs' files."""
+    if tls_dir is None:
+        return []
+    certificate = CERTIFICATES[module]
+    argv = [
+        "--tls-cert-file",
+        str(tls_dir / f"{certificate}.pem"),
+        "--tls-key-file",
+        str(tls_dir / f"{certificate}.key"),
+        "--tls-ca-file",
+        str(tls_dir / "ca.pem"),
+        "--tls-require-client-cert",
+    ]
+    if module in ("services.router", "services.batcher"):  # they call other services
+        argv.append("--upstream-tls")
+    return argv
+
+
+def redis_argv(executable: str, socket_path: str, folder: str) -> list[str]:
+    """A redis-server on a Unix socket only (no TCP port to collide or expose), nothing saved,
+    bounded in memory. redis-server cannot ask for a death signal itself as our services do;
+    where util-linux's setpriv is there it asks for it before it execs redis-server."""
+    setpriv = shutil.which("setpriv")
+    options = {
+        "port": "0",
+        "bind": "127.0.0.1",
+        "unixsocket": socket_path,
+        "unixsocketperm": "700",
+        "save": "",
+        "appendonly": "no",
+        "daemonize": "no",
+        "maxmemory": "512mb",
+        "maxmemory-policy": "allkeys-lru",
+        "dir": folder,
+    }
+    return [
+        *([setpriv, "--pdeathsig", "TERM"] if setpriv else []),
+        executable,
+        *(item for name, value in options.items() for item in (f"--{name}", value)),
+    ]
+
+
+def wait_for_redis(process: "Process", url: str, timeout_s: float) -> None:
+    """Returns once redis-server answers PING; raises MeshError if it exits or stays silent."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not process.alive():
+            raise MeshError(f"redis-server exited with code {process.popen.returncode}\n{process.log_tail()}")
+        try:
+            if redis.Redis.from_url(url, socket_timeout=0.5).ping():
+                return
+        except (redis.RedisError, OSError):
+            time.sleep(0.05)
+    raise MeshError(f"redis-server did not answer PING within {timeout_s:.0f}s")

@@ -1,12 +1,12 @@
 """meshctl: the operators' CLI for the traffic policy.
 
-    python -m services.meshctl status model-server
-    python -m services.meshctl set-weights model-server blue=90 green=10
-    python -m services.meshctl promote model-server green
-    python -m services.meshctl rollback model-server
-    python -m services.meshctl rollout model-server green --step 10 --interval-s 30
-    python -m services.meshctl tenants add acme --tier vip   (services/meshctl/tenants.py)
-    python -m services.meshctl services    (a local mesh's processes: pid, state, restarts, ready)
+    meshctl status model-server
+    meshctl set-weights model-server blue=90 green=10
+    meshctl promote model-server green
+    meshctl rollback model-server
+    meshctl rollout model-server green --step 10 --interval-s 30
+    meshctl tenants add acme --tier vip   (services/meshctl/tenants.py)
+    meshctl services    (a local mesh's processes: pid, state, restarts, ready)
 
 Edits go to the policy file (default mesh/istio/model-server-traffic.yaml),
 keeping its comments and order; a running local mesh picks them up within a

@@ -1,9 +1,9 @@
 """meshctl tenants: the tenant registry's keys and settings.
 
-    python -m services.meshctl tenants init              # var/tenants.yaml with development tenants
-    python -m services.meshctl tenants add acme --tier vip --rate-per-s 200
-    python -m services.meshctl tenants list
-    python -m services.meshctl tenants hash              # a key read from stdin, as the registry stores it
+    meshctl tenants init              # var/tenants.yaml with development tenants
+    meshctl tenants add acme --tier vip --rate-per-s 200
+    meshctl tenants list
+    meshctl tenants hash              # a key read from stdin, as the registry stores it
 
 A key is shown once, when it is made: the registry keeps only its SHA-256. A
 running router reads the file again within a few seconds of a change.

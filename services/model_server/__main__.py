@@ -1,4 +1,4 @@
-"""Runs the model server: python -m services.model_server --model-repository build/models."""
+"""Runs the model server: infermesh-model-server (or python -m services.model_server) --model-repository build/models."""
 
 import asyncio
 import contextlib

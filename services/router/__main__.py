@@ -1,4 +1,4 @@
-"""Runs the router: python -m services.router --batcher 127.0.0.1:8021 --cache 127.0.0.1:8031."""
+"""Runs the router: infermesh-router (or python -m services.router) --batcher 127.0.0.1:8021 --cache 127.0.0.1:8031."""
 
 import asyncio
 import logging

@@ -145,7 +145,7 @@ _NO_REGISTRY = Settings(registry=None)
 def _model_control_elsewhere(method: str) -> errors.InfermeshError:
     return errors.Unimplemented(
         f"{method} is not served by the router: models are loaded and unloaded on the model servers "
-        "(their GRPCInferenceService, or python -m services.meshctl), and the router follows their catalog"
+        "(their GRPCInferenceService, or meshctl), and the router follows their catalog"
     )
 
 
