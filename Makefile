@@ -173,8 +173,9 @@ test: stubs
 	$(TEST_ENV) $(PY) -m pytest $(RANDOMLY) tests
 
 # The unit tier alone: in-process, no servers or subprocesses (pytest.ini).
+# The property and fuzz tests run a fifth of their examples here (tests/conftest.py, fuzz_examples).
 test-fast: stubs
-	$(PY) -m pytest $(RANDOMLY) -m unit tests
+	INFERMESH_FUZZ_SCALE=0.2 $(PY) -m pytest $(RANDOMLY) -m unit tests
 
 # The e2e tier alone: the whole mesh, ghz, the kube-apiserver.
 test-e2e: stubs

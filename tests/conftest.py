@@ -229,6 +229,15 @@ def redis_binary() -> str:
     return path
 
 
+def fuzz_examples(full: int) -> int:
+    """How many examples a property or fuzz test generates: `full` under make test, a share of
+    it under make test-fast (INFERMESH_FUZZ_SCALE, 0 < scale <= 1), at least 50."""
+    scale = float(os.environ.get("INFERMESH_FUZZ_SCALE", "1"))
+    if not 0 < scale <= 1:
+        raise ValueError(f"INFERMESH_FUZZ_SCALE must be in (0, 1], got {scale}")
+    return max(50, round(full * scale))
+
+
 def metric(url: str, name: str, **labels) -> float:
     """The sum of samples of `name` whose labels include `labels`."""
     return sum(v for (n, ls), v in scrape(url).items() if n == name and set(labels.items()) <= set(ls))

@@ -19,9 +19,11 @@ from services.common.tensors import (
     element_count,
     pack_bytes_elements,
 )
+from tests.conftest import fuzz_examples
 
 pytestmark = pytest.mark.unit
-FUZZ = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# make test runs 1000 examples per property; make test-fast fewer (tests/conftest.py, fuzz_examples).
+FUZZ = settings(max_examples=fuzz_examples(1000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite

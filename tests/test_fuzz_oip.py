@@ -4,6 +4,7 @@ counts): no crash, no hang, every refusal a named status naming the field."""
 import pytest
 
 from services.router.limits import RequestLimits
+from tests.conftest import fuzz_examples
 from tools import fuzz_oip
 
 
@@ -15,9 +16,10 @@ def clean(tally: fuzz_oip.Tally) -> None:
 
 @pytest.mark.unit
 def test_generated_requests_through_decode_and_validation():
-    tally = fuzz_oip.run_in_process(400, RequestLimits(), seed=7, trace_every=50)
+    count = fuzz_examples(400)
+    tally = fuzz_oip.run_in_process(count, RequestLimits(), seed=7, trace_every=50)
     clean(tally)
-    assert tally.requests == 400
+    assert tally.requests == count
 
 
 @pytest.mark.e2e

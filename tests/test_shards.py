@@ -50,6 +50,22 @@ def version_dir(model_repository) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
+def sharded_sessions(version_dir):
+    """minilm's shard sessions per degree, loaded once for the module (a load is most of a
+    test's time) and closed after it."""
+    opened: dict[int, ShardedSession] = {}
+
+    def sessions(degree: int) -> ShardedSession:
+        if degree not in opened:
+            opened[degree] = ShardedSession(version_dir / f"tp{degree}", degree, _session, [None] * degree)
+        return opened[degree]
+
+    yield sessions
+    for sharded in opened.values():
+        sharded.close()
+
+
+@pytest.fixture(scope="module")
 def feeds(version_dir) -> dict[str, np.ndarray]:
     tokenizer = Tokenizer.from_file(str(version_dir / "tokenizer.json"))
     tokenizer.enable_truncation(max_length=256)
@@ -75,16 +91,13 @@ def test_degrees_that_do_not_divide_are_refused():
 
 @pytest.mark.unit
 @pytest.mark.parametrize("degree", [2, 4])
-def test_shards_equal_the_whole_model_on_a_padded_batch(version_dir, feeds, degree):
+def test_shards_equal_the_whole_model_on_a_padded_batch(version_dir, feeds, sharded_sessions, degree):
     (whole,) = _session(version_dir / "model.onnx").run(["sentence_embedding"], feeds)
-    sharded = ShardedSession(version_dir / f"tp{degree}", degree, _session, [None] * degree)
-    try:
-        (split,) = sharded.run(["sentence_embedding"], feeds)
-        (one,) = sharded.run(
-            ["sentence_embedding"], {k: v[2:3, : int(v[2:3].astype(bool).sum()) or 1] for k, v in feeds.items()}
-        )
-    finally:
-        sharded.close()
+    sharded = sharded_sessions(degree)
+    (split,) = sharded.run(["sentence_embedding"], feeds)
+    (one,) = sharded.run(
+        ["sentence_embedding"], {k: v[2:3, : int(v[2:3].astype(bool).sum()) or 1] for k, v in feeds.items()}
+    )
     assert split.shape == (len(TEXTS), 384)
     assert np.abs(split - whole).max() <= 1e-4
     assert np.abs(one - whole[2:3]).max() <= 1e-4
@@ -92,14 +105,11 @@ def test_shards_equal_the_whole_model_on_a_padded_batch(version_dir, feeds, degr
 
 @pytest.mark.unit
 @pytest.mark.parametrize("degree", [2, 4])
-def test_the_bound_loop_gives_what_the_host_loop_gives(version_dir, feeds, degree):
+def test_the_bound_loop_gives_what_the_host_loop_gives(feeds, sharded_sessions, degree):
     # The GPU path's loop (IOBinding, the all-reduce a Sum session) bound to CPU memory here.
-    sharded = ShardedSession(version_dir / f"tp{degree}", degree, _session, [None] * degree)
-    try:
-        (host,) = sharded.run(["sentence_embedding"], feeds)
-        (bound,) = sharded._run_bound(["sentence_embedding"], feeds)
-    finally:
-        sharded.close()
+    sharded = sharded_sessions(degree)
+    (host,) = sharded.run(["sentence_embedding"], feeds)
+    (bound,) = sharded._run_bound(["sentence_embedding"], feeds)
     assert bound.shape == host.shape == (len(TEXTS), 384)
     assert np.abs(bound - host).max() <= 1e-6
 
