@@ -20,14 +20,14 @@ $(shell mkdir -p $(VERSIONS); \
     f=$(VERSIONS)/$${pair%%=*}; [ "$$(cat $$f 2>/dev/null)" = "$${pair#*=}" ] || echo "$${pair#*=}" > $$f; done)
 PROTOS := $(shell find protos -name '*.proto' | sort)
 
-.PHONY: help setup venv system-deps ghz kustomize istio-crds monitoring-crds kube-test-server stubs models tenants certs run test \
+.PHONY: help setup venv system-deps ghz kustomize istio-crds monitoring-crds kube-test-server jaeger stubs models tenants certs run test \
   test-fast test-e2e test-stress lint format typecheck check-manifests bench chaos inflight soak peers bench-peers clean
 
 # make help: the targets a user runs, one line each.
 help:
 	@printf '%s\n' \
 	  'make setup            everything the mesh and its tests need (venv, redis-server, ghz, kustomize,' \
-	  '                      kube-apiserver, CRDs, stubs, models, the tenant registry)' \
+	  '                      kube-apiserver, jaeger, CRDs, stubs, models, the tenant registry)' \
 	  'make run              the whole mesh in the foreground, supervised (TLS=1: mutual TLS; ROUTERS=n)' \
 	  'make test             the whole suite, shuffled (SEED=n replays an order; TLS=1 on mutual TLS)' \
 	  'make test-fast        the unit tier alone' \
@@ -45,7 +45,7 @@ help:
 	  'make bench-peers      the mesh beside PyTriton and Ray Serve' \
 	  'make clean            remove gen/, build/ and var/'
 
-setup: venv system-deps ghz kustomize istio-crds monitoring-crds kube-test-server stubs models tenants
+setup: venv system-deps ghz kustomize istio-crds monitoring-crds kube-test-server jaeger stubs models tenants
 	@echo "setup complete: 'make run' starts the mesh, 'make test' runs the tests"
 
 venv: $(VENV)/.installed
@@ -125,6 +125,16 @@ bin/etcd: tools/kube/go.mod tools/kube/go.sum
 	@echo "building etcd (tools/kube) for the tests ..."
 	@set -o pipefail; cd tools/kube && go build -v -o ../../bin/etcd go.etcd.io/etcd/server/v3 2>&1 \
 	  | $(GO_PROGRESS)
+
+# Jaeger v2, the trace backend of the tests and of make run TRACING=1 (tests/jaeger.py,
+# tools/jaeger/config.yaml): built from the version tools/jaeger/go.mod pins (a few minutes).
+jaeger: bin/jaeger
+
+bin/jaeger: tools/jaeger/go.mod tools/jaeger/go.sum
+	@echo "building jaeger from github.com/jaegertracing/jaeger (tools/jaeger) for tracing ..."
+	@set -o pipefail; cd tools/jaeger && go build -v -o ../../bin/jaeger github.com/jaegertracing/jaeger/cmd/jaeger 2>&1 \
+	  | $(GO_PROGRESS)
+	@touch $@
 
 # The stubs, and the project installed in the venv over them (pyproject.toml): the
 # services' console scripts (meshctl, infermesh-router, ...) and the stubs importable
