@@ -28,7 +28,8 @@ help:
 	@printf '%s\n' \
 	  'make setup            everything the mesh and its tests need (venv, redis-server, ghz, kustomize,' \
 	  '                      kube-apiserver, jaeger, CRDs, stubs, models, the tenant registry)' \
-	  'make run              the whole mesh in the foreground, supervised (TLS=1: mutual TLS; ROUTERS=n)' \
+	  'make run              the whole mesh in the foreground, supervised (TLS=1: mutual TLS; ROUTERS=n;' \
+	  '                      TRACING=1: traces to a Jaeger of its own)' \
 	  'make test             the whole suite, shuffled (SEED=n replays an order; TLS=1 on mutual TLS)' \
 	  'make test-fast        the unit tier alone' \
 	  'make test-e2e         the e2e tier alone' \
@@ -169,9 +170,9 @@ certs: venv system-deps
 # Only what the mesh itself needs (the test and manifest tools are setup's).
 # make run ROUTERS=2: that many router processes share the port (SO_REUSEPORT).
 # make run TLS=1: every hop on mutual TLS with the certificates of $(CERTS).
-run: venv system-deps stubs models $(if $(TLS),certs)
+run: venv system-deps stubs models $(if $(TLS),certs) $(if $(TRACING),jaeger)
 	$(PY) -m services.launcher --models $(MODEL_REPO) $(if $(ROUTERS),--routers $(ROUTERS)) \
-	  $(if $(TLS),--tls-dir $(CERTS))
+	  $(if $(TLS),--tls-dir $(CERTS)) $(if $(TRACING),--tracing)
 
 # Every run is in a shuffled order (pytest-randomly), its seed printed at the top
 # ("Using --randomly-seed=N"); make test SEED=N replays that order.

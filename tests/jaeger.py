@@ -3,32 +3,20 @@ with tools/jaeger/config.yaml, on free loopback ports, spans kept in memory; `tr
 reads a trace back through the query API as the spans that were sent."""
 
 import base64
-import contextlib
 import dataclasses
 import json
-import os
 import pathlib
 import re
-import socket
-import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from services.launcher import jaeger as jaeger_process
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-BINARY = ROOT / "bin" / "jaeger"
-CONFIG = ROOT / "tools" / "jaeger" / "config.yaml"
-# The environment variable that sets each listener's port (tools/jaeger/config.yaml).
-PORT_VARIABLES = {
-    "otlp_grpc": "INFERMESH_JAEGER_OTLP_GRPC_PORT",
-    "otlp_http": "INFERMESH_JAEGER_OTLP_HTTP_PORT",
-    "query_http": "INFERMESH_JAEGER_QUERY_HTTP_PORT",
-    "query_grpc": "INFERMESH_JAEGER_QUERY_GRPC_PORT",
-    "health": "INFERMESH_JAEGER_HEALTH_PORT",
-}
+BINARY = ROOT / jaeger_process.BINARY
 # OTLP's enums, by the numbers the query API's JSON gives them.
 SPAN_KINDS = ("UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")
 STATUS_CODES = ("UNSET", "OK", "ERROR")
@@ -57,15 +45,6 @@ class Span:
     status: str
     attributes: dict[str, object]
     links: tuple[Link, ...]
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct free loopback ports (held together while chosen, so none repeats)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
 
 
 def _value(any_value: dict) -> object:
@@ -117,67 +96,12 @@ def _spans(traces_data: dict) -> list[Span]:
     return spans
 
 
-class Jaeger:
-    """`with Jaeger() as jaeger:` runs bin/jaeger until the block ends; spans sent to
-    jaeger.otlp_grpc_endpoint ("127.0.0.1:port") or jaeger.otlp_http_endpoint
-    ("http://127.0.0.1:port", traces at /v1/traces) come back from jaeger.trace()."""
+class Jaeger(jaeger_process.Jaeger):
+    """The launcher's Jaeger (services/launcher/jaeger.py) on free ports, and
+    trace(): a trace read back through the query API as the spans that were sent."""
 
-    def __enter__(self):
-        if not BINARY.exists():
-            raise RuntimeError(f"{BINARY} is missing: run `make setup`")
-        self._stack = contextlib.ExitStack()
-        try:
-            self._begin()
-        except BaseException:  # a server that started must not outlive a failed start
-            self._stack.close()
-            raise
-        return self
-
-    def _begin(self) -> None:
-        self.dir = pathlib.Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="jaeger-")))
-        self.ports = dict(zip(PORT_VARIABLES, _free_ports(len(PORT_VARIABLES)), strict=True))
-        self.otlp_grpc_endpoint = f"127.0.0.1:{self.ports['otlp_grpc']}"
-        self.otlp_http_endpoint = f"http://127.0.0.1:{self.ports['otlp_http']}"
-        self.query_url = f"http://127.0.0.1:{self.ports['query_http']}"
-        self.log_path = self.dir / "jaeger.log"
-        log = open(self.log_path, "wb")  # noqa: SIM115 - closed by the stack, after the process
-        self._stack.callback(log.close)
-        environment = os.environ | {PORT_VARIABLES[name]: str(port) for name, port in self.ports.items()}
-        self.process = subprocess.Popen(
-            [str(BINARY), "--config", str(CONFIG)], stdout=log, stderr=subprocess.STDOUT, cwd=self.dir, env=environment
-        )
-        self._stack.callback(self._stop)
-        self._wait_ready()
-
-    def _stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def _check_alive(self) -> None:
-        if self.process.poll() is not None:
-            raise RuntimeError(f"jaeger exited with status {self.process.returncode}:\n{self.log_tail()}")
-
-    def _wait_ready(self, timeout_s: float = 60.0) -> None:
-        """Returns once the health check says every pipeline has started."""
-        url = f"http://127.0.0.1:{self.ports['health']}/status"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self._check_alive()
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:  # not listening yet, or 503 while it starts
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"jaeger was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+    def __init__(self):
+        super().__init__(ROOT)
 
     def trace(self, trace_id_hex: str, timeout_s: float = 10.0, min_spans: int = 1) -> list[Span]:
         """The spans of a trace, polled for until at least `min_spans` of them are stored;
@@ -203,9 +127,6 @@ class Jaeger:
                     f"wanted at least {min_spans}: {[s.name for s in spans]}"
                 )
             time.sleep(0.05)
-
-    def __exit__(self, *exc):
-        self._stack.close()
 
 
 @pytest.fixture(scope="session")

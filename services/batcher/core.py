@@ -33,7 +33,7 @@ from services.batcher.levels import Levels
 from services.batcher.pending import ModelLimits, Pending, fail_all
 from services.batcher.policy import FixedPolicy, Policy, QueueView, make_policy
 from services.batcher.slots import SlotPool
-from services.common import errors
+from services.common import errors, tracing
 from services.common.identity import MAX_WEIGHT, MIN_WEIGHT
 from services.common.tensors import TensorData, check_tensor_size
 from services.common.tier import TIERS, Tier
@@ -142,6 +142,7 @@ class ModelQueue:
             slot, tiers = await self._slots.acquire(
                 lambda: bool(self._levels.queued[Tier.VIP]), lambda: bool(self._levels.queued[Tier.STANDARD])
             )
+            forming_since = asyncio.get_running_loop().time()
             try:
                 # A slot reserved for VIP work carries a VIP-led batch, even when aged
                 # standard requests are due a turn: theirs comes with a general slot.
@@ -156,7 +157,7 @@ class ModelQueue:
             if not batch:  # everything waiting had expired or been cancelled
                 self._slots.release(slot)
                 continue
-            task = asyncio.create_task(self._dispatch.execute(batch, slot))
+            task = asyncio.create_task(self._dispatch.execute(batch, slot, forming_since))
             self._batches.add(task)
             self._running[task] = (
                 asyncio.get_running_loop().time(),
@@ -475,6 +476,7 @@ class Batcher:
             shape=tuple((t.name, t.shape[1:]) for t in inputs),
             tenant=tenant,
             weight=weight,
+            trace=tracing.CURRENT.get(),
         )
         queue.put(item)
         item.future.add_done_callback(item.answered)

@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+from typing import Any
 
 from services.common import errors
 from services.common.tensors import TensorData
@@ -37,6 +38,7 @@ class Pending:
     seq: int = 0  # its arrival there
     # (name, dimensions past the batch one) per input: only requests alike share a batch
     shape: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    trace: Any = None  # its span in this service (tracing) when its trace is sampled
     rows: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:

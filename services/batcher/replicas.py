@@ -24,7 +24,7 @@ from services.batcher.config import ReplicaConfig
 from services.batcher.discovery import Discovery, Replica
 from services.batcher.pending import ModelLimits
 from services.batcher.routing import Routing, tier_metadata
-from services.common import errors, traffic
+from services.common import errors, tracing, traffic
 from services.common.protoconv import tensors_from_proto, tensors_to_proto, tier_to_proto
 from services.common.tensors import TensorData
 from services.common.tier import Tier
@@ -114,7 +114,7 @@ class ReplicaSet:
                     response = await replica.stub.Execute(
                         request,
                         timeout=max(deadline - loop.time(), 0.001),
-                        metadata=tier_metadata(tier) if self._config.behind_mesh else None,
+                        metadata=(tier_metadata(tier) if self._config.behind_mesh else ()) + tracing.metadata() or None,
                     )
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
@@ -174,7 +174,9 @@ class ReplicaSet:
             started = loop.time()
             try:
                 with self.routing.inflight(replica, model, tier):
-                    response = await replica.stub.Execute(request, timeout=max(per_try, 0.001))
+                    response = await replica.stub.Execute(
+                        request, timeout=max(per_try, 0.001), metadata=tracing.metadata() or None
+                    )
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 metrics.UPSTREAM.labels(destination.subset, code.name).inc()

@@ -8,7 +8,7 @@ from infermesh.batcher.v1 import batcher_pb2, batcher_pb2_grpc
 from services.batcher.config import BatcherConfig
 from services.batcher.core import Batcher
 from services.batcher.replicas import ReplicaSet
-from services.common import errors, serving, tls
+from services.common import errors, serving, tls, tracing
 from services.common.budget import ByteBudget
 from services.common.protoconv import error_to_proto, tensors_from_proto, tensors_to_proto
 from services.common.streams import Framing, answer_concurrently
@@ -66,6 +66,13 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
             task = asyncio.current_task()
             assert task is not None  # each request is handled in a task of its own (answer_concurrently)
             running[request.id] = task
+            span = (
+                tracing.start_request("batcher.submit", request.traceparent, {"model": request.model})
+                if request.traceparent and tracing.is_on()
+                else None
+            )
+            token = tracing.CURRENT.set(span) if span is not None else None
+            code = "INTERNAL"
             try:
                 version, outputs = await self._batcher.submit(
                     request.model,
@@ -77,11 +84,16 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
                     tenant=request.tenant,
                     weight=request.tenant_weight,
                 )
+                code = "OK"
                 return batcher_pb2.SubmitResponse(id=request.id, version=version, outputs=tensors_to_proto(outputs))
             except errors.InfermeshError as exc:
+                code = exc.code_name
                 return error(request, exc)
             finally:
                 running.pop(request.id, None)
+                if token is not None:
+                    tracing.CURRENT.reset(token)
+                    tracing.end(span, code)
 
         def on_error(request, exc):
             return error(request, errors.Internal("internal error in the batcher; see its log"))

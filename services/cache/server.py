@@ -3,6 +3,7 @@
 import asyncio
 import hmac
 import logging
+import time
 
 from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from redis.exceptions import RedisError
@@ -10,7 +11,7 @@ from redis.exceptions import RedisError
 from services.cache import codec, metrics
 from services.cache.config import CacheConfig
 from services.cache.core import STALE, ResultCache
-from services.common import errors, identity, serving, tls
+from services.common import errors, identity, serving, tls, tracing
 from services.common.budget import ByteBudget
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.common.streams import answer_concurrently
@@ -55,6 +56,18 @@ def checked_outputs(index: int, request) -> list:
     return outputs
 
 
+def _traced_store(traceparent: str, model: str):
+    """A done-callback that records a store's span, from now to when its write lands, when its trace is sampled."""
+    parent, started_ns = tracing.parse(traceparent), time.time_ns()
+
+    def record(future: asyncio.Future) -> None:
+        failed = future.cancelled() or future.exception() is not None
+        attributes = {"model": model, "cache.stored": not failed and future.result() != STALE}
+        tracing.record(parent, "cache.store", started_ns, time.time_ns(), attributes)
+
+    return record
+
+
 class CacheServicer(cache_pb2_grpc.CacheServicer):
     def __init__(
         self,
@@ -79,7 +92,15 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             except errors.InvalidArgument as exc:  # this lookup alone: a miss that says why
                 return cache_pb2.LookupResponse(id=request.id, hit=False, error=exc.message)
             tier = Tier.of(request.tier) or Tier.STANDARD  # an unknown value only counts as standard
+            span = (
+                tracing.start_request("cache.lookup", request.traceparent, {"model": request.model})
+                if request.traceparent and tracing.is_on()
+                else None
+            )
             outputs, generation = await self._cache.lookup(request.model, request.digest, tier)
+            if span is not None:
+                span.set_attribute("cache.hit", outputs is not None)
+                tracing.end(span, "OK")
             response = cache_pb2.LookupResponse(id=request.id, hit=outputs is not None, generation=generation)
             if outputs is not None:
                 response.outputs.extend(tensors_to_proto(outputs))
@@ -135,6 +156,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                     continue
                 if budget is not None and held:
                     budget.release_when_done(future, held)
+                if request.traceparent and tracing.is_on():
+                    future.add_done_callback(_traced_store(request.traceparent, request.model))
                 pending.add(future)
                 future.add_done_callback(settle)
         except errors.InvalidArgument:

@@ -20,7 +20,7 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import collector, errors, wire
+from services.common import collector, errors, tracing, wire
 from services.common.budget import ByteBudget, ServingLimits
 from services.common.config import add_dataclass_arguments, from_arguments
 from services.common.metrics import RPC_LATENCY_BY, RPC_REQUESTS_BY
@@ -566,12 +566,21 @@ def main(config_cls, env_prefix: str, serve, description: str) -> int:
     configure logging, run `serve(config)` until a signal drains it."""
     parser = argparse.ArgumentParser(description=description)
     add_dataclass_arguments(parser, config_cls, env_prefix)
+    # Every service takes the same tracing flags (INFERMESH_OTLP_ENDPOINT, ...): one setting for a whole mesh.
+    add_dataclass_arguments(parser, tracing.TracingConfig, "INFERMESH_")
     try:
-        config = from_arguments(config_cls, parser.parse_args())
+        namespace = parser.parse_args()
+        config = from_arguments(config_cls, namespace)
+        tracing_config = from_arguments(tracing.TracingConfig, namespace)
     except ValueError as exc:
         parser.error(str(exc))
     die_with_parent()  # a local mesh's service ends with its launcher
-    configure_logging(config.log_level, env_prefix.removeprefix("INFERMESH_").rstrip("_").lower())
+    name = env_prefix.removeprefix("INFERMESH_").rstrip("_").lower()
+    configure_logging(config.log_level, name)
     collector.measure_pauses()
-    asyncio.run(serve(config))
+    tracing.configure(f"infermesh-{name.replace('_', '-')}", tracing_config)
+    try:
+        asyncio.run(serve(config))
+    finally:
+        tracing.shutdown()  # what is buffered is sent before the process ends
     return 0

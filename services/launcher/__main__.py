@@ -1,6 +1,7 @@
 """make run: the whole mesh in the foreground until Ctrl-C or SIGTERM."""
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -8,6 +9,7 @@ import signal
 import sys
 import time
 
+from services.launcher.jaeger import Jaeger
 from services.launcher.mesh import Mesh, MeshConfig, MeshError
 from services.meshctl import tenants
 
@@ -84,9 +86,44 @@ def main() -> int:
         help="the router's tenant registry; made with development tenants (keys printed once) if "
         "missing (meshctl tenants)",
     )
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        default=os.environ.get("INFERMESH_TRACING", "") not in ("", "0"),
+        help="start Jaeger (bin/jaeger: OTLP on 127.0.0.1:4317, its query API on 127.0.0.1:16686) and "
+        "send every service's spans to it",
+    )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=os.environ.get("INFERMESH_OTLP_ENDPOINT", ""),
+        help="send every service's spans to this OTLP/gRPC collector (host:port) instead",
+    )
+    parser.add_argument(
+        "--trace-ratio",
+        type=float,
+        default=float(os.environ.get("INFERMESH_TRACE_RATIO", 0.01)),
+        help="the share of requests without a sampled traceparent that are traced",
+    )
     args = parser.parse_args()
     if args.routers < 1:
         parser.error(f"--routers must be at least 1, got {args.routers}")
+    if args.tracing and args.otlp_endpoint:
+        parser.error("give --tracing (a Jaeger of the mesh's own) or --otlp-endpoint, not both")
+    with contextlib.ExitStack() as stack:
+        otlp_endpoint = args.otlp_endpoint
+        if args.tracing:
+            try:
+                jaeger = stack.enter_context(Jaeger(usual_ports=True))
+            except RuntimeError as exc:
+                print(f"infermesh cannot start Jaeger: {exc}", file=sys.stderr)
+                return 1
+            otlp_endpoint = jaeger.otlp_grpc_endpoint
+            print(f"infermesh: Jaeger's query API at {jaeger.query_url} (traces: /api/v3/traces/<id>)", flush=True)
+        return run(args, otlp_endpoint)
+
+
+def run(args: argparse.Namespace, otlp_endpoint: str) -> int:
+    """Starts the mesh and runs it until a signal; its exit status."""
 
     def interrupt(*_):
         raise KeyboardInterrupt
@@ -113,6 +150,8 @@ def main() -> int:
                 model_server_labels=(args.model_server_labels,) if args.model_server_labels else (),
                 batcher_args=("--traffic-policy", args.traffic_policy) if args.traffic_policy else (),
                 routers=args.routers,
+                otlp_endpoint=otlp_endpoint,
+                trace_ratio=args.trace_ratio,
                 supervise=True,
             ),
             on_event=lambda message: print(f"infermesh: {message}", file=sys.stderr, flush=True),

@@ -77,6 +77,13 @@ class MeshConfig:
     """A folder of tools.certs' files: each service serves its own certificate, asks
     every caller for one of the folder's CA, and calls the others with its own."""
 
+    otlp_endpoint: str = ""
+    """An OTLP/gRPC collector (host:port, Jaeger's for `make run TRACING=1`) that every
+    service sends its spans to; "" traces nothing."""
+
+    trace_ratio: float = 0.01
+    """The share of requests without a sampled traceparent whose trace the router samples."""
+
     ready_timeout_s: float = 120.0
     """How long each service may take to print its ready line."""
 
@@ -92,6 +99,8 @@ class MeshConfig:
         for name in ("router_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be a port (0 to 65535), got {getattr(self, name)}")
+        if not 0.0 <= self.trace_ratio <= 1.0:
+            raise ValueError(f"trace_ratio must be within 0..1, got {self.trace_ratio}")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
         if len(self.model_server_labels) > self.model_servers:

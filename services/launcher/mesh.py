@@ -193,6 +193,8 @@ class Mesh:
         self.model_server_via = model_server_via
         self.redis_dir: str | None = None
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if config.otlp_endpoint:  # every service reads the same tracing settings (tracing.TracingConfig)
+            self.env.update(INFERMESH_OTLP_ENDPOINT=config.otlp_endpoint, INFERMESH_TRACE_RATIO=str(config.trace_ratio))
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> "Mesh":

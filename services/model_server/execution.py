@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -27,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import onnxruntime as ort
 
-from services.common import errors
+from services.common import errors, tracing
 from services.common.latency import CAUTIOUS_DEVIATIONS, LatencyProfile
 from services.common.tensors import NUMPY_DTYPES, TensorData, concat_rows, from_numpy, split_rows, to_numpy
 from services.common.tier import Tier
@@ -433,7 +434,11 @@ class LoadedVersion:
             counts = self._slice_counts(rows, tier, loop.time(), slice_rows)
             if len(counts) > 1 and slice_rows is None:
                 metrics.SLICED.labels(self.config.name).inc()
+            gate_ns = time.time_ns()
             async with self.gate.hold(tier, wait_s, counts[0]) as held:
+                if tracing.is_on():
+                    attributes = {"tier": tier, "provider": self.provider, "instance": held.index}
+                    tracing.record(tracing.CURRENT.get(), "model_server.gate", gate_ns, time.time_ns(), attributes)
                 if (lacking_s := self._time_lacking(arrived, timeout_s, [rows])) > 0:
                     retry_s = lacking_s
                     raise NoTurn
@@ -525,9 +530,14 @@ class LoadedVersion:
                 # here, the event loop held no longer than by a handful of requests' own work.
                 result, run_s = self._timed_run(instance, inputs, outputs)
             else:
-                result, run_s = await loop.run_in_executor(
-                    instance.executor, self._timed_run, instance, inputs, outputs
-                )
+                timed = self._timed_run
+                if tracing.is_on():  # in the request's context, so that the run's steps are recorded under its span
+                    context = contextvars.copy_context()
+                    result, run_s = await loop.run_in_executor(
+                        instance.executor, lambda: context.run(timed, instance, inputs, outputs)
+                    )
+                else:
+                    result, run_s = await loop.run_in_executor(instance.executor, timed, instance, inputs, outputs)
         finally:
             del self._running[index]
         self.profile.observe(running.rows, loop.time() - running.started)
@@ -582,10 +592,15 @@ class LoadedVersion:
 
     def run(self, instance: Instance, inputs: dict[str, TensorData], outputs: list[str]) -> list[TensorData]:
         """Runs one batch synchronously on one instance (call it in that instance's executor)."""
-        feeds = self._feeds(instance, inputs)
+        if self.tokenizer is None:
+            feeds = self._feeds(instance, inputs)
+        else:
+            with tracing.step("model_server.tokenise"):
+                feeds = self._feeds(instance, inputs)
         wanted = outputs or [spec.name for spec in self.config.outputs]
         graph_names = [self.config.graph_outputs.get(name, name) for name in wanted]
-        results = instance.run(graph_names, feeds)
+        with tracing.step("onnxruntime.run"):
+            results = instance.run(graph_names, feeds)
         specs = {spec.name: spec for spec in self.config.outputs}
         return [
             from_numpy(name, np.asarray(value), specs[name].datatype)

@@ -12,7 +12,7 @@ from inference import grpc_predict_v2_pb2_grpc as oip_grpc
 from infermesh.common.v1 import tensor_pb2
 from infermesh.model_server.v1 import model_server_pb2, model_server_pb2_grpc
 
-from services.common import errors, identity, serving, tls
+from services.common import errors, identity, serving, tls, tracing
 from services.common.budget import ByteBudget
 from services.common.protoconv import tensors_from_proto, tensors_to_proto
 from services.model_server import metrics
@@ -35,23 +35,47 @@ class ModelServerServicer(model_server_pb2_grpc.ModelServerServicer):
         rows = inputs[0].rows if inputs else 0
         # Only models of the repository become label values: callers cannot grow the series.
         label = request.model if self._manager.is_known(request.model) else "unknown"
-        with metrics.track(label, rows) as record:
-            version, outputs = await self._manager.execute(
-                request.model,
-                request.version,
-                inputs,
-                list(request.outputs),
-                tier=request.tier,
-                timeout_s=context.time_remaining(),
-            )
-            record(version)
-        return model_server_pb2.ExecuteResponse(model=request.model, version=version, outputs=tensors_to_proto(outputs))
+        span = _traced(context, label, rows) if tracing.is_on() else None
+        token = tracing.CURRENT.set(span) if span is not None else None
+        code = "INTERNAL"
+        try:
+            with metrics.track(label, rows) as record:
+                version, outputs = await self._manager.execute(
+                    request.model,
+                    request.version,
+                    inputs,
+                    list(request.outputs),
+                    tier=request.tier,
+                    timeout_s=context.time_remaining(),
+                )
+                record(version)
+            with tracing.step("model_server.encode"):
+                response = model_server_pb2.ExecuteResponse(
+                    model=request.model, version=version, outputs=tensors_to_proto(outputs)
+                )
+            code = "OK"
+            return response
+        except errors.InfermeshError as exc:
+            code = exc.code_name
+            raise
+        finally:
+            if token is not None:
+                tracing.CURRENT.reset(token)
+                tracing.end(span, code)
 
     async def ListModels(self, request, context):
         return model_server_pb2.ListModelsResponse(
             models=[_model_info(*entry, self._manager.instances(entry[0].name)) for entry in self._manager.models()],
             labels=self._labels,
         )
+
+
+def _traced(context, model: str, rows: int):
+    """The batch's span here, when the batcher's span of it is sampled (its traceparent metadata)."""
+    traceparent = next((v for k, v in context.invocation_metadata() or () if k == tracing.TRACEPARENT), "")
+    if not isinstance(traceparent, str) or not traceparent:
+        return None
+    return tracing.start_request("model_server.execute", traceparent, {"model": model, "batch.rows": rows})
 
 
 class RepositoryServicer(oip_grpc.GRPCInferenceServiceServicer):

@@ -8,7 +8,7 @@ import grpc
 from infermesh.batcher.v1 import batcher_pb2, batcher_pb2_grpc
 from infermesh.cache.v1 import cache_pb2, cache_pb2_grpc
 
-from services.common import errors, tls
+from services.common import errors, tls, tracing
 from services.common.protoconv import tensors_from_proto, tensors_to_proto, tier_to_proto
 from services.common.serving import client_options
 from services.common.streams import Framing, StreamLost, StreamMux
@@ -120,6 +120,7 @@ class BatcherClient:
         proto_inputs = tensors_to_proto(inputs)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        traceparent = tracing.current_traceparent()  # now: the message is built in the stream's sending task
 
         def build(request_id: int):  # when it is sent: the batcher counts timeout_ms from when it reads it
             timeout_ms = min(max(1, int((deadline - loop.time()) * 1000)), 2**32 - 1)
@@ -133,6 +134,7 @@ class BatcherClient:
                 timeout_ms=timeout_ms,
                 tenant=tenant,
                 tenant_weight=weight,
+                traceparent=traceparent,
             )
 
         # The batcher answers DEADLINE_EXCEEDED by then; past it (plus a margin
@@ -224,9 +226,12 @@ class CacheClient:
 
     async def lookup(self, model: str, digest: bytes, tier: Tier) -> tuple[list[TensorData] | None, int | None]:
         """(outputs or None, the generation the lookup read); a failed lookup is a miss of no known generation."""
+        traceparent = tracing.current_traceparent()
         try:
             response = await self._lookups.request(
-                lambda i: cache_pb2.LookupRequest(id=i, model=model, digest=digest, tier=tier_to_proto(tier)),
+                lambda i: cache_pb2.LookupRequest(
+                    id=i, model=model, digest=digest, tier=tier_to_proto(tier), traceparent=traceparent
+                ),
                 self._timeout_s,
             )
         except (errors.InfermeshError, TimeoutError) as exc:
@@ -245,7 +250,9 @@ class CacheClient:
     def store(self, model: str, digest: bytes, outputs: list[TensorData], generation: int | None = None) -> None:
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_forever())
-        request = cache_pb2.StoreRequest(model=model, digest=digest, outputs=tensors_to_proto(outputs))
+        request = cache_pb2.StoreRequest(
+            model=model, digest=digest, outputs=tensors_to_proto(outputs), traceparent=tracing.current_traceparent()
+        )
         if generation is not None:
             request.generation = generation
         try:

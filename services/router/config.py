@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, ClassVar
 from services.common import tls
 from services.common.budget import MIB, ServingLimits
 from services.common.config import require
+from services.common.outcomes import OutcomeSettings
 
 if TYPE_CHECKING:  # imported where needed: the router's modules import this one
     from services.router.breaker import BreakerPolicy, FailureSamples
@@ -162,6 +163,15 @@ class RouterConfig(ServingLimits):
     )
     upstream_tls: bool = dataclasses.field(default=False, metadata={"help": tls.TLS_HELP["upstream_tls"]})
     log_level: str = dataclasses.field(default="info")
+    slow_request_ms: float = dataclasses.field(
+        default=1000.0, metadata={"help": "a request slower than this writes an outcome line (JSON, stderr)"}
+    )
+    log_success_ratio: float = dataclasses.field(
+        default=0.001, metadata={"help": "the share of other successful requests that write an outcome line"}
+    )
+    outcome_lines_per_s: float = dataclasses.field(
+        default=20.0, metadata={"help": "at most this many outcome lines a second per reason (a status, slow, sampled)"}
+    )
     breaker_min_counted_timeout_ms: float = dataclasses.field(
         default=1000.0,
         metadata={
@@ -206,6 +216,7 @@ class RouterConfig(ServingLimits):
     def __post_init__(self) -> None:
         super().__post_init__()
         tls.check(self)
+        OutcomeSettings(self.slow_request_ms / 1000, self.log_success_ratio, self.outcome_lines_per_s)  # checks them
         if "," in self.batcher:
             for entry in self.batcher.split(","):
                 host, _, port = entry.rpartition(":")
@@ -288,7 +299,12 @@ class RouterConfig(ServingLimits):
     def settings(self) -> "RouterSettings":
         from services.router.core import RouterSettings
 
-        return RouterSettings(self.default_timeout_s, self.breaker_policy(), self.request_limits())
+        return RouterSettings(
+            self.default_timeout_s,
+            self.breaker_policy(),
+            self.request_limits(),
+            OutcomeSettings(self.slow_request_ms / 1000, self.log_success_ratio, self.outcome_lines_per_s),
+        )
 
     def breaker_policy(self) -> "BreakerPolicy":
         from services.router.breaker import BreakerPolicy

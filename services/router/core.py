@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from services.common import errors, identity
+from services.common import errors, identity, outcomes, tracing
 from services.common.config import require
+from services.common.outcomes import OutcomeLog, OutcomeSettings
 from services.common.tensors import TensorData, bytes_elements, check_tensor_data
 from services.common.tier import Tier
 from services.router import metrics
@@ -83,6 +84,7 @@ class InferRequest:
     cache_bypass: bool = False
     claimed_tier: Tier | None = None  # what the request asked for (x-user-tier, the OIP priority), if anything
     tenant: identity.Tenant = ANONYMOUS_STANDARD
+    traceparent: str = ""  # the caller's W3C trace context, as sent (tracing.start_request judges it)
 
     def __post_init__(self):
         self.tier = Tier(self.tier)
@@ -152,6 +154,8 @@ class RouterSettings:
     default_timeout_s: float = 60.0  # the deadline of a request that brings none
     breaker_policy: BreakerPolicy = dataclasses.field(default_factory=BreakerPolicy)
     limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
+    # The outcome lines (services.common.outcomes); None writes none.
+    outcome_log: OutcomeSettings | None = dataclasses.field(default_factory=OutcomeSettings)
 
     def __post_init__(self):
         require(self.default_timeout_s > 0, f"default_timeout_s must be > 0, got {self.default_timeout_s}")
@@ -183,6 +187,7 @@ class Router:
         self._failure_samples = failure_samples
         self._near = near if near is not None else NearCache(ttl_s=0, max_bytes=0)
         self._default_timeout_s = settings.default_timeout_s
+        self._outcomes = OutcomeLog("router", settings.outcome_log) if settings.outcome_log is not None else None
         self._batcher = batcher
         self._cache = cache
         self._bypass = bypass if bypass is not None else AdaptiveBypass()
@@ -217,7 +222,20 @@ class Router:
 
     async def infer(self, request: InferRequest) -> InferResult:
         started = time.perf_counter()
-        code = "INTERNAL"
+        code, failure, result = "INTERNAL", None, None
+        span = (
+            tracing.start_request(
+                "router.infer",
+                request.traceparent,
+                {"model": request.model, "tier": request.tier.label, "tenant": self._tenant_label(request.tenant.name)},
+                root=True,
+            )
+            if tracing.is_on()
+            else None
+        )
+        token = tracing.CURRENT.set(span) if span is not None else None
+        timings: dict[str, float] | None = {} if self._outcomes is not None else None
+        timed = tracing.TIMINGS.set(timings) if timings is not None else None
         try:
             # Before anything else: a tenant over its rate costs the mesh no more than this.
             self._limiter.take(request.tenant, _rows_asked(request))
@@ -226,16 +244,54 @@ class Router:
             return result
         except errors.InfermeshError as exc:
             code = exc.code_name
+            failure = exc
             raise
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
         finally:
+            elapsed_s = time.perf_counter() - started
+            if token is not None:
+                tracing.CURRENT.reset(token)
+                tracing.end(span, code)
             # Only known model names become label values: callers cannot grow the series.
             labels = (request.model if self.catalog.get(request.model) else "unknown", request.tier.label, code)
             metrics.REQUESTS_BY[labels].inc()
-            metrics.LATENCY_BY[labels].observe(time.perf_counter() - started)
+            if span is None:
+                metrics.LATENCY_BY[labels].observe(elapsed_s)
+            else:  # an exemplar: this bucket's latest traced request, one click from the dashboard to its trace
+                metrics.LATENCY_BY[labels].observe(
+                    elapsed_s, exemplar={"trace_id": f"{span.get_span_context().trace_id:032x}"}
+                )
             metrics.TENANT_REQUESTS_BY[self._tenant_label(request.tenant.name), code].inc()
+            if timed is not None:
+                tracing.TIMINGS.reset(timed)
+            if self._outcomes is not None:
+                self._outcomes.observe(
+                    code, elapsed_s, lambda: self._outcome_fields(request, span, timings, result, failure)
+                )
+
+    def _outcome_fields(self, request: InferRequest, span, timings, result, failure) -> dict:
+        """An outcome line's fields beside its status and latency (outcomes.OutcomeLog)."""
+        fields = {
+            "trace_id": f"{span.get_span_context().trace_id:032x}"
+            if span is not None
+            else tracing.trace_id(request.traceparent),
+            "traced": span is not None,
+            "request_id": outcomes.clipped(request.id),
+            "tenant": self._tenant_label(request.tenant.name),
+            "model": outcomes.clipped(request.model),
+            "version": outcomes.clipped(result.version if result is not None else request.version),
+            "tier": request.tier.label,
+            "steps_ms": outcomes.steps_ms(timings),
+        }
+        if result is not None:
+            fields["cached"] = result.cached
+            if result.degraded:
+                fields["degraded"] = result.degraded
+        if failure is not None:
+            fields["message"] = outcomes.clipped(failure.message, outcomes.MAX_MESSAGE_CHARS)
+        return fields
 
     async def _infer(self, request: InferRequest) -> InferResult:
         """Through the model's circuit breaker when it has a fallback: while the
@@ -392,7 +448,8 @@ class Router:
                 metrics.CACHE_BY["near_hit"].inc()
                 self._bypass.record(flight.model, hit=True)
                 return flight.version, near, True
-            cached, generation = await cache.lookup(flight.model, flight.digest, flight.tier)
+            with tracing.step("router.cache_lookup"):
+                cached, generation = await cache.lookup(flight.model, flight.digest, flight.tier)
             self._bypass.record(flight.model, hit=cached is not None)
             if cached is not None:
                 self._near.put(flight.digest, cached)
@@ -426,9 +483,10 @@ class Router:
         rows = inputs[0].rows
         self._refuse_if_shed(model, tier, deadline, rows, tenant.name)
         try:
-            return await self._batcher.submit(
-                model, version, inputs, outputs, tier, remaining, tenant.name, tenant.weight
-            )
+            with tracing.step("router.submit"):
+                return await self._batcher.submit(
+                    model, version, inputs, outputs, tier, remaining, tenant.name, tenant.weight
+                )
         except errors.ResourceExhausted as exc:
             if exc.retry_after_ms:
                 # The hint is how long until a place frees, or how much time this request
@@ -510,11 +568,12 @@ def validate(sig: ModelSignature, request: InferRequest, limits: RequestLimits |
 
 async def validated(sig: ModelSignature, request: InferRequest, limits: RequestLimits) -> list[TensorData]:
     """validate, with the walk of many BYTES elements in a thread."""
-    ordered = check_signature(sig, request)
-    if bytes_elements(ordered) > INLINE_ELEMENTS:
-        await asyncio.to_thread(check_contents, sig, ordered, limits)
-    else:
-        check_contents(sig, ordered, limits)
+    with tracing.step("router.validate"):
+        ordered = check_signature(sig, request)
+        if bytes_elements(ordered) > INLINE_ELEMENTS:
+            await asyncio.to_thread(check_contents, sig, ordered, limits)
+        else:
+            check_contents(sig, ordered, limits)
     return ordered
 
 

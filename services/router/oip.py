@@ -6,6 +6,7 @@ from inference import grpc_predict_v2_pb2 as pb
 from services.common import errors
 from services.common.tensors import NUMPY_DTYPES, TensorData, element_count, pack_bytes_elements
 from services.common.tier import BY_LABEL, Tier
+from services.common.tracing import TRACEPARENT
 from services.router import limits as rules
 from services.router import precheck
 from services.router.core import InferRequest, InferResult, ModelSignature
@@ -147,6 +148,7 @@ def request_from_proto(
             outputs=[o.name for o in request.outputs],
             claimed_tier=claimed,
             timeout_s=timeout_s,
+            traceparent=metadata.get(TRACEPARENT, ""),
         )
     # The OIP/Triton request parameters: priority (1 is the highest, 0 the
     # default), converted to a Tier here and nowhere else, and timeout in
@@ -172,6 +174,7 @@ def request_from_proto(
         outputs=[o.name for o in request.outputs],
         claimed_tier=claimed,
         timeout_s=timeout_s,
+        traceparent=metadata.get(TRACEPARENT, ""),
     )
 
 
