@@ -69,7 +69,6 @@ import pathlib
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -96,6 +95,7 @@ from bench.report import (
 )
 from bench.workload import GHZ, ghz_unique_template
 from services.launcher.mesh import Mesh, MeshConfig, MeshError, Process
+from services.launcher.ports import free_ports
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PEERS = ROOT / "bench" / "peers"
@@ -211,17 +211,6 @@ def stop_tree(process: Process, grace_s: float) -> None:
         if process_table().get(pid, (0, None))[1] == start:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @contextlib.contextmanager

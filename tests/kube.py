@@ -6,12 +6,13 @@ exactly as a cluster would."""
 
 import contextlib
 import pathlib
-import socket
 import subprocess
 import tempfile
 import time
 
 import yaml
+
+from services.launcher.ports import free_ports
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BIN = ROOT / "bin"
@@ -20,12 +21,6 @@ CRD_FILES = (
     ROOT / "build" / "monitoring" / "monitoring.coreos.com_prometheusrules.yaml",
 )
 TOKEN = "infermesh-test-admin"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class KubeAPI:
@@ -45,7 +40,7 @@ class KubeAPI:
 
     def _begin(self) -> None:
         self.dir = pathlib.Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="kube-")))
-        client_port, peer_port, self.port = _free_port(), _free_port(), _free_port()
+        client_port, peer_port, self.port = free_ports(3)
         etcd_url, peer_url = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
         self._start(
             "etcd",

@@ -8,7 +8,6 @@ import os
 import pathlib
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,11 @@ import pytest
 from inference import grpc_predict_v2_pb2 as pb
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
+from services.launcher.ports import free_ports
 from tests.conftest import ROOT, metric, scrape, wait_until
 from tests.oip import output_array, text_request
 
 pytestmark = pytest.mark.e2e
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> set[int]:
@@ -49,7 +43,7 @@ def names_of(pids) -> set[str]:
 
 
 def test_launcher_serves_then_drains_and_stops_everything(model_repository, redis_binary, tmp_path):
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     run_file = tmp_path / "mesh.json"
     launcher = subprocess.Popen(
         [

@@ -11,9 +11,9 @@ import pytest
 from inference import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from services.launcher.mesh import Mesh, MeshConfig
+from services.launcher.ports import free_ports
 from tests.conftest import ROOT, metric
 from tests.oip import output_array, tensor_request
-from tests.test_launcher import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -33,7 +33,7 @@ def ask_on_new_connections(address: str, count: int) -> None:
 
 
 def test_two_routers_share_one_port_and_both_serve(model_repository, tmp_path):
-    port = free_port()
+    (port,) = free_ports(1)
     with Mesh(MeshConfig(models=model_repository, log_dir=tmp_path, cache=False, router_port=port, routers=2)) as mesh:
         assert mesh.router == f"127.0.0.1:{port}"
         assert mesh.address("router-2") == f"127.0.0.1:{port}"

@@ -80,7 +80,7 @@ class Dispatch:
         tier = max(item.tier for item in batch)  # the batch's tier: the model server runs VIP batches first
         expected_s = self._admission.sent(tier, sum(counts), now)
         span = self._trace_batch(batch, now, tier, rerun, forming_since) if tracing.is_on() else None
-        token = tracing.CURRENT.set(span) if span is not None else None
+        token = tracing.activate(span)
         completed, split, code = None, False, "INTERNAL"
         try:
             version, outputs = await self._backend.execute(
@@ -107,9 +107,7 @@ class Dispatch:
                 return
         finally:
             self._admission.ended(tier, sum(counts), completed, loop.time())
-            if token is not None:
-                tracing.CURRENT.reset(token)
-                tracing.end(span, code)
+            tracing.finish(span, token, code)
         if split:
             # Each request that can still be answered: its caller has not gone, its deadline has not passed.
             alone = [item for item in batch if self._admission.sendable(item)]

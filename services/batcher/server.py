@@ -71,7 +71,7 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
                 if request.traceparent and tracing.is_on()
                 else None
             )
-            token = tracing.CURRENT.set(span) if span is not None else None
+            token = tracing.activate(span)
             code = "INTERNAL"
             try:
                 version, outputs = await self._batcher.submit(
@@ -91,9 +91,7 @@ class BatcherServicer(batcher_pb2_grpc.BatcherServicer):
                 return error(request, exc)
             finally:
                 running.pop(request.id, None)
-                if token is not None:
-                    tracing.CURRENT.reset(token)
-                    tracing.end(span, code)
+                tracing.finish(span, token, code)
 
         def on_error(request, exc):
             return error(request, errors.Internal("internal error in the batcher; see its log"))

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from services.common.bucket import TokenBucket
 from services.common.config import require
 
 LOGGER = "infermesh.outcome"
@@ -36,32 +37,15 @@ class OutcomeSettings:
         require(self.lines_per_s >= 0, f"outcome lines per second must be >= 0, got {self.lines_per_s}")
 
 
-class _Allowance:
-    """A token bucket of `rate` lines a second (a second's worth banked), and what it refused since its last line."""
-
-    __slots__ = ("at", "rate", "suppressed", "tokens")
-
-    def __init__(self, rate: float):
-        self.rate, self.tokens, self.at, self.suppressed = rate, rate, time.monotonic(), 0
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.rate, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return True
-        self.suppressed += 1
-        return False
-
-
 class OutcomeLog:
     """Writes the outcome lines of one service (see the module's docstring)."""
 
     def __init__(self, service: str, settings: OutcomeSettings, stream: TextIO | None = None):
         self.service = service
         self.settings = settings
-        self._allowances: dict[str, _Allowance] = {}
+        # Per reason: its allowance, and how many of its lines it refused since its last one.
+        self._allowances: dict[str, TokenBucket] = {}
+        self._suppressed: dict[str, int] = {}
         self._log = logging.getLogger(LOGGER)
         if stream is not None or not self._log.handlers:
             # Bare lines, apart from the service's own log format: each is one JSON document.
@@ -88,20 +72,23 @@ class OutcomeLog:
             return False
         allowance = self._allowances.get(reason)
         if allowance is None:  # reasons are status names and two words: a small, fixed set
-            allowance = self._allowances[reason] = _Allowance(self.settings.lines_per_s)
+            rate = self.settings.lines_per_s
+            allowance = self._allowances[reason] = TokenBucket(rate, rate)
         if not allowance.take():
+            self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
             return False
+        now = time.time()
         line = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}Z",
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z",
             "service": self.service,
             "reason": reason,
             "status": status,
             "latency_ms": round(elapsed_s * 1000, 3),
             **fields(),
         }
-        if allowance.suppressed:
-            line["suppressed_before"] = allowance.suppressed  # lines of this reason left out since the last
-            allowance.suppressed = 0
+        suppressed = self._suppressed.pop(reason, 0)
+        if suppressed:
+            line["suppressed_before"] = suppressed  # lines of this reason left out since the last
         self._log.info(json.dumps(line, separators=(",", ":"), default=str))
         return True
 

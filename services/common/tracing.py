@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from services.common.bucket import TokenBucket
 from services.common.config import require
 
 log = logging.getLogger(__name__)
@@ -69,25 +70,7 @@ _tracer: Any = None  # an opentelemetry Tracer once configured
 _provider: Any = None
 _api: Any = None  # the opentelemetry.trace module, imported by configure
 _ratio = 0.0
-_caller_bucket: "_Bucket | None" = None
-
-
-class _Bucket:
-    """A token bucket of `rate` per second, at most one second's worth banked."""
-
-    def __init__(self, rate: float):
-        self.rate = rate
-        self.tokens = rate
-        self.at = time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.rate, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return True
-        return False
+_caller_bucket: TokenBucket | None = None
 
 
 def configure(service: str, config: TracingConfig, exporter: Any = None) -> None:
@@ -122,7 +105,7 @@ def configure(service: str, config: TracingConfig, exporter: Any = None) -> None
     _tracer = _provider.get_tracer("infermesh")
     _api = trace
     _ratio = config.trace_ratio
-    _caller_bucket = _Bucket(config.caller_traces_per_s)
+    _caller_bucket = TokenBucket(config.caller_traces_per_s, config.caller_traces_per_s)
     log.info("tracing to %s, %.3g of new traces sampled", config.otlp_endpoint or exporter, _ratio)
 
 
@@ -138,19 +121,26 @@ def is_on() -> bool:
     return _tracer is not None
 
 
+def _fields(traceparent: str) -> tuple[str, str, str] | None:
+    """(trace id, parent id, flags) of a well-formed traceparent, else None; its
+    length is checked before anything is walked."""
+    if len(traceparent) != _TRACEPARENT_LENGTH or traceparent[2] != "-" or traceparent[35] != "-":
+        return None
+    if traceparent[52] != "-" or traceparent[:2] == "ff" or not _HEX.issuperset(traceparent.replace("-", "")):
+        return None
+    trace_id, span_id = traceparent[3:35], traceparent[36:52]
+    if trace_id == "0" * 32 or span_id == "0" * 16:
+        return None
+    return trace_id, span_id, traceparent[53:]
+
+
 def parse(traceparent: str) -> Any:
     """The sampled remote SpanContext a traceparent names, else None: absent,
     malformed (ignored, as W3C asks), or not sampled."""
-    if len(traceparent) != _TRACEPARENT_LENGTH or traceparent[2] != "-" or traceparent[35] != "-":
+    fields = _fields(traceparent)
+    if fields is None or not int(fields[2], 16) & 1 or _api is None:
         return None
-    version, trace_id, span_id, flags = traceparent[:2], traceparent[3:35], traceparent[36:52], traceparent[53:]
-    if traceparent[52] != "-" or version == "ff" or not _HEX.issuperset(traceparent.replace("-", "")):
-        return None
-    if not int(flags, 16) & 1:
-        return None
-    trace, span = int(trace_id, 16), int(span_id, 16)
-    if not trace or not span or _api is None:
-        return None
+    trace, span = int(fields[0], 16), int(fields[1], 16)
     return _api.SpanContext(trace, span, is_remote=True, trace_flags=_api.TraceFlags(_api.TraceFlags.SAMPLED))
 
 
@@ -168,6 +158,11 @@ def metadata() -> tuple[tuple[str, str], ...]:
     """gRPC metadata that carries the current span's context, if any."""
     span = CURRENT.get()
     return () if span is None else ((TRACEPARENT, format_traceparent(span.get_span_context())),)
+
+
+def _span_context(span_or_context) -> Any:
+    """The SpanContext of a Span, or the SpanContext given."""
+    return span_or_context.get_span_context() if hasattr(span_or_context, "get_span_context") else span_or_context
 
 
 def _context_of(parent) -> Any:
@@ -198,15 +193,15 @@ def start_request(
 
 def start_child(parent, name: str, attributes: Mapping[str, Any] | None = None, links: Sequence[Any] = ()) -> Any:
     """A span under `parent` (a Span or a SpanContext), started now."""
-    context = parent.get_span_context() if hasattr(parent, "get_span_context") else parent
-    link_objects = _links(links)
-    return _tracer.start_span(name, context=_context_of(context), attributes=attributes, links=link_objects)
+    return _tracer.start_span(
+        name, context=_context_of(_span_context(parent)), attributes=attributes, links=_links(links)
+    )
 
 
 def _links(contexts: Sequence[Any]) -> list[Any]:
     if not contexts:
         return []
-    return [_api.Link(c.get_span_context() if hasattr(c, "get_span_context") else c) for c in contexts]
+    return [_api.Link(_span_context(c)) for c in contexts]
 
 
 def end(span, error: str = "") -> None:
@@ -226,9 +221,12 @@ def record(
     """A finished span under `parent` (a Span or a SpanContext) that ran from start_ns to end_ns (time.time_ns)."""
     if _tracer is None or parent is None:
         return
-    context = parent.get_span_context() if hasattr(parent, "get_span_context") else parent
     span = _tracer.start_span(
-        name, context=_context_of(context), attributes=attributes, links=_links(links), start_time=start_ns
+        name,
+        context=_context_of(_span_context(parent)),
+        attributes=attributes,
+        links=_links(links),
+        start_time=start_ns,
     )
     span.end(end_time=end_ns)
 
@@ -282,23 +280,31 @@ def step(name: str, attributes: Mapping[str, Any] | None = None):
 
 def trace_id(traceparent: str) -> str:
     """The trace id (32 hex digits) a well-formed traceparent names, sampled or not; "" otherwise."""
-    if len(traceparent) != _TRACEPARENT_LENGTH or traceparent[2] != "-" or traceparent[35] != "-":
-        return ""
-    found = traceparent[3:35]
-    return found if _HEX.issuperset(found) and found != "0" * 32 else ""
+    fields = _fields(traceparent)
+    return "" if fields is None else fields[0]
+
+
+def activate(span) -> contextvars.Token[Any] | None:
+    """Makes `span` this task's current one (None: nothing); hand the token to finish()."""
+    return None if span is None else CURRENT.set(span)
+
+
+def finish(span, token: contextvars.Token[Any] | None, status: str) -> None:
+    """Undoes activate() and ends `span` with a gRPC status name (see end)."""
+    if token is not None:
+        CURRENT.reset(token)
+        end(span, status)
 
 
 @contextlib.contextmanager
 def current(span) -> Iterator[None]:
     """Makes `span` the current one of this task for the block (None: leaves things as they are)."""
-    if span is None:
-        yield
-        return
-    token = CURRENT.set(span)
+    token = activate(span)
     try:
         yield
     finally:
-        CURRENT.reset(token)
+        if token is not None:
+            CURRENT.reset(token)
 
 
 def wall_ns(loop_time: float, now_loop: float, now_ns: int) -> int:

@@ -3,6 +3,7 @@
 import dataclasses
 import os
 
+from services.common.tracing import TracingConfig
 from services.launcher.supervisor import RestartPolicy
 
 # Local model servers run below the router and the batcher: the model is the heavy, batched
@@ -99,8 +100,7 @@ class MeshConfig:
         for name in ("router_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be a port (0 to 65535), got {getattr(self, name)}")
-        if not 0.0 <= self.trace_ratio <= 1.0:
-            raise ValueError(f"trace_ratio must be within 0..1, got {self.trace_ratio}")
+        TracingConfig(otlp_endpoint=self.otlp_endpoint, trace_ratio=self.trace_ratio)  # the services' own checks
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
         if len(self.model_server_labels) > self.model_servers:

@@ -4,11 +4,12 @@ tools/jaeger/config.yaml, every listener on 127.0.0.1, spans kept in memory."""
 import contextlib
 import os
 import pathlib
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
+
+from services.launcher.ports import free_ports
 
 BINARY = pathlib.Path("bin/jaeger")  # relative to the repository root, where make runs
 CONFIG = pathlib.Path("tools/jaeger/config.yaml")
@@ -22,15 +23,6 @@ PORT_VARIABLES = {
     "health": "INFERMESH_JAEGER_HEALTH_PORT",
 }
 USUAL_PORTS = {"otlp_grpc": 4317, "otlp_http": 4318, "query_http": 16686, "query_grpc": 16685, "health": 13133}
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct free loopback ports (held together while chosen, so none repeats)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
 
 
 class Jaeger:
@@ -60,7 +52,7 @@ class Jaeger:
         self.ports = (
             dict(USUAL_PORTS)
             if self.usual_ports
-            else dict(zip(PORT_VARIABLES, _free_ports(len(PORT_VARIABLES)), strict=True))
+            else dict(zip(PORT_VARIABLES, free_ports(len(PORT_VARIABLES)), strict=True))
         )
         self.otlp_grpc_endpoint = f"127.0.0.1:{self.ports['otlp_grpc']}"
         self.otlp_http_endpoint = f"http://127.0.0.1:{self.ports['otlp_http']}"

@@ -436,9 +436,9 @@ class LoadedVersion:
                 metrics.SLICED.labels(self.config.name).inc()
             gate_ns = time.time_ns()
             async with self.gate.hold(tier, wait_s, counts[0]) as held:
-                if tracing.is_on():
+                if (span := tracing.CURRENT.get()) is not None:  # provider asks the session: traced batches only
                     attributes = {"tier": tier, "provider": self.provider, "instance": held.index}
-                    tracing.record(tracing.CURRENT.get(), "model_server.gate", gate_ns, time.time_ns(), attributes)
+                    tracing.record(span, "model_server.gate", gate_ns, time.time_ns(), attributes)
                 if (lacking_s := self._time_lacking(arrived, timeout_s, [rows])) > 0:
                     retry_s = lacking_s
                     raise NoTurn
@@ -530,14 +530,11 @@ class LoadedVersion:
                 # here, the event loop held no longer than by a handful of requests' own work.
                 result, run_s = self._timed_run(instance, inputs, outputs)
             else:
-                timed = self._timed_run
-                if tracing.is_on():  # in the request's context, so that the run's steps are recorded under its span
-                    context = contextvars.copy_context()
-                    result, run_s = await loop.run_in_executor(
-                        instance.executor, lambda: context.run(timed, instance, inputs, outputs)
-                    )
-                else:
-                    result, run_s = await loop.run_in_executor(instance.executor, timed, instance, inputs, outputs)
+                # In the request's context, so that the run's steps are recorded under its span.
+                context = contextvars.copy_context()
+                result, run_s = await loop.run_in_executor(
+                    instance.executor, context.run, self._timed_run, instance, inputs, outputs
+                )
         finally:
             del self._running[index]
         self.profile.observe(running.rows, loop.time() - running.started)

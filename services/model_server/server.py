@@ -36,7 +36,7 @@ class ModelServerServicer(model_server_pb2_grpc.ModelServerServicer):
         # Only models of the repository become label values: callers cannot grow the series.
         label = request.model if self._manager.is_known(request.model) else "unknown"
         span = _traced(context, label, rows) if tracing.is_on() else None
-        token = tracing.CURRENT.set(span) if span is not None else None
+        token = tracing.activate(span)
         code = "INTERNAL"
         try:
             with metrics.track(label, rows) as record:
@@ -59,9 +59,7 @@ class ModelServerServicer(model_server_pb2_grpc.ModelServerServicer):
             code = exc.code_name
             raise
         finally:
-            if token is not None:
-                tracing.CURRENT.reset(token)
-                tracing.end(span, code)
+            tracing.finish(span, token, code)
 
     async def ListModels(self, request, context):
         return model_server_pb2.ListModelsResponse(

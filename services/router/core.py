@@ -233,7 +233,7 @@ class Router:
             if tracing.is_on()
             else None
         )
-        token = tracing.CURRENT.set(span) if span is not None else None
+        token = tracing.activate(span)
         timings: dict[str, float] | None = {} if self._outcomes is not None else None
         timed = tracing.TIMINGS.set(timings) if timings is not None else None
         try:
@@ -251,9 +251,7 @@ class Router:
             raise
         finally:
             elapsed_s = time.perf_counter() - started
-            if token is not None:
-                tracing.CURRENT.reset(token)
-                tracing.end(span, code)
+            tracing.finish(span, token, code)
             # Only known model names become label values: callers cannot grow the series.
             labels = (request.model if self.catalog.get(request.model) else "unknown", request.tier.label, code)
             metrics.REQUESTS_BY[labels].inc()

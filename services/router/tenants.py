@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from services.common import errors, identity
+from services.common.bucket import TokenBucket
 from services.common.tier import Tier
 from services.router import metrics
 
@@ -160,25 +161,21 @@ class RateLimiter:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
-        self._buckets: dict[str, list[float]] = {}  # tenant -> [tokens, last refill]
+        self._buckets: dict[str, TokenBucket] = {}
 
     def take(self, tenant: identity.Tenant, rows: int) -> None:
         """Spends `rows` tokens of the tenant's bucket, or refuses with
         RESOURCE_EXHAUSTED and the time until they would be there."""
         if tenant.rate_per_s <= 0:
             return
-        now = self._clock()
         bucket = self._buckets.get(tenant.name)
         if bucket is None:
-            bucket = self._buckets[tenant.name] = [tenant.burst, now]
-        tokens = min(tenant.burst, bucket[0] + (now - bucket[1]) * tenant.rate_per_s)
-        bucket[1] = now
+            bucket = self._buckets[tenant.name] = TokenBucket(tenant.rate_per_s, tenant.burst, self._clock)
+        bucket.rate, bucket.burst = tenant.rate_per_s, tenant.burst  # as the registry says now: it is reloaded live
         cost = min(rows, tenant.burst)  # a request larger than the burst waits for a full bucket
-        if tokens + 1e-9 >= cost:  # a refill by exactly the hint is enough, float error or not
-            bucket[0] = tokens - cost
+        if bucket.take(cost):
             return
-        bucket[0] = tokens
-        retry_ms = max(1, math.ceil(1000 * (cost - tokens) / tenant.rate_per_s))
+        retry_ms = max(1, math.ceil(1000 * (cost - bucket.tokens) / tenant.rate_per_s))
         metrics.AUTH_REFUSALS.labels("rate_limited").inc()
         raise errors.ResourceExhausted(
             f"tenant '{tenant.name}' is over its rate of {tenant.rate_per_s:g} rows a second (burst "
