@@ -90,6 +90,11 @@ def _dashboard(docs):
     return config_map, json.loads(config_map["data"]["infermesh.json"])
 
 
+def _tracing(docs):
+    """The tracing settings' ConfigMap (its name carries kustomize's hash of the content)."""
+    return next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("infermesh-tracing"))
+
+
 def _break_dashboard(docs):
     config_map, dashboard = _dashboard(docs)
     dashboard["panels"][1]["targets"][0]["expr"] = "sum(rate(infermesh_router_answers_total[1m]))"
@@ -263,6 +268,32 @@ MISTAKES = {
         lambda d: _find(d, "PodDisruptionBudget", "router")["spec"].update(maxUnavailable=None, minAvailable=3),
         "PodDisruptionBudget/router: minAvailable 3 with Deployment/router's 3 replica(s) allows no eviction",
     ),
+    "a service Deployment without the tracing settings": (
+        lambda d: _container(d, "batcher").pop("envFrom"),
+        "Deployment/batcher: container batcher receives no INFERMESH_OTLP_ENDPOINT",
+    ),
+    "tracing settings from a ConfigMap that does not exist": (
+        lambda d: _container(d, "router")["envFrom"][0]["configMapRef"].update(name="infermesh-tracin"),
+        "Deployment/router: container router: envFrom names ConfigMap 'infermesh-tracin', which does not exist",
+    ),
+    "a trace ratio outside 0..1": (
+        lambda d: _tracing(d)["data"].update(INFERMESH_TRACE_RATIO="1.5"),
+        "container router: INFERMESH_TRACE_RATIO '1.5' is not a number within 0..1",
+    ),
+    "an OTLP endpoint that is no host:port": (
+        lambda d: _tracing(d)["data"].update(INFERMESH_OTLP_ENDPOINT="otel-collector.observability"),
+        "INFERMESH_OTLP_ENDPOINT 'otel-collector.observability' is not host:port",
+    ),
+    "one service tracing to a collector of its own": (
+        lambda d: _container(d, "cache")["env"].append(
+            {"name": "INFERMESH_OTLP_ENDPOINT", "value": "collector.example:4317"}
+        ),
+        "the services receive different tracing settings",
+    ),
+    "a misspelt shared setting": (
+        lambda d: _container(d, "cache")["env"].append({"name": "INFERMESH_OTLP_ENDPIONT", "value": "x:4317"}),
+        "Deployment/cache: INFERMESH_OTLP_ENDPIONT is read by no service",
+    ),
     "dashboard query of a metric we do not export": (
         _break_dashboard,
         "infermesh_router_answers_total is not a series our services export",
@@ -378,6 +409,75 @@ def test_a_router_that_keeps_failure_samples_keeps_them_redacted(overlay):
             volume = next(v for v in router["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
             max_bytes = int(env["INFERMESH_ROUTER_FAILURE_SAMPLES_MAX_BYTES"])
             assert 2 * max_bytes <= _quantity_bytes(volume["emptyDir"]["sizeLimit"]), router["metadata"]["name"]
+
+
+@pytest.mark.service
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.name for p in OVERLAYS])
+def test_every_service_deployment_receives_the_tracing_settings(overlay):
+    """All four services read the one tracing ConfigMap: tracing off in the base,
+    the overlay's collector, 1% of new traces, 100 caller-sampled traces a second."""
+    docs = manifests.render(overlay)
+    config_maps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+    expected = {
+        "dev": "",
+        "production": "otel-collector.observability.svc.cluster.local:4317",
+    }
+    received = {}
+    for deployment in (d for d in docs if d["kind"] == "Deployment"):
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            if manifests.Workload(deployment).service_module(container) in manifests.SERVICES:
+                values, unresolved = manifests.environment(container, config_maps)
+                assert unresolved == []
+                received[deployment["metadata"]["name"]] = {s: values.get(s) for s in manifests.TRACING_SETTINGS}
+    assert set(received) == {
+        "router",
+        "batcher",
+        "cache",
+        "model-server-blue",
+        "model-server-green",
+        "model-server-vip",
+    }
+    for name, values in received.items():
+        assert values == {
+            "INFERMESH_OTLP_ENDPOINT": expected[overlay.name],
+            "INFERMESH_TRACE_RATIO": "0.01",
+            "INFERMESH_CALLER_TRACES_PER_S": "100",
+        }, name
+
+
+@pytest.mark.service
+def test_tracing_is_off_in_the_base():
+    docs = manifests.render(manifests.ROOT / "mesh" / "kubernetes" / "base")
+    assert _tracing(docs)["data"] == {
+        "INFERMESH_OTLP_ENDPOINT": "",
+        "INFERMESH_TRACE_RATIO": "0.01",
+        "INFERMESH_CALLER_TRACES_PER_S": "100",
+    }
+
+
+@pytest.mark.unit
+def test_a_containers_environment_is_read_as_the_kubelet_sets_it():
+    config_maps = {"settings": {"data": {"A": "1", "B": "2"}}}
+    container = {
+        "envFrom": [{"configMapRef": {"name": "settings"}}, {"configMapRef": {"name": "settings"}, "prefix": "X_"}],
+        "env": [
+            {"name": "B", "value": "3"},  # env wins over envFrom
+            {"name": "C", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "A"}}},
+            {"name": "D", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+        ],
+    }
+    assert manifests.environment(container, config_maps) == (
+        {"A": "1", "B": "3", "X_A": "1", "X_B": "2", "C": "1", "D": None},
+        [],
+    )
+    missing = {
+        "envFrom": [{"configMapRef": {"name": "gone"}}, {"configMapRef": {"name": "maybe", "optional": True}}],
+        "env": [{"name": "E", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "Z"}}}],
+    }
+    assert manifests.environment(missing, config_maps)[1] == [
+        "envFrom names ConfigMap 'gone', which does not exist",
+        "E reads key 'Z' of ConfigMap 'settings', which does not exist",
+    ]
 
 
 def _quantity_bytes(quantity: str) -> int:

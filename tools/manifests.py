@@ -16,9 +16,10 @@ rendered by the real kustomize (bin/kustomize, built by `make setup`), then:
 - cross-resource rules: every route's host is a Service and every subset it
   names is defined and selects pods; Service ports name a protocol and reach
   a container port; probes ask for health services our servers register;
-  every INFERMESH_* variable is a field of that service's config; each caller
-  that the configuration wires up is allowed by the callee's
-  AuthorizationPolicy; routes that carry bidirectional streams have no
+  every INFERMESH_* variable (env, or a ConfigMap's by envFrom) is a field of
+  that service's config or a tracing setting, and every service receives the
+  same tracing settings, each valid; each caller that the configuration
+  (ConfigMaps included) wires up is allowed by the callee's AuthorizationPolicy; routes that carry bidirectional streams have no
   timeout; outlier detection can eject with the pool's fewest replicas;
   autoscalers read metrics that prometheus-adapter serves and our services
   export, and own the replica count of what they scale; the dashboard's queries and the
@@ -513,6 +514,73 @@ def config_fields(module: str) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(getattr(importlib.import_module(path), cls)))
 
 
+# What every service reads besides its own INFERMESH_<SERVICE>_* settings: the
+# tracing settings (TracingConfig, services/common/tracing.py: INFERMESH_ + field).
+TRACING_SETTINGS = ("INFERMESH_OTLP_ENDPOINT", "INFERMESH_TRACE_RATIO", "INFERMESH_CALLER_TRACES_PER_S")
+
+
+def environment(container: dict, config_maps: dict[str, dict]) -> tuple[dict[str, str | None], list[str]]:
+    """The variables a container starts with, as the kubelet sets them: envFrom's
+    ConfigMaps (with their prefix), then env, which wins over them; a value from
+    a ConfigMap's key is read, one from a Secret or the downward API is None.
+    Second, what cannot be resolved: a ConfigMap or key that is not among `config_maps`."""
+    values: dict[str, str | None] = {}
+    unresolved = []
+    for source in container.get("envFrom", []):
+        reference = source.get("configMapRef")
+        if reference is None:
+            continue  # a Secret's keys are the cluster's to know
+        config_map = config_maps.get(reference["name"])
+        if config_map is None:
+            if not reference.get("optional"):
+                unresolved.append(f"envFrom names ConfigMap {reference['name']!r}, which does not exist")
+            continue
+        for key, value in (config_map.get("data") or {}).items():
+            values[source.get("prefix", "") + key] = str(value)
+    for env in container.get("env", []):
+        if env.get("value") is not None:
+            values[env["name"]] = str(env["value"])
+            continue
+        key_reference = (env.get("valueFrom") or {}).get("configMapKeyRef")
+        if key_reference is None:
+            values[env["name"]] = None if "valueFrom" in env else ""
+            continue
+        data = (config_maps.get(key_reference["name"]) or {}).get("data") or {}
+        if key_reference["key"] in data:
+            values[env["name"]] = str(data[key_reference["key"]])
+        elif not key_reference.get("optional"):
+            unresolved.append(
+                f"{env['name']} reads key {key_reference['key']!r} of ConfigMap {key_reference['name']!r}, "
+                "which does not exist"
+            )
+    return values, unresolved
+
+
+def tracing_problems(module: str, container: dict, values: dict[str, str | None]) -> list[str]:
+    """A container of ours receives every tracing setting, each a value its service accepts."""
+    name = container["name"]
+    found = [
+        f"container {name} receives no {setting}: services.{module} would fall back to its own default "
+        "(envFrom the infermesh-tracing ConfigMap, as every service does)"
+        for setting in TRACING_SETTINGS
+        if setting not in values
+    ]
+    endpoint = values.get("INFERMESH_OTLP_ENDPOINT")
+    if endpoint:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            found.append(f"container {name}: INFERMESH_OTLP_ENDPOINT {endpoint!r} is not host:port")
+    for setting, low, high in (("INFERMESH_TRACE_RATIO", 0.0, 1.0), ("INFERMESH_CALLER_TRACES_PER_S", 0.0, None)):
+        value = values.get(setting)
+        if value is None:
+            continue
+        number = _seconds(value)
+        if number is None or number < low or (high is not None and number > high):
+            bound = f"within {low:g}..{high:g}" if high is not None else f">= {low:g}"
+            found.append(f"container {name}: {setting} {value!r} is not a number {bound}")
+    return found
+
+
 QUANTITY = re.compile(r"^([0-9.]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 QUANTITY_UNITS = {
     None: 1,
@@ -833,6 +901,8 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
                     )
 
     # Containers: probes, environment, service accounts.
+    config_maps = {d["metadata"]["name"]: d for d in by_kind.get("ConfigMap", [])}
+    tracing: dict[str, tuple[str | None, ...]] = {}
     for workload in workloads:
         if workload.service_account not in accounts:
             found.append(f"Deployment/{workload.name}: service account {workload.service_account!r} is not defined")
@@ -850,16 +920,32 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
                         f"Deployment/{workload.name}: {kind} asks health of {probe.get('service')!r}; "
                         f"services.{module} registers {sorted(health_services(module))}"
                     )
+            values, unresolved = environment(container, config_maps)
+            found += [f"Deployment/{workload.name}: container {container['name']}: {p}" for p in unresolved]
             if module in SERVICES:
                 prefix = SERVICES[module][1]
-                for env in container.get("env", []):
-                    if env["name"].startswith(prefix) and env["name"][len(prefix) :].lower() not in config_fields(
-                        module
-                    ):
+                for variable in values:
+                    if variable.startswith(prefix):
+                        if variable[len(prefix) :].lower() not in config_fields(module):
+                            found.append(
+                                f"Deployment/{workload.name}: {variable} sets no field of services.{module}'s "
+                                f"config (fields: {', '.join(sorted(config_fields(module)))})"
+                            )
+                    elif variable.startswith("INFERMESH_") and variable not in TRACING_SETTINGS:
                         found.append(
-                            f"Deployment/{workload.name}: {env['name']} sets no field of services.{module}'s "
-                            f"config (fields: {', '.join(sorted(config_fields(module)))})"
+                            f"Deployment/{workload.name}: {variable} is read by no service "
+                            f"(services.{module} reads {prefix}* and {', '.join(TRACING_SETTINGS)})"
                         )
+                found += [f"Deployment/{workload.name}: {p}" for p in tracing_problems(module, container, values)]
+                tracing[f"Deployment/{workload.name}"] = tuple(values.get(s) for s in TRACING_SETTINGS)
+    # One collector and one sampling policy for the whole mesh: a trace's spans
+    # come from every service it passes through.
+    if len(set(tracing.values())) > 1:
+        found.append(
+            "the services receive different tracing settings ("
+            + "; ".join(f"{w}: {dict(zip(TRACING_SETTINGS, v, strict=True))}" for w, v in sorted(tracing.items()))
+            + "): give them all the one infermesh-tracing ConfigMap"
+        )
 
     # Memory: each pod's limit covers its service's byte budget and baseline.
     for workload in workloads:
@@ -868,13 +954,15 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
             if module in SERVICES:
                 found += [f"Deployment/{workload.name}: {p}" for p in memory_problems(module, container)]
 
-    # Who calls whom: a host:port in a container's environment is a call that the
-    # callee's AuthorizationPolicy must allow from the caller's service account.
+    # Who calls whom: a host:port in a container's environment (its ConfigMaps'
+    # too) is a call that the callee's AuthorizationPolicy must allow from the
+    # caller's service account.
     policies = by_kind.get("AuthorizationPolicy", [])
     for workload in workloads:
         for container in workload.containers:
-            for env in container.get("env", []):
-                for host, port in re.findall(r"(?:redis://)?([a-z0-9-]+):(\d+)", str(env.get("value", ""))):
+            for variable, value in environment(container, config_maps)[0].items():
+                for address, port in re.findall(r"(?:[a-z]+://)?([a-z0-9.-]+):(\d+)", value or ""):
+                    host = _short_host(address, namespace)
                     callee = services.get(host)
                     if callee is None:
                         continue
@@ -884,7 +972,7 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
                     )
                     if target_port is None:
                         found.append(
-                            f"Deployment/{workload.name}: {env['name']} names port {port} that "
+                            f"Deployment/{workload.name}: {variable} names port {port} that "
                             f"Service/{host} does not expose"
                         )
                         continue
@@ -892,7 +980,7 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
                         container_port = pod.port_names().get(target_port, target_port)
                         if not _allowed(policies, pod, workload.service_account, namespace, container_port):
                             found.append(
-                                f"Deployment/{workload.name} calls Service/{host} ({env['name']}), but no "
+                                f"Deployment/{workload.name} calls Service/{host} ({variable}), but no "
                                 f"AuthorizationPolicy allows service account {workload.service_account!r} "
                                 f"to reach Deployment/{pod.name} on port {container_port}"
                             )
