@@ -260,6 +260,42 @@ MISTAKES = {
         lambda d: _container(d, "cache")["resources"].pop("limits"),
         "Deployment/cache: container cache has no memory limit",
     ),
+    "a container with no CPU request": (
+        lambda d: _container(d, "batcher")["resources"]["requests"].pop("cpu"),
+        "Deployment/batcher: container batcher sets no requests.cpu",
+    ),
+    "a container without a liveness probe": (
+        lambda d: _container(d, "cache").pop("livenessProbe"),
+        "Deployment/cache: container cache has no livenessProbe",
+    ),
+    "a pod that may run as root": (
+        lambda d: _find(d, "Deployment", "router")["spec"]["template"]["spec"]["securityContext"].pop("runAsNonRoot"),
+        "Deployment/router: container router may run as root",
+    ),
+    "a container that overrides the pod's runAsNonRoot": (
+        lambda d: _container(d, "batcher")["securityContext"].update(runAsNonRoot=False),
+        "Deployment/batcher: container batcher may run as root",
+    ),
+    "a pod without a seccomp profile": (
+        lambda d: _find(d, "Deployment", "cache")["spec"]["template"]["spec"]["securityContext"].pop("seccompProfile"),
+        "Deployment/cache: container cache runs without a seccomp profile",
+    ),
+    "a container that may gain privileges": (
+        lambda d: _container(d, "model-server-vip")["securityContext"].pop("allowPrivilegeEscalation"),
+        "Deployment/model-server-vip: container model-server may gain privileges",
+    ),
+    "a writable root filesystem": (
+        lambda d: _container(d, "router")["securityContext"].update(readOnlyRootFilesystem=False),
+        "Deployment/router: container router may write its root filesystem",
+    ),
+    "capabilities kept": (
+        lambda d: _container(d, "cache")["securityContext"]["capabilities"].update(drop=["NET_RAW"]),
+        "Deployment/cache: container cache keeps Linux capabilities",
+    ),
+    "a privileged container": (
+        lambda d: _container(d, "batcher")["securityContext"].update(privileged=True),
+        "Deployment/batcher: container batcher is privileged",
+    ),
     "a model-server pool without a disruption budget": (
         lambda d: d.remove(_find(d, "PodDisruptionBudget", "model-server-green")),
         "Deployment/model-server-green: no PodDisruptionBudget selects its pods",

@@ -24,7 +24,9 @@ rendered by the real kustomize (bin/kustomize, built by `make setup`), then:
   autoscalers read metrics that prometheus-adapter serves and our services
   export, and own the replica count of what they scale; the dashboard's queries and the
   alert rules name series, labels and label values that exist (tools/monitoring.py);
-  each pod's memory limit covers its service's byte budget plus that service's baseline;
+  every container of every Deployment requests CPU and memory, has a memory limit,
+  readiness and liveness probes and a restricted security context; each pod's
+  memory limit covers its service's byte budget plus that service's baseline;
   every Deployment has one PodDisruptionBudget that lets a pod go but not all;
   a stopped pod leaves its endpoints before it drains (preStop withdraws it and
   outwaits the readiness probe) and neither it nor its sidecar is cut off
@@ -775,6 +777,43 @@ def drain_problems(workload: Workload) -> list[str]:
     return found
 
 
+def workload_problems(workload: Workload) -> list[str]:
+    """What every container of every Deployment has, ours or not: CPU and memory
+    requests and a memory limit (our services' limit is checked against their
+    budget by memory_problems), readiness and liveness probes, and a restricted
+    security context: not root, no privilege escalation, no capabilities, a
+    read-only root filesystem, the runtime's seccomp profile."""
+    at = f"Deployment/{workload.name}"
+    pod_security = workload.pod.get("securityContext") or {}
+    found = []
+    for container in workload.containers:
+        name = container["name"]
+        security = container.get("securityContext") or {}
+        resources = container.get("resources") or {}
+        missing = [f"requests.{r}" for r in ("cpu", "memory") if r not in (resources.get("requests") or {})]
+        if workload.service_module(container) not in SERVICES and "memory" not in (resources.get("limits") or {}):
+            missing.append("limits.memory")
+        if missing:
+            found.append(f"{at}: container {name} sets no {', '.join(missing)}: the scheduler cannot place it fairly")
+        for probe in ("readinessProbe", "livenessProbe"):
+            if probe not in container:
+                found.append(f"{at}: container {name} has no {probe}")
+        effective = {**pod_security, **security}  # the container's own settings win over the pod's
+        if effective.get("runAsNonRoot") is not True:
+            found.append(f"{at}: container {name} may run as root (set runAsNonRoot: true)")
+        if (effective.get("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{at}: container {name} runs without a seccomp profile (seccompProfile RuntimeDefault)")
+        if security.get("privileged"):
+            found.append(f"{at}: container {name} is privileged")
+        if security.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{at}: container {name} may gain privileges (set allowPrivilegeEscalation: false)")
+        if security.get("readOnlyRootFilesystem") is not True:
+            found.append(f"{at}: container {name} may write its root filesystem (set readOnlyRootFilesystem: true)")
+        if "ALL" not in ((security.get("capabilities") or {}).get("drop") or []):
+            found.append(f"{at}: container {name} keeps Linux capabilities (drop: [ALL])")
+    return found
+
+
 def disruption_budgets(workload: Workload, budgets: list[dict], replicas: int) -> list[str]:
     """Exactly one PodDisruptionBudget selects the Deployment's pods, and at its
     fewest replicas it lets one be evicted (a node drain would hang otherwise)
@@ -946,6 +985,10 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
             + "; ".join(f"{w}: {dict(zip(TRACING_SETTINGS, v, strict=True))}" for w, v in sorted(tracing.items()))
             + "): give them all the one infermesh-tracing ConfigMap"
         )
+
+    # Every workload: requests, limits, probes, a restricted security context.
+    for workload in workloads:
+        found += workload_problems(workload)
 
     # Memory: each pod's limit covers its service's byte budget and baseline.
     for workload in workloads:
