@@ -347,8 +347,11 @@ MISTAKES = {
 @pytest.mark.service
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_each_check_catches_its_mistake(mistake, production, istio):
-    docs = copy.deepcopy(production)
-    break_it, expected = MISTAKES[mistake]
+    _assert_caught(production, *MISTAKES[mistake], istio)
+
+
+def _assert_caught(rendered, break_it, expected, istio):
+    docs = copy.deepcopy(rendered)
     break_it(docs)
     for doc in docs:  # appProtocol=None above means "without one"
         if doc["kind"] == "Service":
@@ -359,6 +362,100 @@ def test_each_check_catches_its_mistake(mistake, production, istio):
             del doc["spec"]["maxUnavailable"]
     found = manifests.problems(docs, istio)
     assert any(expected in p for p in found), "\n".join(found)
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return manifests.render(manifests.OVERLAYS / "dev")
+
+
+@pytest.mark.service
+def test_the_dev_overlay_runs_a_jaeger_that_every_service_traces_to(dev):
+    """Jaeger v2 at the release of the Go module v1.75.0, OTLP/gRPC in, traces in
+    memory, the UI on 16686; it passes the rules every workload does (the overlay's
+    own check above), its Service names each port's protocol."""
+    deployment = _find(dev, "Deployment", "jaeger")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "jaegertracing/jaeger:2.12.0"
+    assert manifests.workload_problems(manifests.Workload(deployment)) == []
+    assert {(p["name"], p["port"], p.get("appProtocol")) for p in _find(dev, "Service", "jaeger")["spec"]["ports"]} == {
+        ("grpc-otlp", 4317, "grpc"),
+        ("http-query", 16686, "http"),
+    }
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
+    config_map = _find(dev, "ConfigMap", volume["configMap"]["name"])
+    config = yaml.safe_load(config_map["data"]["config.yaml"])
+    assert container["args"] == ["--config=/etc/jaeger/config.yaml"]
+    assert config["receivers"] == {"otlp": {"protocols": {"grpc": {"endpoint": "0.0.0.0:4317"}}}}
+    assert config["extensions"]["jaeger_query"]["http"]["endpoint"] == "0.0.0.0:16686"
+    assert config["extensions"]["jaeger_storage"]["backends"]["memory"]["memory"]["max_traces"] > 0
+    health = config["extensions"]["healthcheckv2"]["http"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {
+            "path": health["status"]["path"],
+            "port": int(health["endpoint"].rpartition(":")[2]),
+        }
+    assert _env_of(dev, "router")["INFERMESH_OTLP_ENDPOINT"] == "jaeger:4317"
+
+
+def _env_of(docs, deployment):
+    config_maps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+    return manifests.environment(_container(docs, deployment), config_maps)[0]
+
+
+def _jaeger_policy_without(account):
+    def change(docs):
+        source = _find(docs, "AuthorizationPolicy", "jaeger")["spec"]["rules"][0]["from"][0]["source"]
+        source["principals"].remove(f"cluster.local/ns/infermesh/sa/{account}")
+
+    return change
+
+
+JAEGER_MISTAKES = {
+    "Jaeger without a memory limit": (
+        lambda d: _container(d, "jaeger")["resources"].pop("limits"),
+        "Deployment/jaeger: container jaeger sets no limits.memory",
+    ),
+    "Jaeger without a readiness probe": (
+        lambda d: _container(d, "jaeger").pop("readinessProbe"),
+        "Deployment/jaeger: container jaeger has no readinessProbe",
+    ),
+    "Jaeger as root": (
+        lambda d: _find(d, "Deployment", "jaeger")["spec"]["template"]["spec"]["securityContext"].pop("runAsNonRoot"),
+        "Deployment/jaeger: container jaeger may run as root",
+    ),
+    "Jaeger writing its root filesystem": (
+        lambda d: _container(d, "jaeger")["securityContext"].pop("readOnlyRootFilesystem"),
+        "Deployment/jaeger: container jaeger may write its root filesystem",
+    ),
+    "Jaeger without a disruption budget": (
+        lambda d: d.remove(_find(d, "PodDisruptionBudget", "jaeger")),
+        "Deployment/jaeger: no PodDisruptionBudget selects its pods",
+    ),
+    "Jaeger's Service port without a protocol": (
+        lambda d: _find(d, "Service", "jaeger")["spec"]["ports"][0].update(name="otlp", appProtocol=None),
+        "Service/jaeger: port 'otlp' names no protocol",
+    ),
+    "a service whose spans Jaeger's policy refuses": (
+        _jaeger_policy_without("infermesh-model-server"),
+        "Deployment/model-server-blue calls Service/jaeger (INFERMESH_OTLP_ENDPOINT), but no AuthorizationPolicy "
+        "allows service account 'infermesh-model-server' to reach Deployment/jaeger on port 4317",
+    ),
+    "an endpoint on a port Jaeger's Service does not expose": (
+        lambda d: _tracing(d)["data"].update(INFERMESH_OTLP_ENDPOINT="jaeger:4318"),
+        "Deployment/router: INFERMESH_OTLP_ENDPOINT names port 4318 that Service/jaeger does not expose",
+    ),
+    "Jaeger in a namespace of its own": (
+        lambda d: _find(d, "Deployment", "jaeger")["metadata"].update(namespace="observability"),
+        "resources are spread over namespaces",
+    ),
+}
+
+
+@pytest.mark.service
+@pytest.mark.parametrize("mistake", JAEGER_MISTAKES)
+def test_the_dev_overlays_jaeger_is_held_to_the_same_rules(mistake, dev, istio):
+    _assert_caught(dev, *JAEGER_MISTAKES[mistake], istio)
 
 
 @pytest.mark.service
@@ -455,7 +552,7 @@ def test_every_service_deployment_receives_the_tracing_settings(overlay):
     docs = manifests.render(overlay)
     config_maps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
     expected = {
-        "dev": "",
+        "dev": "jaeger:4317",
         "production": "otel-collector.observability.svc.cluster.local:4317",
     }
     received = {}
