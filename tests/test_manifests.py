@@ -330,6 +330,18 @@ MISTAKES = {
         lambda d: _container(d, "cache")["env"].append({"name": "INFERMESH_OTLP_ENDPIONT", "value": "x:4317"}),
         "Deployment/cache: INFERMESH_OTLP_ENDPIONT is read by no service",
     ),
+    "an exemplar link by another label than the router's": (
+        lambda d: _find(d, "ConfigMap", "infermesh-grafana-datasources")["data"].update(
+            {
+                "infermesh-prometheus.yaml": _find(d, "ConfigMap", "infermesh-grafana-datasources")["data"][
+                    "infermesh-prometheus.yaml"
+                ].replace("- name: trace_id", "- name: traceID")
+            }
+        ),
+        "ConfigMap/infermesh-grafana-datasources infermesh-jaeger.yaml, ConfigMap/infermesh-grafana-datasources "
+        "infermesh-prometheus.yaml: data source 'infermesh Prometheus': no exemplarTraceIdDestinations entry for "
+        "the label 'trace_id'",
+    ),
     "dashboard query of a metric we do not export": (
         _break_dashboard,
         "infermesh_router_answers_total is not a series our services export",
@@ -396,6 +408,28 @@ def test_the_dev_overlay_runs_a_jaeger_that_every_service_traces_to(dev):
             "port": int(health["endpoint"].rpartition(":")[2]),
         }
     assert _env_of(dev, "router")["INFERMESH_OTLP_ENDPOINT"] == "jaeger:4317"
+
+
+@pytest.mark.service
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.name for p in OVERLAYS])
+def test_grafana_loads_a_prometheus_whose_trace_id_exemplars_open_jaeger(overlay):
+    """The data sources are a ConfigMap Grafana's datasource sidecar loads; the
+    exemplar link names the router's label, trace_id; in the dev overlay the Jaeger
+    data source is its Jaeger's query port, elsewhere the documented placeholder."""
+    docs = manifests.render(overlay)
+    config_map = _find(docs, "ConfigMap", "infermesh-grafana-datasources")
+    assert config_map["metadata"]["labels"]["grafana_datasource"] == "1"
+    by_uid = {d["uid"]: d for text in config_map["data"].values() for d in yaml.safe_load(text)["datasources"]}
+    (link,) = by_uid["infermesh-prometheus"]["jsonData"]["exemplarTraceIdDestinations"]
+    assert link == {"name": "trace_id", "datasourceUid": "infermesh-jaeger", "urlDisplayLabel": "Trace in Jaeger"}
+    jaeger = by_uid["infermesh-jaeger"]
+    assert jaeger["type"] == "jaeger"
+    if overlay.name == "dev":
+        host, _, port = jaeger["url"].removeprefix("http://").partition(":")
+        assert host == "jaeger.infermesh.svc.cluster.local"
+        assert int(port) in {p["port"] for p in _find(docs, "Service", "jaeger")["spec"]["ports"]}
+    else:
+        assert jaeger["url"] == "http://jaeger-query.observability.svc.cluster.local:16686"
 
 
 def _env_of(docs, deployment):

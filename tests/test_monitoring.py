@@ -202,3 +202,85 @@ def test_a_dashboard_panel_or_variable_on_what_no_service_exports_is_caught():
     found = monitoring.dashboard_problems(broken)
     assert "variable 'namespace': infermesh_router_requests_total has no label 'colour'" in found
     assert any(p.startswith("panel 'collapsed': ") and "tier is never 'gold'" in p for p in found), found
+
+
+@pytest.mark.unit
+def test_the_latency_panels_show_the_routers_exemplars():
+    """Every query of the router's latency buckets asks Grafana for their exemplars
+    (trace_id), and a query that does not is caught."""
+    dashboard = json.loads(monitoring.DASHBOARD.read_text())
+    targets = [
+        target
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+        if "infermesh_router_request_duration_seconds_bucket" in monitoring.series_of(target.get("expr", "up"))
+    ]
+    assert targets and all(target["exemplar"] is True for target in targets)
+    targets[0].pop("exemplar")
+    assert any('without "exemplar": true' in p for p in monitoring.dashboard_problems(dashboard))
+
+
+def _datasources() -> list[dict]:
+    return [yaml.safe_load(path.read_text()) for path in monitoring.DATASOURCES]
+
+
+@pytest.mark.unit
+def test_the_prometheus_data_source_links_trace_id_exemplars_to_jaeger():
+    docs = _datasources()
+    assert monitoring.datasource_problems(docs) == []
+    by_uid = {d["uid"]: d for doc in docs for d in doc["datasources"]}
+    (prometheus,) = [d for d in by_uid.values() if d["type"] == "prometheus"]
+    (link,) = prometheus["jsonData"]["exemplarTraceIdDestinations"]
+    assert link["name"] == "trace_id" == monitoring.EXEMPLARS["infermesh_router_request_duration_seconds_bucket"]
+    assert by_uid[link["datasourceUid"]]["type"] == "jaeger"
+
+
+def _link(**fields):
+    def change(docs):
+        for doc in docs:
+            for datasource in doc["datasources"]:
+                if datasource["type"] == "prometheus":
+                    datasource["jsonData"]["exemplarTraceIdDestinations"][0].update(fields)
+
+    return change
+
+
+DATASOURCE_MISTAKES = {
+    "an exemplar link by another label than the router's": (
+        _link(name="traceID"),
+        "no exemplarTraceIdDestinations entry for the label 'trace_id'",
+    ),
+    "an exemplar link to a data source that is not provisioned": (
+        _link(datasourceUid="jaeger"),
+        "names data source uid 'jaeger', which is not provisioned beside it",
+    ),
+    "an exemplar link to a data source that cannot open a trace": (
+        _link(datasourceUid="infermesh-prometheus"),
+        "a prometheus data source, which cannot open a trace",
+    ),
+    "a $ Grafana would expand from its environment": (
+        _link(urlDisplayLabel="Trace ${__value.raw}"),
+        "exemplarTraceIdDestinations[0].urlDisplayLabel: Grafana expands $NAME",
+    ),
+    "two data sources with one uid": (
+        lambda docs: docs[0]["datasources"].append({**docs[0]["datasources"][0], "name": "again"}),
+        "data source 'again': uid",
+    ),
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mistake", DATASOURCE_MISTAKES)
+def test_each_data_source_check_catches_its_mistake(mistake):
+    docs = copy.deepcopy(_datasources())
+    break_it, expected = DATASOURCE_MISTAKES[mistake]
+    break_it(docs)
+    found = monitoring.datasource_problems(docs)
+    assert any(expected in p for p in found), "\n".join(found)
+
+
+@pytest.mark.unit
+def test_an_escaped_dollar_is_left_alone():
+    docs = copy.deepcopy(_datasources())
+    _link(urlDisplayLabel="Trace $${__value.raw}")(docs)
+    assert monitoring.datasource_problems(docs) == []

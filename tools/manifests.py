@@ -23,7 +23,8 @@ rendered by the real kustomize (bin/kustomize, built by `make setup`), then:
   timeout; outlier detection can eject with the pool's fewest replicas;
   autoscalers read metrics that prometheus-adapter serves and our services
   export, and own the replica count of what they scale; the dashboard's queries and the
-  alert rules name series, labels and label values that exist (tools/monitoring.py);
+  alert rules name series, labels and label values that exist, and the Grafana data
+  sources link exemplars to a provisioned tracing data source (tools/monitoring.py);
   every container of every Deployment requests CPU and memory, has a memory limit,
   readiness and liveness probes and a restricted security context; each pod's
   memory limit covers its service's byte budget plus that service's baseline;
@@ -1188,6 +1189,15 @@ def cross_problems(docs: list[dict], adapter_values: pathlib.Path = ADAPTER_VALU
         if config_map["metadata"].get("labels", {}).get("grafana_dashboard"):
             for key, text in config_map.get("data", {}).items():
                 found += [f"{name_of(config_map)} {key}: {p}" for p in monitoring.dashboard_problems(json.loads(text))]
+    provisioning = [
+        (config_map, key, yaml.safe_load(text))
+        for config_map in by_kind.get("ConfigMap", [])
+        if config_map["metadata"].get("labels", {}).get("grafana_datasource")
+        for key, text in config_map.get("data", {}).items()
+    ]
+    if provisioning:
+        where = ", ".join(sorted({f"{name_of(c)} {k}" for c, k, _ in provisioning}))
+        found += [f"{where}: {p}" for p in monitoring.datasource_problems([doc for _, _, doc in provisioning])]
     for rule in by_kind.get("PrometheusRule", []):
         found += [f"{name_of(rule)}: {p}" for p in monitoring.rule_problems(rule)]
     return found

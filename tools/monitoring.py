@@ -7,9 +7,11 @@ their metrics modules) or one of the other exporters' series named in EXTERNAL;
 every label it groups by, matches on or filters is one that series has; every
 label value it matches is one the code emits, found where the code sets it (the
 string literals at each metric's call sites, the dicts they index, the error
-table's codes); rate() and increase() read counters only. Each alert has a
-`for`, a severity, a summary and a description that names an existing section
-of docs/.
+table's codes); rate() and increase() read counters only. A dashboard query
+of a series whose samples carry exemplars shows them. Each alert has a `for`,
+a severity, a summary and a description that names an existing section of
+docs/. The Grafana data sources link each exemplar label to a tracing data
+source that is provisioned beside them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVICES = ROOT / "services"
 DASHBOARD = ROOT / "mesh" / "kubernetes" / "base" / "grafana" / "infermesh-dashboard.json"
+DATASOURCES = tuple(sorted((ROOT / "mesh" / "kubernetes" / "base" / "grafana").glob("*-datasource.yaml")))
 RULES = ROOT / "mesh" / "kubernetes" / "monitoring" / "infermesh-alerts.yaml"
 MANIFESTS = ROOT / "mesh" / "kubernetes" / "base"
 # Where metrics are declared: each service's metrics module, and the GC's.
@@ -43,6 +46,11 @@ METRICS_MODULES = (
 SCRAPE_LABELS = frozenset({"namespace", "pod", "instance", "job", "container", "node"})
 SEVERITIES = ("critical", "warning", "info")
 COUNTER_FUNCTIONS = {"rate", "irate", "increase"}
+# Series whose samples carry exemplars (OpenMetrics exposition only), and the
+# label that names each one's trace: the router records an answer's duration
+# with the id of that request's trace.
+EXEMPLARS = {"infermesh_router_request_duration_seconds_bucket": "trace_id"}
+TRACE_DATASOURCES = ("jaeger", "tempo", "zipkin")  # Grafana data source types that open a trace by id
 PLAIN_ALTERNATION = re.compile(r"^[A-Za-z0-9_-]+(\|[A-Za-z0-9_-]+)*$")
 DOC_SECTION = re.compile(r"\b(docs/[\w./-]+\.md)#([\w-]+)")
 
@@ -462,6 +470,15 @@ def dashboard_problems(dashboard: dict) -> list[str]:
         for target in panel.get("targets", []):
             if target.get("expr"):
                 found += expression_problems(target["expr"], f"panel {panel.get('title')!r}")
+                try:
+                    with_exemplars = sorted(series_of(target["expr"]) & EXEMPLARS.keys())
+                except ValueError:
+                    continue  # reported above
+                if with_exemplars and target.get("exemplar") is not True:
+                    found.append(
+                        f"panel {panel.get('title')!r}: reads {', '.join(with_exemplars)}, whose samples carry "
+                        'trace exemplars, without "exemplar": true: the panel would not link to the traces'
+                    )
     for variable in dashboard.get("templating", {}).get("list", []):
         query = variable.get("query")
         query = query.get("query", "") if isinstance(query, dict) else ""
@@ -478,6 +495,64 @@ def dashboard_problems(dashboard: dict) -> list[str]:
                 if labels is not None and values_of.group(2) not in labels | SCRAPE_LABELS:
                     found.append(f"{where}: {selector.name} has no label {values_of.group(2)!r}")
     return found
+
+
+def datasource_problems(provisioning: list[dict]) -> list[str]:
+    """Grafana data source provisioning documents (apiVersion 1), read together as
+    Grafana reads a folder of them: every Prometheus data source links each label of
+    EXEMPLARS to a tracing data source, by the uid of one provisioned among them;
+    uids are unique; no value has a `$` Grafana would expand from its own environment."""
+    found = []
+    datasources = []
+    for doc in provisioning:
+        if doc.get("apiVersion") != 1:
+            found.append(f"provisioning apiVersion {doc.get('apiVersion')!r} is not 1")
+        datasources += doc.get("datasources") or []
+        found += [f"{p}: Grafana expands $NAME from its environment; write $$ for a $" for p in _dollars(doc, "")]
+    by_uid: dict[str, dict] = {}
+    for datasource in datasources:
+        where = f"data source {datasource.get('name')!r}"
+        for field in ("name", "uid", "type", "url"):
+            if not datasource.get(field):
+                found.append(f"{where}: no {field}")
+        if datasource.get("uid") in by_uid:
+            found.append(f"{where}: uid {datasource['uid']!r} is also {by_uid[datasource['uid']].get('name')!r}'s")
+        by_uid.setdefault(datasource.get("uid"), datasource)
+    for datasource in (d for d in datasources if d.get("type") == "prometheus"):
+        where = f"data source {datasource.get('name')!r}"
+        destinations = (datasource.get("jsonData") or {}).get("exemplarTraceIdDestinations") or []
+        linked = {d.get("name") for d in destinations}
+        for label in sorted(set(EXEMPLARS.values()) - linked):
+            found.append(
+                f"{where}: no exemplarTraceIdDestinations entry for the label {label!r} that "
+                f"{', '.join(s for s, name in EXEMPLARS.items() if name == label)} exemplars carry (it links {sorted(linked)})"
+            )
+        for destination in destinations:
+            uid = destination.get("datasourceUid")
+            if uid is None:
+                if not destination.get("url"):
+                    found.append(
+                        f"{where}: exemplar link {destination.get('name')!r} has neither datasourceUid nor url"
+                    )
+            elif uid not in by_uid:
+                found.append(
+                    f"{where}: exemplar link {destination.get('name')!r} names data source uid {uid!r}, which is "
+                    f"not provisioned beside it ({sorted(u for u in by_uid if u)})"
+                )
+            elif by_uid[uid].get("type") not in TRACE_DATASOURCES:
+                found.append(
+                    f"{where}: exemplar link {destination.get('name')!r} goes to {by_uid[uid].get('name')!r}, "
+                    f"a {by_uid[uid].get('type')} data source, which cannot open a trace"
+                )
+    return found
+
+
+def _dollars(value, where: str) -> list[str]:
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _dollars(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _dollars(v, f"{where}[{i}]")]
+    return [where] if isinstance(value, str) and "$" in value.replace("$$", "") else []
 
 
 @functools.cache
@@ -525,12 +600,20 @@ def rule_problems(rule_doc: dict) -> list[str]:
 
 def main() -> int:
     found = [f"{DASHBOARD.name}: {p}" for p in dashboard_problems(json.loads(DASHBOARD.read_text()))]
+    found += [
+        f"{DASHBOARD.parent.name}/*-datasource.yaml: {p}"
+        for p in datasource_problems([yaml.safe_load(path.read_text()) for path in DATASOURCES])
+    ]
     for doc in yaml.safe_load_all(RULES.read_text()):
         if doc and doc.get("kind") == "PrometheusRule":
             found += [f"{RULES.name}: {p}" for p in rule_problems(doc)]
     for problem in found:
         print(f"  - {problem}")
-    print(f"{len(found)} problem(s)" if found else "the dashboard and the alerts name what the services export")
+    print(
+        f"{len(found)} problem(s)"
+        if found
+        else "the dashboard and the alerts name what the services export; the data sources link their exemplars"
+    )
     return 1 if found else 0
 
 
